@@ -1,0 +1,3 @@
+"""myserve: an OpenAI-compatible LLM inference server on JAX."""
+
+__version__ = "0.1.0"
