@@ -1,0 +1,385 @@
+"""Deployment configuration: nested frozen dataclasses, loaded from YAML and dotted-key overrides.
+
+A deployment is a YAML file with one mapping per section (``model``, ``engine``, ``server``,
+``mesh``); the command line overrides single keys as ``section.field=value``. Every field carries a
+docstring right under it, which :func:`field_docs` reads back for ``--help``. Every mistake a user
+can make here raises :class:`~myserve.errors.ConfigError` with one line naming the file (or
+``overrides``) and the dotted key.
+"""
+
+import ast
+import contextlib
+import dataclasses
+import difflib
+import inspect
+import os
+import textwrap
+import types
+import typing
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from myserve.errors import ConfigError
+
+T = TypeVar("T")
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_choice(key: str, value: str, choices: Sequence[str]) -> None:
+    _check(value in choices, f"{key} must be one of {', '.join(choices)}, got {_show(value)}")
+
+
+def _check_not_empty(key: str, value: str | None) -> None:
+    # An empty string is never a usable path, id or key; catching it here beats a confusing
+    # "file not found: ''" (or an API key that accepts an empty bearer token) later.
+    _check(value is None or value.strip() != "", f"{key} must not be empty (use null for the default)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which model to serve and how to run it."""
+
+    checkpoint: str | None = None
+    """HF checkpoint directory, hub id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct) or .gguf file path;
+    null = the bundled SmolLM2-135M-Instruct GGUF."""
+    tokenizer: str | None = None
+    """Tokenizer source (directory, hub id or .gguf file); null = same as checkpoint."""
+    chat_template: str | None = None
+    """Path to a Jinja chat template file, or the template text itself; null = the tokenizer's own."""
+    dtype: str = "auto"
+    """Compute and weight dtype: auto, float32, bfloat16 or float16;
+    auto = float32 on CPU, bfloat16 on TPU/GPU."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + completion) in tokens, >= 1; null = the model's max_position_embeddings."""
+
+    def __post_init__(self) -> None:
+        for name in ("checkpoint", "tokenizer", "chat_template"):
+            _check_not_empty(f"model.{name}", getattr(self, name))
+        _check_choice("model.dtype", self.dtype, DTYPES)
+        if self.max_model_len is not None:
+            _check(self.max_model_len >= 1, f"model.max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """KV cache and scheduling."""
+
+    page_size: int = 16
+    """Tokens per KV cache page; a power of two."""
+    num_pages: int = 1024
+    """KV cache pages allocated at start (>= 2); memory = num_pages * page_size * per-token KV size."""
+    attention_backend: str = "auto"
+    """Paged attention implementation: auto, reference (pure JAX) or pallas;
+    auto = pallas where a kernel exists for the platform, else reference."""
+    compilation_cache_dir: str | None = None
+    """Directory for JAX's persistent compilation cache; null = no persistent cache."""
+
+    def __post_init__(self) -> None:
+        # Power of two so that page/offset arithmetic is shifts and kernels tile evenly.
+        page_ok = self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0
+        _check(page_ok, f"engine.page_size must be a power of two >= 1, got {self.page_size}")
+        _check(self.num_pages >= 2, f"engine.num_pages must be >= 2, got {self.num_pages}")
+        _check_choice("engine.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_not_empty("engine.compilation_cache_dir", self.compilation_cache_dir)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """The HTTP front end."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on; 0.0.0.0 listens on all interfaces."""
+    port: int = 8000
+    """TCP port to listen on, 1..65535."""
+    served_model_name: str | None = None
+    """Model name reported by /v1/models and accepted in requests; null = derived from the checkpoint."""
+    api_key: str | None = None
+    """If set, requests must send 'Authorization: Bearer <api_key>'; null = no authentication."""
+    log_level: str = "info"
+    """Logging verbosity: debug, info, warning or error."""
+
+    def __post_init__(self) -> None:
+        _check_not_empty("server.host", self.host)
+        _check(1 <= self.port <= 65535, f"server.port must be in 1..65535, got {self.port}")
+        _check_not_empty("server.served_model_name", self.served_model_name)
+        _check_not_empty("server.api_key", self.api_key)
+        _check_choice("server.log_level", self.log_level, LOG_LEVELS)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Device mesh shape; data * model must equal the number of devices used."""
+
+    data: int = 1
+    """Size of the 'data' mesh axis (batch is sharded over it), >= 1."""
+    model: int = 1
+    """Size of the 'model' mesh axis (weights and KV heads are sharded over it), >= 1."""
+
+    def __post_init__(self) -> None:
+        _check(self.data >= 1, f"mesh.data must be >= 1, got {self.data}")
+        _check(self.model >= 1, f"mesh.model must be >= 1, got {self.model}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """A whole deployment: one section per concern."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """Which model to serve and how to run it."""
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    """KV cache and scheduling."""
+    server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
+    """The HTTP front end."""
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    """Device mesh shape."""
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> docstring (the string literal under the field) of a dataclass, in order.
+
+    Returns ``{}`` when the source is unavailable (e.g. a build that strips ``.py`` files).
+    """
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    class_def = tree.body[0]
+    assert isinstance(class_def, ast.ClassDef)
+    docs = {}
+    for stmt, after in zip(class_def.body, class_def.body[1:], strict=False):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[stmt.target.id] = " ".join(after.value.value.split())  # one paragraph for --help
+    return docs
+
+
+def key_docs(cls: type = Config, prefix: str = "") -> dict[str, str]:
+    """Dotted key (``engine.page_size``) -> docstring for every leaf field, recursing into sections."""
+    hints, docs, out = typing.get_type_hints(cls), field_docs(cls), {}
+    for field in dataclasses.fields(cls):
+        if _is_section(hints[field.name]):
+            out.update(key_docs(hints[field.name], f"{prefix}{field.name}."))
+        else:
+            out[f"{prefix}{field.name}"] = docs.get(field.name, "")
+    return out
+
+
+def _show(value: object) -> str:
+    text = repr(value)  # repr escapes newlines, which keeps every message on one line
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _wrong(key: str, expected: str, value: object) -> ConfigError:
+    return ConfigError(f"{key}: expected {expected}, got {_show(value)} ({type(value).__name__})")
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arg) for arg in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _coerce(value: object, tp: Any, key: str) -> Any:
+    """Check ``value`` (as YAML produced it) against the annotation ``tp``; return it converted."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    # YAML reads `api_key: 12345` as an int; say how to get the string that was probably meant.
+    quote = "; quote it to make it a string" if str in (tp, *args) and isinstance(value, int | float) else ""
+    wrong = ConfigError(f"{_wrong(key, _type_name(tp), value)}{quote}")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            with contextlib.suppress(ConfigError):
+                return _coerce(value, arg, key)
+        raise wrong
+    if _is_section(tp):
+        # A section whose keys are all commented out parses as null; treat it as empty.
+        if value is None:
+            value = {}
+        if not isinstance(value, Mapping):
+            raise _wrong(key, "a mapping of keys", value)
+        return _build(tp, value, f"{key}.")
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise wrong
+        types_ = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
+        if len(types_) != len(value):
+            raise wrong
+        return tuple(_coerce(v, t, f"{key}[{i}]") for i, (v, t) in enumerate(zip(value, types_, strict=True)))
+    # bool is a subclass of int: without the explicit exclusion `page_size: true` would read as 1.
+    if tp in (bool, str) and isinstance(value, tp):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if tp is float:
+            return float(value)
+        if tp is int and (isinstance(value, int) or value.is_integer()):
+            return int(value)
+    if tp in (bool, str, int, float):
+        raise wrong
+    raise TypeError(f"config field {key} has unsupported type {tp!r}")
+
+
+def _unknown_key(cls: type, name: str, prefix: str) -> ConfigError:
+    hints = typing.get_type_hints(cls)
+    known = [field.name for field in dataclasses.fields(cls)]
+    word = "section" if all(_is_section(hints[k]) for k in known) else "key"
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+    return ConfigError(f"unknown {word} '{prefix}{name}'{hint}; known {word}s: {', '.join(known)}")
+
+
+def _build(cls: type[T], data: Mapping[Any, object], prefix: str) -> T:
+    assert dataclasses.is_dataclass(cls)
+    hints = typing.get_type_hints(cls)
+    names = {field.name for field in dataclasses.fields(cls) if field.init}
+    kwargs = {}
+    for raw_name, value in data.items():
+        name = str(raw_name)
+        if name not in names:
+            raise _unknown_key(cls, name, prefix)
+        kwargs[name] = _coerce(value, hints[name], f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+@contextlib.contextmanager
+def _errors_from(source: str) -> Iterator[None]:
+    """Prefix every ConfigError raised inside with where the offending value came from."""
+    try:
+        yield
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+
+
+def from_mapping(cls: type[T], data: Mapping[str, object], source: str) -> T:
+    """Build any config dataclass ``cls`` from a parsed YAML mapping; ``source`` names it in errors."""
+    with _errors_from(source):
+        if not isinstance(data, Mapping):
+            raise _wrong("top level", "a mapping of sections", data)
+        return _build(cls, data, "")
+
+
+def config_from_dict(d: Mapping[str, object], source: str) -> Config:
+    """Build a :class:`Config` from a mapping of sections; missing keys take the dataclass defaults."""
+    return from_mapping(Config, d, source)
+
+
+def _set_dotted(data: dict[str, Any], cls: type, key: str, value: object) -> None:
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        prefix = "".join(f"{p}." for p in parts[:i])
+        if part not in {field.name for field in dataclasses.fields(cls)}:
+            raise _unknown_key(cls, part, prefix)
+        tp = typing.get_type_hints(cls)[part]
+        if i == len(parts) - 1:
+            if _is_section(tp):
+                raise ConfigError(f"'{key}' is a section; override its keys as {key}.<key>")
+            data[part] = value
+        elif not _is_section(tp):
+            raise ConfigError(f"'{prefix}{part}' is not a section, so '{key}' is not a key")
+        else:
+            data, cls = data[part], tp
+
+
+def with_overrides(config: Config, overrides: Mapping[str, object], *, source: str = "overrides") -> Config:
+    """Return ``config`` with dotted keys (``{"engine.page_size": 32}``) replaced, fully re-validated."""
+    data = dataclasses.asdict(config)
+    with _errors_from(source):
+        for key, value in overrides.items():
+            _set_dotted(data, Config, key, value)
+        return _build(Config, data, "")
+
+
+def parse_overrides(overrides: Iterable[str]) -> dict[str, object]:
+    """Parse ``section.field=value`` strings; each value is read as YAML (``2048``, ``null``, ``[1, 2]``)."""
+    if isinstance(overrides, str):
+        raise TypeError("overrides must be a sequence of 'section.field=value' strings, not one str")
+    parsed: dict[str, object] = {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"overrides: invalid override {item!r}; expected section.field=value")
+        try:
+            parsed[key.strip()] = yaml.safe_load(text)
+        except yaml.YAMLError:
+            # Not valid YAML (e.g. a template fragment like '{{ x'): the literal text is what was meant.
+            parsed[key.strip()] = text
+    return parsed
+
+
+DEFAULT_CONFIG_NAME = "smollm2-135m-cpu.yaml"
+
+# The same deployment as config/smollm2-135m-cpu.yaml, written as its differences from the dataclass
+# defaults (a test keeps the two equal). The YAML file lives at the repository root, so a wheel
+# (non-editable) install does not contain it; rather than make the default depend on package data
+# and install layout, it is also kept here as data and used whenever the file is not beside the
+# source tree. In a checkout the file wins, so editing it changes the default as a user expects.
+_BUILTIN_DEFAULT: dict[str, dict[str, object]] = {
+    "model": {"dtype": "float32"},
+    "engine": {"num_pages": 2048},
+    "server": {"served_model_name": "SmolLM2-135M-Instruct"},
+}
+
+
+def default_config_path() -> Path | None:
+    """The repository's ``config/smollm2-135m-cpu.yaml`` if this is a source checkout, else None."""
+    path = Path(__file__).resolve().parents[2] / "config" / DEFAULT_CONFIG_NAME
+    return path if path.is_file() else None
+
+
+def _one_line(err: yaml.YAMLError) -> str:
+    if isinstance(err, yaml.MarkedYAMLError) and err.problem_mark is not None:
+        mark = err.problem_mark
+        return f"{err.problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(err).split())
+
+
+def _load_file(path: Path) -> Config:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        reason = getattr(err, "strerror", None) or str(err)
+        raise ConfigError(f"{path}: cannot read config file: {reason}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML: {_one_line(err)}") from None
+    # An empty (or all-comment) file means "all defaults", not an error.
+    return config_from_dict({} if data is None else data, str(path))
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Load a deployment YAML (``None`` = the default CPU deployment), then apply ``overrides``.
+
+    The file is validated on its own first, so an error names the file or ``overrides``, whichever
+    holds the bad value.
+    """
+    if path is not None:
+        config = _load_file(Path(path))
+    elif (found := default_config_path()) is not None:
+        config = _load_file(found)
+    else:
+        config = config_from_dict(_BUILTIN_DEFAULT, f"<built-in {DEFAULT_CONFIG_NAME}>")
+    parsed = parse_overrides(overrides)
+    return with_overrides(config, parsed) if parsed else config

@@ -1,0 +1,75 @@
+"""The device mesh and the one table of logical-axis sharding rules.
+
+Every weight and cache array carries logical axis names; ``LOGICAL_AXIS_RULES`` says which mesh
+axis each name shards over. A rule applies only when the dimension divides the mesh axis size;
+otherwise that dimension is replicated (e.g. SmolLM2's 9 heads and 3 KV heads on ``model=2``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import haliax as hax
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from myserve.errors import ConfigError
+from myserve.models.llama import ModelAxes
+from myserve.models.spec import ModelSpec
+
+DATA, MODEL = "data", "model"
+
+# logical axis name -> mesh axis. Axes not listed (embed, head_size, layers, position) are replicated.
+LOGICAL_AXIS_RULES: Mapping[str, str] = {
+    "heads": MODEL,
+    "kv_heads": MODEL,
+    "mlp": MODEL,
+    "vocab": MODEL,
+    "batch": DATA,
+}
+
+
+def make_mesh(data: int = 1, model: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (data, model) mesh over the first ``data * model`` devices, or a clear error if too few."""
+    devices = list(jax.devices() if devices is None else devices)
+    need = data * model
+    if need > len(devices):
+        raise ConfigError(
+            f"mesh data={data} x model={model} needs {need} devices, but {len(devices)} "
+            f"{devices[0].platform} device(s) are visible"
+        )
+    return Mesh(np.array(devices[:need]).reshape(data, model), (DATA, MODEL))
+
+
+def axis_mapping(spec: ModelSpec, mesh: Mesh) -> dict[str, str]:
+    """The sharding rules for this model on this mesh, dropping rules whose dimension does not divide."""
+    axes = ModelAxes.of(spec)
+    sizes = {ax.name: ax.size for ax in (getattr(axes, f.name) for f in dataclasses.fields(axes))}
+    mapping = {}
+    for logical, mesh_axis in LOGICAL_AXIS_RULES.items():
+        dim = sizes.get(logical)
+        if dim is None or dim % mesh.shape[mesh_axis] == 0:
+            mapping[logical] = mesh_axis
+    return mapping
+
+
+def named_sharding(axes: Sequence[str], mapping: Mapping[str, str], mesh: Mesh) -> NamedSharding:
+    """The NamedSharding of an array whose dimensions have these logical names."""
+    return NamedSharding(mesh, PartitionSpec(*(mapping.get(a) for a in axes)))
+
+
+def kv_cache_sharding(mapping: Mapping[str, str], mesh: Mesh) -> NamedSharding:
+    """Sharding of the KV cache [layers, pages, page_size, 2 * kv_heads, head_dim].
+
+    K/V are interleaved per head, so splitting the combined axis into ``model`` equal blocks keeps
+    whole KV heads (both K and V) on each device whenever ``kv_heads`` divides.
+    """
+    return named_sharding(("layers", "pages", "page_size", "kv_heads", "head_size"), mapping, mesh)
+
+
+def shard_named(x: hax.NamedArray, mapping: Mapping[str, str], mesh: Mesh) -> hax.NamedArray:
+    """Place one NamedArray on the mesh by the rules."""
+    sharding = named_sharding([a.name for a in x.axes], mapping, mesh)
+    return hax.named(jax.device_put(x.array, sharding), x.axes)
