@@ -1,0 +1,256 @@
+"""The tokenizer: a transformers fast tokenizer loaded from a directory, a cached hub id or a GGUF file.
+
+Torch is installed next to us (as the parity reference) and transformers imports it whenever it can:
+``AutoTokenizer`` pulls in ``configuration_utils`` -> ``modeling_rope_utils`` -> torch, and
+transformers' GGUF reader (``integrations/gguf/reader.py``) imports torch at its top. The server must
+not pay for or depend on torch, so this module avoids both:
+
+- directories load ``tokenizer.json`` with ``PreTrainedTokenizerFast`` (the tokenizers backend) rather
+  than through ``AutoTokenizer``. AutoTokenizer needs the model config to pick a model-specific class,
+  and those classes rebuild the pipeline from their own defaults instead of ``tokenizer.json`` (a
+  byte-level vocabulary declared as ``LlamaTokenizer`` gives wrong ids). ``tokenizer.json`` is what the
+  checkpoint's authors shipped and what the Rust ``tokenizers`` runtime serves.
+- GGUF files are read by a small metadata parser below, and the vocabulary is handed to transformers'
+  torch-free ``convert_gguf_tokenizer`` (the same builder ``AutoTokenizer(gguf_file=...)`` ends in).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerFast
+
+from myserve.errors import CheckpointError, ConfigError, MyserveError
+
+
+class ChatTemplateError(MyserveError):
+    """The tokenizer has no chat template, or the template rejected the messages."""
+
+
+class Tokenizer:
+    """Text <-> token ids, chat rendering and end-of-sequence ids for one model."""
+
+    def __init__(self, hf: PreTrainedTokenizerFast, *, source: str, extra_eos_ids: Iterable[int] = ()):
+        self.hf = hf
+        """The underlying transformers fast tokenizer (for incremental detokenization)."""
+        self.source = source
+        """Where the tokenizer came from, for messages."""
+        eos = [hf.eos_token_id] if hf.eos_token_id is not None else []
+        # dict.fromkeys: unique while keeping the tokenizer's own EOS first
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*eos, *extra_eos_ids]))
+        """Ids that end generation: the tokenizer's EOS plus generation_config's (or the GGUF's)."""
+
+    @classmethod
+    def load(cls, source: str | os.PathLike[str], *, chat_template: str | None = None) -> Tokenizer:
+        """Load from an HF checkpoint directory, a hub id in the local HF cache, or a ``.gguf`` file.
+
+        ``chat_template`` (a file path or the Jinja text itself) replaces the tokenizer's own template.
+        """
+        path = Path(source).expanduser()
+        if path.suffix == ".gguf":
+            if not path.is_file():
+                raise CheckpointError(f"{path}: GGUF file not found")
+            tok = _from_gguf(path)
+        elif path.is_dir():
+            tok = _from_directory(path, str(path))
+        elif path.exists():
+            raise CheckpointError(f"{path}: not a tokenizer directory or .gguf file")
+        else:
+            tok = _from_directory(_hub_snapshot(str(source)), str(source))
+        if chat_template is not None:
+            tok.hf.chat_template = _read_chat_template(chat_template)
+        return tok
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """The beginning-of-sequence id, if the tokenizer has one."""
+        return self.hf.bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens, added tokens included."""
+        return len(self.hf)
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether :meth:`render_chat` can work."""
+        return bool(self.hf.chat_template)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds BOS/EOS where the tokenizer wants them."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``."""
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary strings of ``ids`` (byte-level spelling, e.g. ``Ġ`` for a space)."""
+        return list(self.hf.convert_ids_to_tokens(list(ids)))
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text the chat template makes of ``messages``."""
+        if not self.has_chat_template:
+            raise ChatTemplateError(f"{self.source}: the tokenizer has no chat template; pass chat_template")
+        try:
+            text = self.hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as e:  # jinja errors, and templates that raise_exception() on bad roles
+            raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
+        assert isinstance(text, str)
+        return text
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of the rendered chat prompt."""
+        # The template writes BOS and friends itself; adding them again would double them.
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def _from_directory(directory: Path, source: str) -> Tokenizer:
+    """A tokenizer from ``tokenizer.json`` (+ config, chat template) and generation_config's EOS ids."""
+    if not (directory / "tokenizer.json").is_file():
+        raise CheckpointError(f"{directory}: no tokenizer files (tokenizer.json) in this directory")
+    try:
+        hf = PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
+    except Exception as e:  # malformed JSON, unknown tokenizer model type, ...
+        raise CheckpointError(f"{directory}: cannot load tokenizer ({type(e).__name__}: {e})") from None
+    return Tokenizer(hf, source=source, extra_eos_ids=_generation_eos_ids(directory / "generation_config.json"))
+
+
+def _generation_eos_ids(gen_config: Path) -> list[int]:
+    """``eos_token_id`` (an int or a list) of a generation_config.json; none if the file is absent."""
+    if not gen_config.is_file():
+        return []
+    try:
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+    except (ValueError, AttributeError) as e:  # bad JSON, or JSON that is not an object
+        raise CheckpointError(f"{gen_config}: not a valid generation config ({e})") from None
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not all(isinstance(i, int) for i in ids):
+        raise CheckpointError(f"{gen_config}: eos_token_id must be an int or a list of ints, got {eos!r}")
+    return ids
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """The cached snapshot directory of a hub id; this machine never downloads."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except HFValidationError:
+        raise CheckpointError(f"{repo_id}: no such file or directory, and not a valid hub id") from None
+    except (LocalEntryNotFoundError, OSError):
+        raise CheckpointError(
+            f"{repo_id}: not in the local HF cache, and this machine cannot download; pass a directory"
+        ) from None
+
+
+def _read_chat_template(value: str) -> str:
+    """The template text: the contents of the file ``value`` names, or ``value`` itself."""
+    path = Path(value).expanduser()
+    if "\n" not in value and path.is_file():
+        return path.read_text()
+    if "{" in value:  # every useful Jinja template has a {{ }} or {% %}
+        return value
+    raise ConfigError(f"chat_template: {value!r} is neither an existing file nor a Jinja template")
+
+
+# llama.cpp's end-of-generation keys besides EOS: end of turn, end of message.
+_GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+_SPECIAL_TOKEN_KEYS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
+
+
+def _from_gguf(path: Path) -> Tokenizer:
+    """A tokenizer from a GGUF's ``tokenizer.*`` metadata.
+
+    This follows transformers' ``get_gguf_tokenizer`` (whose module imports torch for its tensor
+    reader) and then calls its torch-free ``convert_gguf_tokenizer``.
+    """
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+
+    metadata = _read_gguf_metadata(path)
+    if "tokenizer.ggml.tokens" not in metadata:
+        raise CheckpointError(f"{path}: GGUF has no tokenizer metadata (tokenizer.ggml.tokens)")
+    grouped = {
+        group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in metadata}
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
+    tokenizer_dict, init_kwargs = grouped["tokenizer"], grouped["tokenizer_config"]
+    tokens = tokenizer_dict["tokens"]
+    if tokenizer_dict.get("tokenizer_type") == "llama":
+        # As transformers: llama.cpp adds BOS to a sentencepiece vocabulary unless the file says not to.
+        init_kwargs.setdefault("add_bos_token", True)
+    for name, key in _SPECIAL_TOKEN_KEYS.items():
+        init_kwargs[name] = tokens[metadata[key]] if key in metadata else None
+    try:
+        backend, extra_kwargs = convert_gguf_tokenizer(metadata.get("general.architecture", ""), tokenizer_dict)
+        hf = PreTrainedTokenizerFast(tokenizer_object=backend, **init_kwargs, **extra_kwargs)
+    except (ValueError, KeyError) as e:  # a tokenizer model transformers cannot build
+        raise CheckpointError(f"{path}: cannot build a tokenizer from this GGUF ({e})") from None
+    eos = [metadata[key] for key in _GGUF_EOS_KEYS if key in metadata]
+    return Tokenizer(hf, source=str(path), extra_eos_ids=eos)
+
+
+# GGUF metadata value types with a fixed width, as struct codes (8 is string, 9 is array).
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def _read_gguf_metadata(path: Path) -> dict[str, Any]:
+    """The key/value metadata of a GGUF (v2/v3, little-endian); the tensors are never touched.
+
+    ``gguf.GGUFReader`` gives the same values but builds a numpy view for each of the ~100k
+    vocabulary and merge strings (4.5 s for SmolLM2); reading them with ``struct`` takes 0.1 s.
+    """
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            magic, version, _, count = struct.unpack_from("<4sIQQ", buf, 0)
+            if magic != b"GGUF" or version not in (2, 3):
+                raise ValueError(f"magic {magic!r}, version {version}; expected GGUF v2 or v3")
+
+            def read(vtype: int, pos: int) -> tuple[Any, int]:
+                if vtype in _GGUF_SCALARS:
+                    fmt = "<" + _GGUF_SCALARS[vtype]
+                    return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+                if vtype == 8:
+                    (n,) = struct.unpack_from("<Q", buf, pos)
+                    return buf[pos + 8 : pos + 8 + n].decode("utf-8"), pos + 8 + n
+                if vtype != 9:
+                    raise ValueError(f"unknown metadata value type {vtype}")
+                etype, n = struct.unpack_from("<IQ", buf, pos)
+                pos += 12
+                if etype in _GGUF_SCALARS:
+                    fmt = f"<{n}{_GGUF_SCALARS[etype]}"
+                    return list(struct.unpack_from(fmt, buf, pos)), pos + struct.calcsize(fmt)
+                values = []
+                for _ in range(n):
+                    value, pos = read(etype, pos)
+                    values.append(value)
+                return values, pos
+
+            metadata: dict[str, Any] = {}
+            pos = 24
+            for _ in range(count):
+                key, pos = read(8, pos)
+                (vtype,) = struct.unpack_from("<I", buf, pos)
+                metadata[key], pos = read(vtype, pos + 4)
+            return metadata
+    except (OSError, ValueError, struct.error) as e:  # UnicodeDecodeError is a ValueError
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
