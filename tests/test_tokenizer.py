@@ -44,9 +44,16 @@ def test_bundled_path_and_missing_package(monkeypatch: pytest.MonkeyPatch) -> No
         bundled_gguf_path()
 
 
-@pytest.mark.parametrize(
-    "text", ["Hello world", "  two spaces\tand a tab\n\n", "héllo wörld 日本語 🙂", "def f(x):\n    return x**2", ""]
-)
+TEXTS = [
+    "Hello world",
+    "  two spaces\tand a tab\n\n",
+    "héllo wörld 日本語 🙂",
+    "def f(x):\n    return x**2",
+    "",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
 def test_gguf_round_trip(gguf_tok: Tokenizer, text: str) -> None:
     assert gguf_tok.decode(gguf_tok.encode(text)) == text
 
@@ -59,7 +66,8 @@ def test_gguf_ids_and_special_tokens(gguf_tok: Tokenizer) -> None:
     # control tokens stay whole in text, and are dropped on decode unless asked for
     assert gguf_tok.encode("<|im_start|>user") == [IM_START, 4093]
     assert gguf_tok.decode([IM_START, 4093, IM_END]) == "user"
-    assert gguf_tok.decode([IM_START, 4093, IM_END], skip_special_tokens=False) == "<|im_start|>user<|im_end|>"
+    with_special = gguf_tok.decode([IM_START, 4093, IM_END], skip_special_tokens=False)
+    assert with_special == "<|im_start|>user<|im_end|>"
     assert gguf_tok.vocab_size == 49152
     assert gguf_tok.bos_token_id == IM_START
 
@@ -75,7 +83,8 @@ def test_gguf_chat_template(gguf_tok: Tokenizer) -> None:
     assert gguf_tok.render_chat(MESSAGES, add_generation_prompt=False) == RENDERED
     ids = gguf_tok.apply_chat_template(MESSAGES)
     assert ids == gguf_tok.encode(RENDERED + "<|im_start|>assistant\n", add_special_tokens=False)
-    assert ids[0] == IM_START and ids.count(IM_END) == 2 and ids[-2:] == gguf_tok.encode("assistant\n")
+    assert ids[0] == IM_START and ids.count(IM_END) == 2
+    assert ids[-4:] == [IM_START, *gguf_tok.encode("assistant\n")]
     # SmolLM2's template puts in its default system prompt when there is none
     assert "named SmolLM" in gguf_tok.render_chat([{"role": "user", "content": "hi"}])
 
@@ -127,7 +136,7 @@ def test_hub_id_from_cache(tok_dir: Path, tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     assert Tokenizer.load("acme/tiny").eos_token_ids == (IM_END, ENDOFTEXT)
 
-    with pytest.raises(CheckpointError, match=r"acme/missing: not in the local HF cache.*cannot download") as e:
+    with pytest.raises(CheckpointError, match=r"acme/missing: not in the local HF cache.*download") as e:
         Tokenizer.load("acme/missing")
     assert "\n" not in str(e.value)
 
@@ -139,7 +148,7 @@ def test_hub_id_not_cached_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    with pytest.raises(CheckpointError, match="HuggingFaceTB/SmolLM2-135M-Instruct: not in the local HF cache"):
+    with pytest.raises(CheckpointError, match="SmolLM2-135M-Instruct: not in the local HF cache"):
         Tokenizer.load("HuggingFaceTB/SmolLM2-135M-Instruct")
     with pytest.raises(CheckpointError, match="not a valid hub id"):
         Tokenizer.load(str(tmp_path / "no" / "such" / "dir"))

@@ -32,6 +32,4 @@ def bundled_gguf_path() -> Path:
         if path.is_file():
             return path
     where = f" (looked in {', '.join(locations)})" if locations else ""
-    raise CheckpointError(
-        f"bundled model {_FILE_NAME} not found{where}; install it with: {_INSTALL_HINT}"
-    )
+    raise CheckpointError(f"bundled model {_FILE_NAME} not found{where}; install it with: {_INSTALL_HINT}")

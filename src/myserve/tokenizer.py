@@ -22,7 +22,7 @@ import os
 import struct
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from transformers import PreTrainedTokenizerFast
 
@@ -88,11 +88,12 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``ids``."""
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return cast(str, self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary strings of ``ids`` (byte-level spelling, e.g. ``Ġ`` for a space)."""
-        return list(self.hf.convert_ids_to_tokens(list(ids)))
+        tokens = self.hf.convert_ids_to_tokens(list(ids))
+        return [tokens] if isinstance(tokens, str) else list(tokens)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt text the chat template makes of ``messages``."""
@@ -104,8 +105,7 @@ class Tokenizer:
             )
         except Exception as e:  # jinja errors, and templates that raise_exception() on bad roles
             raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
-        assert isinstance(text, str)
-        return text
+        return cast(str, text)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
@@ -123,7 +123,8 @@ def _from_directory(directory: Path, source: str) -> Tokenizer:
         hf = PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
     except Exception as e:  # malformed JSON, unknown tokenizer model type, ...
         raise CheckpointError(f"{directory}: cannot load tokenizer ({type(e).__name__}: {e})") from None
-    return Tokenizer(hf, source=source, extra_eos_ids=_generation_eos_ids(directory / "generation_config.json"))
+    eos = _generation_eos_ids(directory / "generation_config.json")
+    return Tokenizer(hf, source=source, extra_eos_ids=eos)
 
 
 def _generation_eos_ids(gen_config: Path) -> list[int]:
@@ -189,21 +190,22 @@ def _from_gguf(path: Path) -> Tokenizer:
     metadata = _read_gguf_metadata(path)
     if "tokenizer.ggml.tokens" not in metadata:
         raise CheckpointError(f"{path}: GGUF has no tokenizer metadata (tokenizer.ggml.tokens)")
-    grouped = {
-        group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in metadata}
-        for group, renames in GGUF_TOKENIZER_MAPPING.items()
-    }
-    tokenizer_dict, init_kwargs = grouped["tokenizer"], grouped["tokenizer_config"]
-    tokens = tokenizer_dict["tokens"]
+    # GGUF_TOKENIZER_MAPPING renames "tokenizer.<key>" to the builder's and the constructor's names
+    meta = {key.removeprefix("tokenizer."): value for key, value in metadata.items()}
+    tokenizer_dict, init_kwargs = (
+        {name: meta[key] for key, name in GGUF_TOKENIZER_MAPPING[group].items() if key in meta}
+        for group in ("tokenizer", "tokenizer_config")
+    )
     if tokenizer_dict.get("tokenizer_type") == "llama":
         # As transformers: llama.cpp adds BOS to a sentencepiece vocabulary unless the file says not to.
         init_kwargs.setdefault("add_bos_token", True)
-    for name, key in _SPECIAL_TOKEN_KEYS.items():
-        init_kwargs[name] = tokens[metadata[key]] if key in metadata else None
     try:
-        backend, extra_kwargs = convert_gguf_tokenizer(metadata.get("general.architecture", ""), tokenizer_dict)
+        for name, key in _SPECIAL_TOKEN_KEYS.items():
+            init_kwargs[name] = tokenizer_dict["tokens"][metadata[key]] if key in metadata else None
+        architecture = metadata.get("general.architecture", "")
+        backend, extra_kwargs = convert_gguf_tokenizer(architecture, tokenizer_dict)
         hf = PreTrainedTokenizerFast(tokenizer_object=backend, **init_kwargs, **extra_kwargs)
-    except (ValueError, KeyError) as e:  # a tokenizer model transformers cannot build
+    except (ValueError, KeyError, IndexError) as e:  # a tokenizer transformers cannot build, a bad id
         raise CheckpointError(f"{path}: cannot build a tokenizer from this GGUF ({e})") from None
     eos = [metadata[key] for key in _GGUF_EOS_KEYS if key in metadata]
     return Tokenizer(hf, source=str(path), extra_eos_ids=eos)

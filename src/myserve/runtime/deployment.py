@@ -1,0 +1,72 @@
+"""A deployment: the model, its tokenizer and the mesh it lives on, built from a ``Config``."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from myserve.config import Config
+from myserve.models.llama import LlamaModel
+from myserve.models.loading import load_model, open_source, resolve_checkpoint
+from myserve.models.spec import ModelSpec, check_max_len
+from myserve.ops.paged_attention import resolve_backend
+from myserve.runtime.mesh import axis_mapping, make_mesh
+from myserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_dtype(name: str) -> jnp.dtype:
+    """``auto`` is float32 on CPU (XLA:CPU bf16 matmuls are far slower) and bfloat16 on TPU/GPU."""
+    if name == "auto":
+        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    return jnp.dtype(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Deployment:
+    """Everything loaded for serving one model, ready for a runner to allocate its KV cache."""
+
+    config: Config
+    spec: ModelSpec
+    model: LlamaModel
+    tokenizer: Tokenizer
+    mesh: Mesh
+    mapping: Mapping[str, str]
+    dtype: jnp.dtype
+    max_model_len: int
+
+    @staticmethod
+    def load(config: Config) -> Deployment:
+        """Resolve the checkpoint, build the mesh, load weights onto it, load the tokenizer."""
+        t0 = time.perf_counter()
+        resolved = resolve_checkpoint(config.model.checkpoint)
+        source = open_source(resolved)
+        spec = source.spec
+        max_len = config.model.max_model_len or spec.max_position_embeddings
+        check_max_len(spec, max_len, str(resolved.path))
+        mesh = make_mesh(config.mesh.data, config.mesh.model)
+        mapping = axis_mapping(spec, mesh)
+        dtype = resolve_dtype(config.model.dtype)
+        backend = resolve_backend(config.engine.attention_backend)  # type: ignore[arg-type]
+        model = load_model(source, mesh, mapping, dtype, backend)
+        tokenizer = Tokenizer.load(
+            config.model.tokenizer or resolved.path, chat_template=config.model.chat_template
+        )
+        logger.info(
+            "loaded %s (%s, %d layers) as %s on mesh %s, attention=%s, in %.1fs",
+            resolved.path,
+            spec.model_type,
+            spec.num_layers,
+            dtype.name,
+            dict(mesh.shape),
+            backend,
+            time.perf_counter() - t0,
+        )
+        return Deployment(config, spec, model, tokenizer, mesh, mapping, dtype, max_len)

@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny random checkpoints (built once per session) and loaded models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Tests run on the host CPU; keep JAX from probing for accelerators and keep its logs quiet.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+from myserve.testing import TINY_ARCHES, make_tiny_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """arch name -> directory of a tiny random transformers checkpoint (float32)."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: make_tiny_checkpoint(arch, root / arch) for arch in TINY_ARCHES}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_checkpoints: dict[str, Path]):
+    """The tiny llama3-rope checkpoint loaded on a 1-device mesh: (model, mesh, mapping)."""
+    return load_on_mesh(tiny_checkpoints["llama3"])
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The bundled SmolLM2-135M GGUF loaded on a 1-device mesh: (model, mesh, mapping)."""
+    return load_on_mesh(None)
+
+
+def load_on_mesh(checkpoint, data: int = 1, model: int = 1):
+    """Load a checkpoint in float32 on a (data, model) mesh; returns (model, mesh, mapping)."""
+    from myserve.models.loading import load_model, open_source, resolve_checkpoint
+    from myserve.runtime.mesh import axis_mapping, make_mesh
+
+    source = open_source(resolve_checkpoint(checkpoint))
+    mesh = make_mesh(data, model)
+    mapping = axis_mapping(source.spec, mesh)
+    return load_model(source, mesh, mapping), mesh, mapping
