@@ -98,8 +98,12 @@ def test_reference_attention_matches_naive_numpy() -> None:
     )
     cache = write_kv(cache, jnp.int32(0), jnp.asarray(k_all), jnp.asarray(v_all), wb)
     positions = np.stack([np.arange(6, 9), np.array([5, 6, 0])]).astype(np.int32)
-    qb = PageBatch(jnp.asarray(positions), jnp.asarray(q_lens, jnp.int32), jnp.asarray(kv_lens, jnp.int32),
-                   jnp.asarray(tables))
+    qb = PageBatch(
+        jnp.asarray(positions),
+        jnp.asarray(q_lens, jnp.int32),
+        jnp.asarray(kv_lens, jnp.int32),
+        jnp.asarray(tables),
+    )
     out = np.asarray(reference_paged_attention(jnp.asarray(q), cache, jnp.int32(0), qb, sm_scale=d**-0.5))
     for i in range(b):
         for j in range(q_lens[i]):

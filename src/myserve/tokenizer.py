@@ -17,9 +17,7 @@ not pay for or depend on torch, so this module avoids both:
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import struct
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -27,6 +25,7 @@ from typing import Any, cast
 from transformers import PreTrainedTokenizerFast
 
 from myserve.errors import CheckpointError, ConfigError, MyserveError
+from myserve.models.gguf_file import read_gguf
 
 
 class ChatTemplateError(MyserveError):
@@ -187,11 +186,11 @@ def _from_gguf(path: Path) -> Tokenizer:
         convert_gguf_tokenizer,
     )
 
-    metadata = _read_gguf_metadata(path)
+    metadata = read_gguf(path, with_tensors=False).metadata
     if "tokenizer.ggml.tokens" not in metadata:
         raise CheckpointError(f"{path}: GGUF has no tokenizer metadata (tokenizer.ggml.tokens)")
     # GGUF_TOKENIZER_MAPPING renames "tokenizer.<key>" to the builder's and the constructor's names
-    meta = {key.removeprefix("tokenizer."): value for key, value in metadata.items()}
+    meta = {k.removeprefix("tokenizer."): v for k, v in metadata.items() if k.startswith("tokenizer.")}
     tokenizer_dict, init_kwargs = (
         {name: meta[key] for key, name in GGUF_TOKENIZER_MAPPING[group].items() if key in meta}
         for group in ("tokenizer", "tokenizer_config")
@@ -209,50 +208,3 @@ def _from_gguf(path: Path) -> Tokenizer:
         raise CheckpointError(f"{path}: cannot build a tokenizer from this GGUF ({e})") from None
     eos = [metadata[key] for key in _GGUF_EOS_KEYS if key in metadata]
     return Tokenizer(hf, source=str(path), extra_eos_ids=eos)
-
-
-# GGUF metadata value types with a fixed width, as struct codes (8 is string, 9 is array).
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-
-def _read_gguf_metadata(path: Path) -> dict[str, Any]:
-    """The key/value metadata of a GGUF (v2/v3, little-endian); the tensors are never touched.
-
-    ``gguf.GGUFReader`` gives the same values but builds a numpy view for each of the ~100k
-    vocabulary and merge strings (4.5 s for SmolLM2); reading them with ``struct`` takes 0.1 s.
-    """
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            magic, version, _, count = struct.unpack_from("<4sIQQ", buf, 0)
-            if magic != b"GGUF" or version not in (2, 3):
-                raise ValueError(f"magic {magic!r}, version {version}; expected GGUF v2 or v3")
-
-            def read(vtype: int, pos: int) -> tuple[Any, int]:
-                if vtype in _GGUF_SCALARS:
-                    fmt = "<" + _GGUF_SCALARS[vtype]
-                    return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
-                if vtype == 8:
-                    (n,) = struct.unpack_from("<Q", buf, pos)
-                    return buf[pos + 8 : pos + 8 + n].decode("utf-8"), pos + 8 + n
-                if vtype != 9:
-                    raise ValueError(f"unknown metadata value type {vtype}")
-                etype, n = struct.unpack_from("<IQ", buf, pos)
-                pos += 12
-                if etype in _GGUF_SCALARS:
-                    fmt = f"<{n}{_GGUF_SCALARS[etype]}"
-                    return list(struct.unpack_from(fmt, buf, pos)), pos + struct.calcsize(fmt)
-                values = []
-                for _ in range(n):
-                    value, pos = read(etype, pos)
-                    values.append(value)
-                return values, pos
-
-            metadata: dict[str, Any] = {}
-            pos = 24
-            for _ in range(count):
-                key, pos = read(8, pos)
-                (vtype,) = struct.unpack_from("<I", buf, pos)
-                metadata[key], pos = read(vtype, pos + 4)
-            return metadata
-    except (OSError, ValueError, struct.error) as e:  # UnicodeDecodeError is a ValueError
-        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None

@@ -1,8 +1,8 @@
 """GGUF checkpoints: metadata to ModelSpec, and tensors dequantized one at a time under HF names.
 
-The ``gguf`` package memory-maps the file and dequantizes each tensor with numpy (F32, F16, BF16,
-Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and the other ggml types it knows), so only one tensor is ever
-materialised as float32 on the host.
+The header is parsed by ``gguf_file.read_gguf`` over a memory map; the ``gguf`` package dequantizes
+each tensor with numpy (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and the other ggml types it
+knows), so only one tensor is ever materialised as float32 on the host.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from myserve.errors import CheckpointError
+from myserve.models.gguf_file import read_gguf
 from myserve.models.spec import ModelSpec
 
 # GGUF general.architecture -> HF model_type. llama.cpp files Mistral under "llama".
@@ -54,21 +55,14 @@ class GGUFSource:
     """Tensors of a GGUF file, addressed by their HF names and returned in HF layout."""
 
     def __init__(self, path: Path):
-        import gguf  # imported here: only GGUF loading needs it
-
         self.path = path
-        try:
-            self._reader = gguf.GGUFReader(str(path))
-        except Exception as e:  # the reader raises ValueError/struct errors on garbage
-            raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-        self._tensors = {t.name: t for t in self._reader.tensors}
-        self._dequantize = gguf.quants.dequantize
+        self._file = read_gguf(path)
+        self._tensors = self._file.tensors
         self.spec = self._spec()
 
     def field(self, key: str, default: Any = None) -> Any:
         """A metadata value, or ``default`` when absent."""
-        f = self._reader.fields.get(key)
-        return default if f is None else f.contents()
+        return self._file.metadata.get(key, default)
 
     def _spec(self) -> ModelSpec:
         arch = self.field("general.architecture")
@@ -86,7 +80,9 @@ class GGUFSource:
             return value
 
         hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-        vocab = self._tensors["token_embd.weight"].shape[-1]
+        if "token_embd.weight" not in self._tensors:
+            raise CheckpointError(f"{self.path}: GGUF has no token_embd.weight tensor")
+        vocab = self._tensors["token_embd.weight"].dims[-1]
         return ModelSpec(
             model_type=_GGUF_ARCHES[arch],
             vocab_size=int(vocab),
@@ -122,14 +118,16 @@ class GGUFSource:
         tensor = self._tensors.get(name)
         if tensor is None:
             raise CheckpointError(f"{self.path}: tensor {name} ({hf_name}) not found")
+        import gguf
+
+        qtype = gguf.GGMLQuantizationType(tensor.ggml_type)
         try:
-            data = self._dequantize(tensor.data, tensor.tensor_type)
+            data = gguf.quants.dequantize(tensor.data, qtype)
         except NotImplementedError:
             raise CheckpointError(
-                f"{self.path}: tensor {name} has ggml type {tensor.tensor_type.name}, which gguf cannot dequantize"
+                f"{self.path}: tensor {name} has ggml type {qtype.name}, which gguf cannot dequantize"
             ) from None
-        # ggml lists dims fastest-first; numpy wants them reversed.
-        w = np.asarray(data, dtype=np.float32).reshape([int(d) for d in reversed(tensor.shape)])
+        w = np.asarray(data, dtype=np.float32).reshape(tensor.shape)
         if self.spec.model_type == "llama":  # only llama.cpp's llama converter permutes Q/K
             if name.endswith("attn_q.weight"):
                 w = _unpermute_rotary(w, self.spec.num_heads)

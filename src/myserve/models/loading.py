@@ -153,7 +153,11 @@ def _layer_table(spec: ModelSpec, ax: ModelAxes) -> dict[str, tuple[str, tuple, 
     t = np.transpose
     table: dict[str, tuple[str, tuple, Callable | None]] = {
         "attn_norm": ("input_layernorm.weight", (ax.Embed,), None),
-        "q_proj": ("self_attn.q_proj.weight", (ax.Embed, ax.Heads, ax.HeadSize), _proj_in_out(spec, spec.num_heads)),
+        "q_proj": (
+            "self_attn.q_proj.weight",
+            (ax.Embed, ax.Heads, ax.HeadSize),
+            _proj_in_out(spec, spec.num_heads),
+        ),
         "k_proj": (
             "self_attn.k_proj.weight",
             (ax.Embed, ax.KVHeads, ax.HeadSize),

@@ -43,7 +43,12 @@ def forward_last_logits(
 
 
 def page_batch(
-    starts: list[int], q_lens: list[int], page_tables: list[list[int]], *, tokens_per_row: int, pages_per_row: int
+    starts: list[int],
+    q_lens: list[int],
+    page_tables: list[list[int]],
+    *,
+    tokens_per_row: int,
+    pages_per_row: int,
 ) -> PageBatch:
     """Host-side construction of a ``PageBatch``: row ``b`` has ``q_lens[b]`` new tokens from ``starts[b]``.
 
@@ -58,5 +63,8 @@ def page_batch(
     q = np.asarray(q_lens, np.int32)
     kv = np.where(q > 0, np.asarray(starts, np.int32) + q, 0).astype(np.int32)
     return PageBatch(
-        positions=jnp.asarray(positions), q_lens=jnp.asarray(q), kv_lens=jnp.asarray(kv), page_table=jnp.asarray(table)
+        positions=jnp.asarray(positions),
+        q_lens=jnp.asarray(q),
+        kv_lens=jnp.asarray(kv),
+        page_table=jnp.asarray(table),
     )
