@@ -91,9 +91,7 @@ def test_dataclass_defaults() -> None:
 def test_yaml_round_trip(tmp_path: Path) -> None:
     config = Config(
         model=ModelConfig(checkpoint="/ckpt/llama", tokenizer="tok", dtype="bfloat16", max_model_len=4096),
-        engine=EngineConfig(
-            page_size=64, num_pages=4, attention_backend="pallas", compilation_cache_dir="/c"
-        ),
+        engine=EngineConfig(page_size=64, num_pages=4, attention_backend="pallas", compilation_cache_dir="/c"),
         server=ServerConfig(host="0.0.0.0", port=9000, api_key="sk-1", log_level="debug"),
         mesh=MeshConfig(data=2, model=4),
     )
@@ -148,8 +146,7 @@ def test_with_overrides_returns_a_new_validated_config() -> None:
         ),
         (
             "egnine.page_size=32",
-            "overrides: unknown section 'egnine' (did you mean 'engine'?); "
-            "known sections: model, engine, server, mesh",
+            "overrides: unknown section 'egnine' (did you mean 'engine'?); known sections: model, engine, server, mesh",
         ),
         ("engine.page_size=abc", "overrides: engine.page_size: expected int, got 'abc' (str)"),
         ("engine.page_size=true", "overrides: engine.page_size: expected int, got True (bool)"),

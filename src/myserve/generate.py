@@ -78,9 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the process exit code."""
     parser = argparse.ArgumentParser(prog="python -m myserve.generate", description=__doc__)
     parser.add_argument("--prompt", default="What is the capital of France?", help="user message or raw text")
-    parser.add_argument(
-        "--config", default=None, help="deployment YAML (default: config/smollm2-135m-cpu.yaml)"
-    )
+    parser.add_argument("--config", default=None, help="deployment YAML (default: config/smollm2-135m-cpu.yaml)")
     parser.add_argument("--hf-checkpoint", default=None, help="HF directory, cached hub id or .gguf file")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--raw", action="store_true", help="do not apply the chat template")

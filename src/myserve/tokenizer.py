@@ -99,16 +99,12 @@ class Tokenizer:
         if not self.has_chat_template:
             raise ChatTemplateError(f"{self.source}: the tokenizer has no chat template; pass chat_template")
         try:
-            text = self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja errors, and templates that raise_exception() on bad roles
             raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
         return cast(str, text)
 
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
-    ) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat prompt."""
         # The template writes BOS and friends itself; adding them again would double them.
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)

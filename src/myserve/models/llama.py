@@ -103,9 +103,7 @@ class LlamaModel(eqx.Module):
         """Named axes of this model."""
         return ModelAxes.of(self.spec)
 
-    def __call__(
-        self, tokens: jax.Array, batch: PageBatch, kv_cache: jax.Array
-    ) -> tuple[NamedArray, jax.Array]:
+    def __call__(self, tokens: jax.Array, batch: PageBatch, kv_cache: jax.Array) -> tuple[NamedArray, jax.Array]:
         """Run the new tokens of a batch of sequences through the model.
 
         Args:

@@ -50,9 +50,7 @@ class PageBatch(eqx.Module):
     """[B, P] page ids of each row's sequence, in order; entries past its length are ignored."""
 
 
-def write_kv(
-    kv_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array, batch: PageBatch
-) -> jax.Array:
+def write_kv(kv_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array, batch: PageBatch) -> jax.Array:
     """Scatter this step's keys and values into their pages.
 
     Args:
@@ -136,9 +134,7 @@ def _pallas_paged_attention(
     q_ragged = q.reshape(b * t, h, d)[order]
     cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(batch.q_lens).astype(jnp.int32)])
     num_seqs = jnp.sum(batch.q_lens > 0, dtype=jnp.int32).reshape(1)
-    out = kernel(
-        q_ragged, kv_cache[layer], batch.kv_lens, batch.page_table, cu_q_lens, num_seqs, sm_scale=sm_scale
-    )
+    out = kernel(q_ragged, kv_cache[layer], batch.kv_lens, batch.page_table, cu_q_lens, num_seqs, sm_scale=sm_scale)
     unpacked = jnp.zeros_like(out).at[order].set(out)
     return unpacked.reshape(b, t, h, d)
 

@@ -56,9 +56,7 @@ class Deployment:
         dtype = resolve_dtype(config.model.dtype)
         backend = resolve_backend(config.engine.attention_backend)  # type: ignore[arg-type]
         model = load_model(source, mesh, mapping, dtype, backend)
-        tokenizer = Tokenizer.load(
-            config.model.tokenizer or resolved.path, chat_template=config.model.chat_template
-        )
+        tokenizer = Tokenizer.load(config.model.tokenizer or resolved.path, chat_template=config.model.chat_template)
         logger.info(
             "loaded %s (%s, %d layers) as %s on mesh %s, attention=%s, in %.1fs",
             resolved.path,
