@@ -84,6 +84,22 @@ class EngineConfig:
     auto = pallas where a kernel exists for the platform, else reference."""
     compilation_cache_dir: str | None = None
     """Directory for JAX's persistent compilation cache; null = no persistent cache."""
+    max_num_seqs: int = 64
+    """Most sequences running at once (the largest decode batch)."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one engine step (decode tokens plus prefill chunk tokens)."""
+    max_waiting: int = 1024
+    """Most requests waiting for admission; beyond it submissions are refused as overloaded."""
+    batch_buckets: tuple[int, ...] = ()
+    """Decode batch sizes compiled at warmup; empty = powers of two up to max_num_seqs."""
+    token_buckets: tuple[int, ...] = ()
+    """Prefill chunk lengths compiled at warmup (the largest is the chunk size); empty = powers of
+    two from 16 up to min(256, max_num_batched_tokens)."""
+    page_buckets: tuple[int, ...] = ()
+    """Page-table widths compiled at warmup (attention reads this many pages per sequence);
+    empty = powers of four from 4 pages up to the pages of max_model_len."""
+    enable_prefix_caching: bool = True
+    """Reuse KV pages of identical prompt prefixes across requests."""
 
     def __post_init__(self) -> None:
         # Power of two so that page/offset arithmetic is shifts and kernels tile evenly.
@@ -92,6 +108,29 @@ class EngineConfig:
         _check(self.num_pages >= 2, f"engine.num_pages must be >= 2, got {self.num_pages}")
         _check_choice("engine.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_not_empty("engine.compilation_cache_dir", self.compilation_cache_dir)
+        _check(self.max_num_seqs >= 1, f"engine.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            f"engine.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= engine.max_num_seqs "
+            f"({self.max_num_seqs})",
+        )
+        _check(self.max_waiting >= 1, f"engine.max_waiting must be >= 1, got {self.max_waiting}")
+        for key in ("batch_buckets", "token_buckets", "page_buckets"):
+            buckets = getattr(self, key)
+            _check(
+                all(b >= 1 for b in buckets) and list(buckets) == sorted(set(buckets)),
+                f"engine.{key} must be increasing positive integers, got {list(buckets)}",
+            )
+        if self.batch_buckets:
+            _check(
+                self.batch_buckets[-1] >= self.max_num_seqs,
+                f"engine.batch_buckets must reach max_num_seqs ({self.max_num_seqs}), got {list(self.batch_buckets)}",
+            )
+        if self.token_buckets:
+            _check(
+                self.token_buckets[-1] <= self.max_num_batched_tokens,
+                f"engine.token_buckets must not exceed max_num_batched_tokens ({self.max_num_batched_tokens})",
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

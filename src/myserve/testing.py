@@ -72,3 +72,39 @@ def hf_logits(directory: Path, token_ids: list[int]):
     with torch.no_grad():
         out = model(torch.tensor([token_ids]))
     return out.logits[0].float().numpy()
+
+
+def start_service(checkpoint: Path | None, *overrides: str):
+    """A started GenerationService (float32, warmed up) for ``checkpoint`` (None = bundled SmolLM2).
+
+    Tiny random checkpoints carry no tokenizer, so they borrow the bundled SmolLM2 one (their
+    token ids are all inside its vocabulary). ``overrides`` are config ``section.key=value`` strings.
+    """
+    from myserve.bundled import bundled_gguf_path
+    from myserve.config import load_config
+    from myserve.engine.service import GenerationService
+    from myserve.runtime.deployment import Deployment
+
+    base = ["model.dtype=float32"]
+    if checkpoint is not None:
+        base += [f"model.checkpoint={checkpoint}", f"model.tokenizer={bundled_gguf_path()}"]
+    config = load_config(None, [*base, *overrides])
+    service = GenerationService.from_deployment(Deployment.load(config))
+    service.start()
+    return service
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: tuple[int, ...]) -> list[int]:
+    """transformers greedy ``generate`` for one prompt alone; the new token ids (EOS included)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=list(eos_ids),
+            pad_token_id=eos_ids[0],
+        )
+    return out[0, len(prompt_ids) :].tolist()

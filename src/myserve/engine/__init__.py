@@ -1,0 +1,1 @@
+"""engine package: scheduling, pages, sequences, detokenization, the GenerationService."""

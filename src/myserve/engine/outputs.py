@@ -1,0 +1,90 @@
+"""Typed objects the engine hands to its callers: per-choice deltas, usage, stats, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from myserve.errors import MyserveError
+
+
+class Overloaded(MyserveError):
+    """The waiting queue is full; the caller should retry later (HTTP 429)."""
+
+
+class ContextLengthExceeded(MyserveError):
+    """Prompt plus requested completion does not fit in the model's context (HTTP 400)."""
+
+
+class EngineDead(MyserveError):
+    """The engine thread has stopped; no request can be served."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's log probability and the most likely alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+    """(token id, logprob) pairs, most likely first; as many as the request asked for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """Token counts of a whole request (all choices)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+
+    @property
+    def total_tokens(self) -> int:
+        """Prompt plus completion tokens."""
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """A delta of one choice: new tokens and the text they completed; the last one has ``finish_reason``.
+
+    When every choice of the request has finished, one more output with ``choice == -1`` carries
+    ``usage`` and ends the stream.
+    """
+
+    request_id: str
+    choice: int
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    finish_reason: str | None = None
+    """"stop" (EOS, stop token or stop string), "length", "abort" or "error"."""
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended the choice, if any (vLLM's field)."""
+    usage: Usage | None = None
+    error: str | None = None
+
+    @property
+    def final(self) -> bool:
+        """Whether this output ends the request's stream."""
+        return self.choice == -1
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for the metrics endpoint and tests."""
+
+    waiting: int
+    running: int
+    pages_used: int
+    pages_free: int
+    pages_total: int
+    prefix_cache_hit_rate: float
+    prefix_cache_hit_tokens: int
+    prompt_tokens_computed: int
+    compile_count: int
+    num_preemptions: int
+    steps: int
+    max_decode_batch: int
+    """Largest number of sequences one decode call has carried."""
+    generated_tokens: int

@@ -1,0 +1,182 @@
+"""The scheduler: which tokens of which sequences each engine step computes.
+
+Each step, under a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``):
+
+1. running sequences whose prompt is done get one decode token each (oldest admitted first);
+2. running sequences still prefilling get their next chunk;
+3. waiting sequences are admitted (reusing prefix-cached pages) and get a first chunk.
+
+A sequence needs pages for every token it computes. When the pool runs dry while growing a running
+sequence, the most recently admitted running sequence is preempted: its pages are released and it
+goes back to the front of the waiting queue to be recomputed later. Nothing is dropped, and a lone
+sequence always fits because the service refuses requests longer than the whole pool.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from myserve.engine.pages import PageAllocator, chain_hashes
+from myserve.engine.sequence import SeqStatus, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``seq`` starting at position ``start``; ``samples`` if they end its known tokens."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the sequence's last known token, so its logits give a new token."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledBatch:
+    """One step's work: single-token decodes and multi-token prefill chunks."""
+
+    decodes: list[ScheduledChunk]
+    prefills: list[ScheduledChunk]
+    preempted: list[Sequence]
+
+    @property
+    def empty(self) -> bool:
+        """No work this step."""
+        return not self.decodes and not self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed this step."""
+        return sum(c.num_tokens for c in self.decodes) + sum(c.num_tokens for c in self.prefills)
+
+
+class Scheduler:
+    """Waiting queue, running list and the step planner. Not thread-safe: the engine thread owns it."""
+
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_prefill_chunk: int,
+    ):
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_chunk = max_prefill_chunk
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence."""
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and release its pages (cached full pages stay cached)."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.release(seq.pages)
+        seq.pages = []
+        seq.status = SeqStatus.FINISHED
+
+    def has_work(self) -> bool:
+        """Whether any sequence is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def _pages_needed(self, seq: Sequence, num_tokens: int) -> int:
+        return max(0, -(-(seq.num_computed + num_tokens) // self.page_size) - len(seq.pages))
+
+    def schedule(self) -> ScheduledBatch:
+        """Plan the next step."""
+        budget = self.max_num_batched_tokens
+        chunks: dict[Sequence, ScheduledChunk] = {}
+        preempted: list[Sequence] = []
+
+        def grow(seq: Sequence, num_tokens: int) -> bool:
+            """Pages for ``num_tokens`` more tokens, preempting the newest; False if ``seq`` itself went."""
+            nonlocal budget
+            need = self._pages_needed(seq, num_tokens)
+            while not self.allocator.can_allocate(need):
+                victim = max(self.running, key=lambda s: s.admitted_at)
+                self.running.remove(victim)
+                self.allocator.release(victim.pages)
+                victim.reset_for_recompute()
+                self.waiting.appendleft(victim)
+                preempted.append(victim)
+                self.num_preemptions += 1
+                dropped = chunks.pop(victim, None)  # it may already be in this step: its pages are gone
+                if dropped is not None:
+                    budget += dropped.num_tokens
+                if victim is seq:
+                    return False
+            seq.pages.extend(self.allocator.allocate(need))
+            return True
+
+        by_age = sorted(self.running, key=lambda s: s.admitted_at)
+        # Decodes first (oldest first), so running requests keep streaming under load.
+        for seq in by_age:
+            if budget > 0 and seq.status is SeqStatus.RUNNING and seq.num_pending == 1 and grow(seq, 1):
+                chunks[seq] = ScheduledChunk(seq, seq.num_computed, 1)
+                budget -= 1
+        # Then the next chunk of running sequences still prefilling; a chunk shrinks to the free
+        # pages rather than preempting, unless not even one token fits.
+        for seq in by_age:
+            if budget == 0 or seq.status is not SeqStatus.RUNNING or seq.num_pending <= 1:
+                continue
+            fits = (len(seq.pages) + self.allocator.num_free) * self.page_size - seq.num_computed
+            n = min(seq.num_pending, budget, self.max_prefill_chunk, max(fits, 1))
+            if grow(seq, n):
+                chunks[seq] = ScheduledChunk(seq, seq.num_computed, n)
+                budget -= n
+        # Then admissions in arrival order (preempted sequences are back at the front); none in a
+        # step that had to preempt, which would only thrash.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            first = self._admit(seq, budget)
+            if first == 0:
+                break
+            self.waiting.popleft()
+            chunks[seq] = ScheduledChunk(seq, seq.num_computed, first)
+            budget -= first
+        decodes = [c for c in chunks.values() if c.num_tokens == 1]
+        prefills = [c for c in chunks.values() if c.num_tokens > 1]
+        return ScheduledBatch(decodes, prefills, preempted)
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Admit ``seq`` with its prefix-cached pages and pages for a first chunk; its size, or 0 if short."""
+        hashes = chain_hashes(seq.tokens(0, seq.num_tokens), self.page_size)
+        cached = self.allocator.match_prefix(hashes, seq.num_tokens)
+        computed = len(cached) * self.page_size
+        first = min(seq.num_tokens - computed, budget, self.max_prefill_chunk)
+        need = -(-(computed + first) // self.page_size) - len(cached)
+        if not self.allocator.can_allocate(need):
+            self.allocator.release(cached)
+            return 0
+        self.allocator.record_lookup(seq.num_tokens, computed)
+        seq.pages = cached + self.allocator.allocate(need)
+        seq.page_hashes = hashes[: len(cached)]
+        seq.num_cached_pages = len(cached)
+        seq.num_computed = computed
+        seq.num_prefix_hit_tokens += computed
+        seq.mark_admitted()
+        self.running.append(seq)
+        return first
+
+    def after_step(self, batch: ScheduledBatch) -> None:
+        """Advance computed counts and offer newly full pages to the prefix cache."""
+        for chunk in (*batch.decodes, *batch.prefills):
+            seq = chunk.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed = chunk.start + chunk.num_tokens
+            for page, page_hash in seq.update_page_hashes(self.page_size):
+                self.allocator.cache_page(page, page_hash)

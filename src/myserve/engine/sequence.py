@@ -1,0 +1,104 @@
+"""Sequence: the host-side state of one choice of one request as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import random
+import time
+
+from myserve.engine.pages import PageHash, chain_hashes
+from myserve.engine.params import SamplingParams
+
+_admission_counter = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    """Where a sequence is: waiting for admission, running (holding pages), or done."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One choice of a request: its tokens, its pages, and how many of its tokens are in the KV cache.
+
+    There is no prefill or decode mode: ``num_computed`` catches up with ``num_tokens`` a chunk at
+    a time, and whenever a step computes the last known token, the sampled token is appended.
+    """
+
+    def __init__(self, request_id: str, choice: int, prompt_ids: list[int], params: SamplingParams, max_len: int):
+        self.request_id = request_id
+        self.choice = choice
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        # Without a request seed each choice still gets a fixed one, so preemption and recompute
+        # cannot change its samples.
+        self.seed = params.seed if params.seed is not None else random.getrandbits(32)
+        self.max_len = max_len  # prompt + output may not exceed this (model context or max_tokens)
+        self.status = SeqStatus.WAITING
+        self.pages: list[int] = []
+        self.num_computed = 0
+        self.page_hashes: list[PageHash] = []  # chained hashes of this sequence's full, computed pages
+        self.num_cached_pages = 0  # pages of page_hashes already offered to the prefix cache
+        self.admitted_at = -1  # admission order; the newest running sequence is preempted first
+        self.slot: int | None = None  # device slot of its penalty state, when it uses penalties
+        self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token(self, i: int) -> int:
+        """Token ``i`` of prompt + output."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """Tokens ``start:stop`` of prompt + output."""
+        return (self.prompt_ids + self.output_ids)[start:stop]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the KV cache."""
+        return self.num_tokens - self.num_computed
+
+    def mark_admitted(self) -> None:
+        """Record admission order for preemption."""
+        self.status = SeqStatus.RUNNING
+        self.admitted_at = next(_admission_counter)
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: no pages, nothing computed; its tokens so far are recomputed on readmission."""
+        self.status = SeqStatus.WAITING
+        self.pages = []
+        self.num_computed = 0
+        self.num_cached_pages = 0
+        self.slot = None
+        self.num_preemptions += 1
+
+    def update_page_hashes(self, page_size: int) -> list[tuple[int, PageHash]]:
+        """Hash pages that became full and computed; return (page, hash) pairs new since last call."""
+        full = self.num_computed // page_size
+        if full > len(self.page_hashes):
+            start = len(self.page_hashes) * page_size
+            parent = self.page_hashes[-1] if self.page_hashes else None
+            new_tokens = self.tokens(start, full * page_size)
+            kwargs = {} if parent is None else {"parent": parent}
+            self.page_hashes.extend(chain_hashes(new_tokens, page_size, **kwargs))
+        fresh = [(self.pages[i], self.page_hashes[i]) for i in range(self.num_cached_pages, full)]
+        self.num_cached_pages = full
+        return fresh
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id}#{self.choice}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed}, pages={len(self.pages)})"
+        )

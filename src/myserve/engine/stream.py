@@ -1,0 +1,67 @@
+"""RequestStream: the deltas of one request, handed from the engine thread to an asyncio or plain consumer."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from collections.abc import AsyncIterator, Callable, Iterator
+
+from myserve.engine.outputs import RequestOutput
+
+
+class RequestStream:
+    """Iterate (``async for`` or ``for``) over a request's ``RequestOutput``s; ends after the final one.
+
+    Created inside a running event loop it is fed with ``loop.call_soon_threadsafe`` into an
+    ``asyncio.Queue``; created outside one it is a blocking queue for synchronous callers.
+    """
+
+    def __init__(self, request_id: str, on_close: Callable[[str], None] | None = None):
+        self.request_id = request_id
+        self._on_close = on_close
+        self.closed = False
+        self.finished = False
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self._async_queue: asyncio.Queue[RequestOutput] | None = asyncio.Queue() if self._loop else None
+        self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+
+    def put(self, output: RequestOutput) -> None:
+        """Deliver one output (engine thread)."""
+        if self._loop is None:
+            self._queue.put(output)
+            return
+        assert self._async_queue is not None
+        try:
+            self._loop.call_soon_threadsafe(self._async_queue.put_nowait, output)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+            pass
+
+    def close(self) -> None:
+        """The consumer is gone (client disconnect): abort the request unless it already finished."""
+        if not self.closed:
+            self.closed = True
+            if not self.finished and self._on_close is not None:
+                self._on_close(self.request_id)
+
+    def _seen(self, output: RequestOutput) -> RequestOutput:
+        if output.final:
+            self.finished = True
+        return output
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncIterator[RequestOutput]:
+        if self._async_queue is None:
+            raise RuntimeError("this stream was created outside an event loop; iterate it with a plain for")
+        while not self.finished:
+            yield self._seen(await self._async_queue.get())
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        if self._async_queue is not None:
+            raise RuntimeError("this stream belongs to an event loop; iterate it with async for")
+        while not self.finished:
+            yield self._seen(self._queue.get())

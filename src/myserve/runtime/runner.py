@@ -1,0 +1,256 @@
+"""ModelRunner: owns the params, the paged KV cache and the penalty state on the mesh; runs steps.
+
+Two jitted entry points: ``_forward`` computes a padded batch of rows through the model (the cache
+is donated and updated in place) and ``_sample`` draws one token per row on device. A scheduler step becomes
+at most one decode call (all single-token rows, ``[B, 1]``) plus one call per prefill chunk
+(``[1, T]``); every call's shape is a bucket from ``Buckets``, and ``warmup`` compiles all of them.
+
+Penalty state: sequences that use presence/frequency/repetition penalties get a device *slot*
+holding counts of their generated tokens and a mask of their prompt tokens, ``[slots, vocab]``.
+Rows without penalties point at a scratch slot. The step adds each sampled token to its row's
+counts, so the state never crosses back to the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from myserve.engine.params import MAX_TOP_LOGPROBS
+from myserve.engine.scheduler import ScheduledBatch, ScheduledChunk
+from myserve.engine.sequence import Sequence as Seq
+from myserve.models.llama import LlamaModel
+from myserve.ops.paged_attention import PageBatch
+from myserve.runtime.buckets import Buckets
+from myserve.runtime.compile_counter import compile_count
+from myserve.runtime.kv_cache import init_kv_cache
+from myserve.runtime.sampler import SampleOutput, SamplingArrays, sample
+
+logger = logging.getLogger(__name__)
+
+MAX_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
+MAX_BANNED = 32  # EOS + stop_token_ids banned while min_tokens is not reached
+_SLOT_CHUNK = 256  # token ids written into a penalty slot per call
+
+
+@functools.partial(jax.jit, donate_argnums=1)
+def _forward(
+    model: LlamaModel, kv_cache: jax.Array, tokens: jax.Array, batch: PageBatch
+) -> tuple[jax.Array, jax.Array]:
+    """Run rows ``tokens`` [B, T] through the model; float32 logits [B, V] of each row's last real token."""
+    hidden, kv_cache = model(tokens, batch, kv_cache)
+    last = jnp.clip(batch.q_lens - 1, 0, None)
+    rows = hidden.rearrange(("batch", "position", "embed"))
+    picked = hax.named(
+        rows.array[jnp.arange(tokens.shape[0]), last], (rows.resolve_axis("batch"), rows.resolve_axis("embed"))
+    )
+    return model.logits(picked).array, kv_cache
+
+
+@functools.partial(jax.jit, donate_argnums=1)
+def _sample(
+    logits: jax.Array,
+    counts: jax.Array,
+    prompt_mask: jax.Array,
+    slots: jax.Array,
+    sampled_weight: jax.Array,
+    sampling: SamplingArrays,
+) -> tuple[SampleOutput, jax.Array]:
+    """Sample one token per row of ``logits`` [B, V] and count it in the row's penalty slot.
+
+    A separate executable from ``_forward`` so it is compiled per batch size only, not per
+    (batch, tokens, pages) shape: the sampler costs more to compile than the model.
+    ``counts`` [slots, V] int32 and ``prompt_mask`` [slots, V] bool hold penalty state; ``slots``
+    [B] picks each row's; ``sampled_weight`` [B] is 1 where the sampled token is really appended.
+    """
+    out = sample(logits, sampling, counts[slots], prompt_mask[slots], num_top_logprobs=MAX_TOP_LOGPROBS)
+    return out, counts.at[slots, out.tokens].add(sampled_weight)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _write_slot(
+    counts: jax.Array, prompt_mask: jax.Array, slot: jax.Array, ids: jax.Array, n: jax.Array, to_prompt: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Record ``ids[:n]`` in a penalty slot: into its prompt mask, or counted as generated tokens."""
+    valid = jnp.arange(ids.shape[0]) < n
+    prompt_mask = prompt_mask.at[slot, ids].max(valid & to_prompt)
+    counts = counts.at[slot, ids].add((valid & ~to_prompt).astype(counts.dtype))
+    return counts, prompt_mask
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _clear_slot(counts: jax.Array, prompt_mask: jax.Array, slot: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return counts.at[slot].set(0), prompt_mask.at[slot].set(False)
+
+
+class ModelRunner:
+    """Device side of the engine: params, KV cache, penalty slots, bucketed jitted steps."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        mesh: Mesh,
+        mapping,
+        *,
+        num_pages: int,
+        buckets: Buckets,
+        max_num_seqs: int,
+        eos_ids: Sequence[int] = (),
+    ):
+        self.model = model
+        self.spec = model.spec
+        self.buckets = buckets
+        self.page_size = buckets.page_size
+        self.eos_ids = tuple(eos_ids)
+        dtype = model.embed.array.dtype
+        self.kv_cache = init_kv_cache(self.spec, num_pages, self.page_size, dtype, mesh, mapping)
+        vocab = self.spec.vocab_size
+        self.scratch_slot = max_num_seqs
+        self.counts = jnp.zeros((max_num_seqs + 1, vocab), jnp.int32)
+        self.prompt_mask = jnp.zeros((max_num_seqs + 1, vocab), jnp.bool_)
+        self._free_slots = list(range(max_num_seqs))
+        self.warmed_up = False
+
+    # -- penalty slots ------------------------------------------------------------------------
+    def _assign_slot(self, seq: Seq) -> None:
+        """Give a penalty-using sequence a slot filled from its prompt and generated tokens."""
+        slot = self._free_slots.pop()
+        seq.slot = slot
+        self.counts, self.prompt_mask = _clear_slot(self.counts, self.prompt_mask, jnp.int32(slot))
+        for ids, to_prompt in ((seq.prompt_ids, True), (seq.output_ids, False)):
+            for start in range(0, len(ids), _SLOT_CHUNK):
+                part = ids[start : start + _SLOT_CHUNK]
+                padded = np.zeros(_SLOT_CHUNK, np.int32)
+                padded[: len(part)] = part
+                self.counts, self.prompt_mask = _write_slot(
+                    self.counts, self.prompt_mask, jnp.int32(slot), padded, jnp.int32(len(part)), jnp.bool_(to_prompt)
+                )
+
+    def release(self, seq: Seq) -> None:
+        """Free a finished or preempted sequence's penalty slot."""
+        if seq.slot is not None:
+            self._free_slots.append(seq.slot)
+            seq.slot = None
+
+    # -- steps --------------------------------------------------------------------------------
+    def _sampling_rows(self, chunks: Sequence[ScheduledChunk], rows: int) -> tuple[SamplingArrays, np.ndarray]:
+        temperature = np.zeros(rows, np.float32)
+        top_k = np.zeros(rows, np.int32)
+        top_p = np.ones(rows, np.float32)
+        min_p = np.zeros(rows, np.float32)
+        presence = np.zeros(rows, np.float32)
+        frequency = np.zeros(rows, np.float32)
+        repetition = np.ones(rows, np.float32)
+        seed = np.zeros(rows, np.uint32)
+        choice = np.zeros(rows, np.int32)
+        position = np.zeros(rows, np.int32)
+        bias_ids = np.full((rows, MAX_BIAS), -1, np.int32)
+        bias_values = np.zeros((rows, MAX_BIAS), np.float32)
+        banned = np.full((rows, MAX_BANNED), -1, np.int32)
+        slots = np.full(rows, self.scratch_slot, np.int32)
+        for i, chunk in enumerate(chunks):
+            seq, p = chunk.seq, chunk.seq.params
+            temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+            presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+            seed[i] = seq.seed & 0xFFFFFFFF
+            choice[i], position[i] = seq.choice, len(seq.output_ids)
+            if p.logit_bias:
+                ids, values = zip(*p.logit_bias, strict=True)
+                bias_ids[i, : len(ids)], bias_values[i, : len(ids)] = ids, values
+            if len(seq.output_ids) < p.min_tokens:
+                stop_ids = (() if p.ignore_eos else self.eos_ids) + p.stop_token_ids
+                banned[i, : len(stop_ids)] = stop_ids[:MAX_BANNED]
+            if p.uses_penalties:
+                if seq.slot is None:
+                    self._assign_slot(seq)
+                slots[i] = seq.slot
+        arrays = SamplingArrays(
+            temperature=jnp.asarray(temperature),
+            top_k=jnp.asarray(top_k),
+            top_p=jnp.asarray(top_p),
+            min_p=jnp.asarray(min_p),
+            presence_penalty=jnp.asarray(presence),
+            frequency_penalty=jnp.asarray(frequency),
+            repetition_penalty=jnp.asarray(repetition),
+            seed=jnp.asarray(seed),
+            choice=jnp.asarray(choice),
+            position=jnp.asarray(position),
+            bias_ids=jnp.asarray(bias_ids),
+            bias_values=jnp.asarray(bias_values),
+            banned_ids=jnp.asarray(banned),
+        )
+        return arrays, slots
+
+    def _dispatch(self, chunks: Sequence[ScheduledChunk], rows: int, tokens_per_row: int, width: int) -> SampleOutput:
+        tokens = np.zeros((rows, tokens_per_row), np.int32)
+        positions = np.zeros((rows, tokens_per_row), np.int32)
+        q_lens = np.zeros(rows, np.int32)
+        kv_lens = np.zeros(rows, np.int32)
+        table = np.zeros((rows, width), np.int32)
+        weight = np.zeros(rows, np.int32)
+        for i, c in enumerate(chunks):
+            tokens[i, : c.num_tokens] = c.seq.tokens(c.start, c.start + c.num_tokens)
+            positions[i] = c.start + np.arange(tokens_per_row)
+            q_lens[i] = c.num_tokens
+            kv_lens[i] = c.start + c.num_tokens
+            table[i, : len(c.seq.pages)] = c.seq.pages
+            weight[i] = 1 if c.samples else 0
+        batch = PageBatch(jnp.asarray(positions), jnp.asarray(q_lens), jnp.asarray(kv_lens), jnp.asarray(table))
+        logits, self.kv_cache = _forward(self.model, self.kv_cache, jnp.asarray(tokens), batch)
+        # Prefill rows are sampled in the smallest batch bucket, so the sampler compiles per bucket.
+        sample_rows = Buckets.fit(self.buckets.batch, rows)
+        if sample_rows != rows:
+            logits = jnp.pad(logits, ((0, sample_rows - rows), (0, 0)))
+            weight = np.pad(weight, (0, sample_rows - rows))
+        sampling, slots = self._sampling_rows(chunks, sample_rows)
+        out, self.counts = _sample(
+            logits, self.counts, self.prompt_mask, jnp.asarray(slots), jnp.asarray(weight), sampling
+        )
+        return out
+
+    def execute(self, batch: ScheduledBatch) -> dict[Seq, tuple[int, float, np.ndarray, np.ndarray]]:
+        """Run one scheduler step; for each chunk that samples: (token, logprob, top ids, top logprobs)."""
+        calls: list[tuple[Sequence[ScheduledChunk], SampleOutput]] = []
+        if batch.decodes:
+            rows = Buckets.fit(self.buckets.batch, len(batch.decodes))
+            width = Buckets.fit(self.buckets.pages, max(len(c.seq.pages) for c in batch.decodes))
+            calls.append((batch.decodes, self._dispatch(batch.decodes, rows, 1, width)))
+        for chunk in batch.prefills:
+            t = Buckets.fit(self.buckets.tokens, chunk.num_tokens)
+            width = self.buckets.prefill_pages(len(chunk.seq.pages), t)
+            calls.append(([chunk], self._dispatch([chunk], 1, t, width)))
+        # Every call is dispatched before any result is read, so device work queues back to back.
+        results: dict[Seq, tuple[int, float, np.ndarray, np.ndarray]] = {}
+        for chunks, out in calls:
+            tokens, logprobs = np.asarray(out.tokens), np.asarray(out.logprobs)
+            top_ids, top_lps = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+            for i, c in enumerate(chunks):
+                if c.samples:
+                    results[c.seq] = (int(tokens[i]), float(logprobs[i]), top_ids[i], top_lps[i])
+        return results
+
+    # -- warmup -------------------------------------------------------------------------------
+    def warmup(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Compile every bucket shape (rows of padding only: the cache is not touched); returns compiles."""
+        before = compile_count()
+        shapes = self.buckets.shapes()
+        for i, (rows, t, width) in enumerate(shapes):
+            self._dispatch([], rows, t, width).tokens.block_until_ready()
+            if progress is not None:
+                progress(i + 1, len(shapes))
+        # The penalty-slot writers too, on the scratch slot.
+        self.counts, self.prompt_mask = _clear_slot(self.counts, self.prompt_mask, jnp.int32(self.scratch_slot))
+        zeros = np.zeros(_SLOT_CHUNK, np.int32)
+        self.counts, self.prompt_mask = _write_slot(
+            self.counts, self.prompt_mask, jnp.int32(self.scratch_slot), zeros, jnp.int32(0), jnp.bool_(True)
+        )
+        jax.block_until_ready(self.counts)
+        self.warmed_up = True
+        return compile_count() - before

@@ -1,0 +1,190 @@
+"""GenerationService end to end on the tiny random Llama: batching, preemption, prefix cache, aborts."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from myserve.engine.params import SamplingParams
+from myserve.runtime.compile_counter import compile_count
+from myserve.testing import hf_greedy, start_service
+
+# Small buckets keep warmup short on 2 cores.
+ENGINE = [
+    "model.max_model_len=512",
+    "engine.page_size=8",
+    "engine.max_num_seqs=8",
+    "engine.max_num_batched_tokens=64",
+    "engine.batch_buckets=[1,2,4,8]",
+    "engine.token_buckets=[16,64]",
+    "engine.page_buckets=[8,64]",
+]
+LENGTHS = [3, 200, 17, 64, 5, 120, 33, 9, 150, 48, 77, 11]
+
+
+def collect(stream) -> tuple[list[int], str, str | None]:
+    tokens, text, finish = [], "", None
+    for out in stream:
+        tokens.extend(out.token_ids)
+        text += out.text
+        finish = out.finish_reason or finish
+    return tokens, text, finish
+
+
+def run_concurrently(service, prompts, params) -> list[list[int]]:
+    streams = [service.submit(p, params) for p in prompts]
+    return [collect(s)[0] for s in streams]
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = np.random.RandomState(5)
+    return [[int(t) for t in rng.randint(3, 256, size=n)] for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_checkpoints):
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama3"], dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def expected(hf_tiny, prompts) -> list[list[int]]:
+    return [hf_greedy(hf_tiny, p, 24, (2,)) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def service(tiny_checkpoints):
+    svc = start_service(tiny_checkpoints["llama3"], *ENGINE, "engine.num_pages=256")
+    yield svc
+    svc.shutdown()
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+def test_concurrent_greedy_matches_transformers_alone(service, prompts, expected) -> None:
+    got = run_concurrently(service, prompts, GREEDY)
+    assert got == expected
+    assert service.stats().max_decode_batch > 1  # decode steps really batched several sequences
+
+
+def test_preemption_keeps_outputs_and_frees_every_page(tiny_checkpoints, prompts, expected) -> None:
+    # 48 pages of 8 tokens: the 12 requests need ~170 pages in all, so sequences must be preempted.
+    svc = start_service(tiny_checkpoints["llama3"], *ENGINE, "engine.num_pages=48")
+    try:
+        got = run_concurrently(svc, prompts, GREEDY)
+        stats = svc.stats()
+        assert stats.num_preemptions > 0
+        assert got == expected
+        assert all(svc.allocator.refcount(p) == 0 for p in range(48))
+        assert stats.pages_used == 0 and stats.running == 0 and stats.waiting == 0
+    finally:
+        svc.shutdown()
+
+
+def test_prefix_cache_computes_only_uncached_tokens(service, hf_tiny) -> None:
+    rng = np.random.RandomState(9)
+    prefix = [int(t) for t in rng.randint(3, 256, size=100)]
+    first = prefix + [7, 8, 9]
+    second = prefix + [10, 11, 12, 13]
+    cold = hf_greedy(hf_tiny, second, 16, (2,))
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    collect(service.submit(first, params))
+    before = service.stats()
+    tokens, _, _ = collect(service.submit(second, params))
+    after = service.stats()
+    # 100 shared tokens = 12 full pages of 8 (96 tokens) come from the cache.
+    assert after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens == 96
+    assert after.prompt_tokens_computed - before.prompt_tokens_computed == len(second) - 96
+    assert tokens == cold
+
+
+def test_seeded_sampling_is_batch_invariant(service, prompts) -> None:
+    target = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=1234)
+    alone = collect(service.submit(prompts[2], target))[0]
+    others = [
+        SamplingParams(max_tokens=20, temperature=t, top_k=k, seed=s)
+        for t, k, s in [(1.0, 0, 1), (0.5, 5, 2), (0.0, 0, None), (1.2, 50, 3), (0.9, 0, None), (0.7, 3, 4)]
+    ] + [SamplingParams(max_tokens=12, temperature=1.0, presence_penalty=0.5, seed=5)] * 2
+    streams = [service.submit(prompts[i], p) for i, p in enumerate(others)]
+    mixed_stream = service.submit(prompts[2], target)
+    mixed = collect(mixed_stream)[0]
+    for s in streams:
+        collect(s)
+    assert mixed == alone
+    other_seed = collect(service.submit(prompts[2], SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=99)))
+    assert other_seed[0] != alone
+
+
+def test_n_choices_share_the_prompt_and_differ(service, prompts) -> None:
+    stream = service.submit(prompts[1], SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=7))
+    by_choice: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    usage = None
+    for out in stream:
+        if out.final:
+            usage = out.usage
+        else:
+            by_choice[out.choice].extend(out.token_ids)
+    assert all(len(v) == 8 for v in by_choice.values())
+    assert len({tuple(v) for v in by_choice.values()}) > 1
+    assert usage is not None and usage.completion_tokens == 24 and usage.prompt_tokens == len(prompts[1])
+
+
+def test_abort_frees_everything_and_engine_keeps_serving(service, prompts, expected) -> None:
+    streams = [service.submit(prompts[i % 12], SamplingParams(max_tokens=200, temperature=0.0)) for i in range(50)]
+    for s in streams:
+        service.abort(s.request_id)
+    finishes = [collect(s)[2] for s in streams]
+    assert set(finishes) <= {"abort", "length", "stop"} and "abort" in finishes
+    stats = service.stats()
+    assert stats.pages_used == 0 and stats.running == 0 and stats.waiting == 0
+    assert collect(service.submit(prompts[0], GREEDY))[0] == expected[0]
+
+
+def test_no_compile_after_warmup(service, prompts) -> None:
+    before = compile_count()
+    mixes = [
+        SamplingParams(max_tokens=5, temperature=0.0),
+        SamplingParams(max_tokens=9, temperature=0.7, top_k=20, top_p=0.8, seed=3),
+        SamplingParams(max_tokens=7, temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=5),
+        SamplingParams(max_tokens=6, temperature=0.0, logit_bias=((5, 10.0),), min_tokens=3, n=2),
+    ]
+    threads_out: list = []
+    streams = [service.submit(p, mixes[i % 4]) for i, p in enumerate(prompts)]
+    for s in streams:
+        threads_out.append(collect(s))
+    assert compile_count() == before
+
+
+def test_stop_strings_and_finish_reasons(service, prompts) -> None:
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    tokens, text, finish = collect(service.submit(prompts[3], params))
+    assert finish in ("length", "stop") and len(text) > 4
+    stop = text[2:5]
+    _, stopped_text, stopped_finish = collect(
+        service.submit(prompts[3], SamplingParams(max_tokens=24, temperature=0.0, stop=(stop, "\u2603")))
+    )
+    assert stopped_finish == "stop" and stopped_text == text[: text.index(stop)]
+    _, at_start, reason = collect(
+        service.submit(prompts[3], SamplingParams(max_tokens=24, temperature=0.0, stop=(text[:2],)))
+    )
+    assert at_start == "" and reason == "stop"
+
+
+def test_submit_from_many_threads(service, prompts, expected) -> None:
+    results: dict[int, list[int]] = {}
+
+    def worker(i: int) -> None:
+        results[i] = collect(service.submit(prompts[i], GREEDY))[0]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [results[i] for i in range(6)] == expected[:6]
