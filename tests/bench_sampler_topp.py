@@ -77,13 +77,30 @@ def main() -> None:
         "temperature 1 only": (run, logits, with_(greedy, temperature=1.0)),
         "top_k=50": (run, logits, with_(greedy, temperature=1.0, top_k=50)),
         "top_p=0.9 candidates": (run, logits, topp),
-        "top_p=0.9 all rows fall back": (run_small, flat, topp),
+        "top_p=0.9, 1 row falls back": (run, jnp.where(jnp.arange(B)[:, None] == 0, flat, logits), topp),
+        "top_p=0.9, all rows fall back": (run_small, flat, topp),
         "naive full sort, top_p=0.9": (naive_full_sort, logits, topp),
     }
     _, fits = _thresholds(jax.lax.top_k(logits, CANDIDATES)[0], logits.max(-1), jax.nn.logsumexp(logits, -1), topp, V)
     print(f"B={B} V={V}; rows whose nucleus fits in {CANDIDATES} candidates: {int(fits.sum())}/{B}")
     for name, (fn, x, params) in cases.items():
         print(f"{name:32s} {median_ms(fn, x, params, counts, mask):8.1f} ms", flush=True)
+
+    # Batch invariance at full size: rows of a mixed batch (greedy, top_p, top_k, temperature only,
+    # fallback rows) sampled again one at a time.
+    mixed = dataclasses.replace(
+        topp,
+        temperature=jnp.asarray(rng.choice([0.0, 0.7, 1.0], B), jnp.float32),
+        top_p=jnp.asarray(rng.choice([1.0, 0.9, 0.99], B), jnp.float32),
+        top_k=jnp.asarray(rng.choice([0, 0, 40], B), jnp.int32),
+        seed=jnp.arange(B, dtype=jnp.uint32),
+    )
+    x = jnp.where(jnp.arange(B)[:, None] % 5 == 0, flat, logits)
+    batch = run(x, mixed, counts, mask).tokens
+    for r in range(0, B, 4):
+        one = jax.tree.map(lambda a, r=r: a[r : r + 1], mixed)
+        assert int(run(x[r : r + 1], one, counts[:1], mask[:1]).tokens[0]) == int(batch[r]), r
+    print("batch invariance at full size: ok")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,19 @@ def smollm2():
     return load_on_mesh(None)
 
 
+@pytest.fixture(scope="session")
+def hf_gguf_model():
+    """transformers' own load of the bundled GGUF (dequantized to float32): the parity reference."""
+    import torch
+    import transformers
+
+    from myserve.bundled import bundled_gguf_path
+
+    path = bundled_gguf_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
 def load_on_mesh(checkpoint, data: int = 1, model: int = 1):
     """Load a checkpoint in float32 on a (data, model) mesh; returns (model, mesh, mapping)."""
     from myserve.models.loading import load_model, open_source, resolve_checkpoint

@@ -15,18 +15,6 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def hf_gguf_model():
-    import torch
-    import transformers
-
-    path = bundled_gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
-
-
 @pytest.mark.slow
 def test_greedy_32_tokens_match_transformers(smollm2, hf_gguf_model) -> None:
     import torch

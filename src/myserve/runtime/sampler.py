@@ -182,9 +182,9 @@ def _sort_descending(row: jax.Array) -> jax.Array:
 def keep_threshold(scaled: jax.Array, params: SamplingArrays, *, candidates: int = CANDIDATES) -> jax.Array:
     """Smallest kept logit per row after top-k, top-p and min-p: f32 [B] from scaled logits [B, V].
 
-    Rows with ``temperature == 0`` are ignored (their threshold is meaningless).
+    Greedy rows (``temperature <= 0``) are ignored: their threshold is meaningless.
     """
-    b, v = scaled.shape
+    v = scaled.shape[-1]
     row_max = scaled.max(axis=-1)
     sampled = params.temperature > 0
     filtered = sampled & (((params.top_k > 0) & (params.top_k < v)) | (params.top_p < 1))
@@ -196,7 +196,7 @@ def keep_threshold(scaled: jax.Array, params: SamplingArrays, *, candidates: int
         exact = exact | ~sampled
 
         def fix_rows() -> jax.Array:
-            def one(args: tuple[jax.Array, ...]) -> jax.Array:
+            def one(args: tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, SamplingArrays]) -> jax.Array:
                 row, fast, ok, rmax, rlse, row_params = args
                 full = lambda: _thresholds(_sort_descending(row), rmax, rlse, row_params, v)[0]  # noqa: E731
                 return lax.cond(ok, lambda: fast, full)
