@@ -22,19 +22,22 @@ rows pay for a sort). A row that fits always uses the candidate result and a row
 always uses the sorted one, so a row's threshold never depends on the other rows of the batch.
 
 Sampling is Gumbel-max, split in two levels so that it needs ~2*sqrt(V) random numbers per row
-instead of V (threefry noise for the full vocabulary costs more than everything else): pick a block
+instead of V (full-vocabulary threefry noise alone takes ~40 ms at [64, 49152]): pick a block
 of ``BLOCK`` tokens with Gumbel-max over the blocks' log masses, then a token inside it. This is the
 exact categorical distribution. Row b's key is ``fold_in(fold_in(key(seed), choice), position)``
 and its token depends only on that key and the row's own logits and parameters: batch-invariant.
 
-Measured on this 2-core CPU, B=64, V=49152, jitted, median ms per call
-(``tests/bench_sampler_topp.py``; other processes shared the machine, so +-20%):
+Measured on this 2-core CPU (shared with other jobs, load ~3: expect +-25%), B=64, V=49152,
+jitted, median ms per call over 7 runs of three invocations of ``tests/bench_sampler_topp.py``:
 
-    greedy batch (argmax + logprobs)                       ~11
-    temperature only, no top-k/top-p                       ~23
-    top_p=0.9 / top_k=50, candidates path                  ~40
-    top_p, every row falls back to its own sorted row     ~230
-    naive full-vocab sort of the batch (jnp.sort)         ~1150
+    greedy batch (argmax + chosen logprob)                    10-15
+    greedy + 5 top logprobs                                   15-22
+    temperature only (no top-k/top-p: no candidates)          18-24
+    top_k=50, candidates path                                 34-44
+    top_p=0.9, candidates path (every nucleus fits in 256)    39-45
+    top_p=0.9, one row of 64 falls back to its sorted row     ~39
+    top_p=0.9, every row falls back (64 row sorts)           280-316
+    naive: jnp.sort of the whole batch, then top-k/top-p    1056-1158
 """
 
 from __future__ import annotations

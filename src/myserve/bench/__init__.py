@@ -1,0 +1,1 @@
+"""Benchmarks: engine-level throughput now; the HTTP load generator joins later."""
