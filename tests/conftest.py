@@ -41,7 +41,9 @@ def hf_gguf_model():
     from myserve.bundled import bundled_gguf_path
 
     path = bundled_gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     return model.eval()
 
 
