@@ -188,3 +188,21 @@ def test_submit_from_many_threads(service, prompts, expected) -> None:
     for t in threads:
         t.join(timeout=120)
     assert [results[i] for i in range(6)] == expected[:6]
+
+
+def test_n_greedy_choices_share_prompt_pages_copy_on_write(service, hf_tiny) -> None:
+    """Later choices reuse the first choice's prompt pages: the prompt is prefilled once, not 3 times."""
+    # A fresh 117-token prompt (nothing cached): 14 full pages of 8 shared, the last prompt token's
+    # page copied for choices 1 and 2.
+    prompt = [int(t) for t in np.random.RandomState(21).randint(3, 256, size=117)]
+    want = hf_greedy(hf_tiny, prompt, 24, (2,))
+    before = service.stats()
+    stream = service.submit(prompt, SamplingParams(max_tokens=24, temperature=0.0, n=3))
+    by_choice: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for out in stream:
+        if not out.final:
+            by_choice[out.choice].extend(out.token_ids)
+    after = service.stats()
+    assert by_choice[0] == by_choice[1] == by_choice[2] == want
+    assert after.prompt_tokens_computed - before.prompt_tokens_computed == len(prompt)
+    assert after.pages_used == 0

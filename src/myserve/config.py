@@ -82,8 +82,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     """Paged attention implementation: auto, reference (pure JAX) or pallas;
     auto = pallas where a kernel exists for the platform, else reference."""
-    compilation_cache_dir: str | None = None
-    """Directory for JAX's persistent compilation cache; null = no persistent cache."""
+    compilation_cache_dir: str | None = "~/.cache/myserve/xla"
+    """Directory for JAX's persistent compilation cache, so a restart skips most of warmup's
+    compiling; null = no persistent cache."""
     max_num_seqs: int = 64
     """Most sequences running at once (the largest decode batch)."""
     max_num_batched_tokens: int = 512

@@ -42,6 +42,9 @@ class ScheduledBatch:
     decodes: list[ScheduledChunk]
     prefills: list[ScheduledChunk]
     preempted: list[Sequence]
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    """(source page, destination page) copies to make before the step: copy-on-write of a shared
+    prompt's last page for the later choices of an n > 1 request."""
 
     @property
     def empty(self) -> bool:
@@ -138,18 +141,48 @@ class Scheduler:
                 chunks[seq] = ScheduledChunk(seq, seq.num_computed, n)
                 budget -= n
         # Then admissions in arrival order (preempted sequences are back at the front); none in a
-        # step that had to preempt, which would only thrash.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            seq = self.waiting[0]
-            first = self._admit(seq, budget)
+        # step that had to preempt, which would only thrash. Later choices of an n > 1 request
+        # wait (without blocking the queue) until the first choice has computed the prompt.
+        copies: list[tuple[int, int]] = []
+        for seq in list(self.waiting) if not preempted else []:
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            parent = seq.parent
+            if parent is not None and parent.status is not SeqStatus.FINISHED:
+                if parent.status is not SeqStatus.RUNNING or parent.num_computed < len(seq.prompt_ids):
+                    continue
+                first = self._admit_sibling(seq, parent, copies)
+            else:
+                first = self._admit(seq, budget)
             if first == 0:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             chunks[seq] = ScheduledChunk(seq, seq.num_computed, first)
             budget -= first
         decodes = [c for c in chunks.values() if c.num_tokens == 1]
         prefills = [c for c in chunks.values() if c.num_tokens > 1]
-        return ScheduledBatch(decodes, prefills, preempted)
+        return ScheduledBatch(decodes, prefills, preempted, copies)
+
+    def _admit_sibling(self, seq: Sequence, parent: Sequence, copies: list[tuple[int, int]]) -> int:
+        """Admit a later choice on its first choice's prompt pages; it computes only the last prompt token.
+
+        Full pages before the last prompt token are shared; the page holding the last prompt token
+        is copied (copy-on-write), because this choice rewrites that token and then appends its own.
+        """
+        n = len(seq.prompt_ids)
+        shared = parent.pages[: (n - 1) // self.page_size]
+        if not self.allocator.can_allocate(1):
+            return 0
+        self.allocator.share(shared)
+        page = self.allocator.allocate(1)[0]
+        copies.append((parent.pages[len(shared)], page))
+        seq.pages = [*shared, page]
+        seq.page_hashes = parent.page_hashes[: len(shared)]
+        seq.num_cached_pages = len(shared)
+        seq.num_computed = n - 1
+        seq.mark_admitted()
+        self.running.append(seq)
+        return 1
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Admit ``seq`` with its prefix-cached pages and pages for a first chunk; its size, or 0 if short."""

@@ -28,12 +28,22 @@ class Sequence:
     a time, and whenever a step computes the last known token, the sampled token is appended.
     """
 
-    def __init__(self, request_id: str, choice: int, prompt_ids: list[int], params: SamplingParams, max_len: int):
+    def __init__(
+        self,
+        request_id: str,
+        choice: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_len: int,
+        parent: Sequence | None = None,
+    ):
         self.request_id = request_id
         self.choice = choice
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params
+        # Choices after the first wait for it to compute the prompt, then share its pages.
+        self.parent = parent
         # Without a request seed each choice still gets a fixed one, so preemption and recompute
         # cannot change its samples.
         self.seed = params.seed if params.seed is not None else random.getrandbits(32)

@@ -13,8 +13,9 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from myserve.engine.detokenizer import IncrementalDetokenizer
 from myserve.engine.outputs import (
@@ -133,11 +134,22 @@ class GenerationService:
         )
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def start(self, *, warmup: bool = True, progress=None) -> None:
-        """Start the engine thread; with ``warmup`` compile every bucket first (``ready`` is set after)."""
+    def start(self, *, warmup: bool = True, progress: Callable[[int, int], None] | None = None) -> None:
+        """Start the engine thread; with ``warmup`` compile every bucket first (``ready`` is set after).
+
+        ``progress(done, total)`` is called per compiled shape; by default a tqdm bar shows it.
+        """
         if warmup and not self.runner.warmed_up:
-            compiles = self.runner.warmup(progress)
-            logger.info("warmup compiled %d executables", compiles)
+            t0 = time.perf_counter()
+            if progress is None:
+                from tqdm import tqdm
+
+                bar = tqdm(total=len(self.runner.buckets.shapes()), desc="warmup (compiling buckets)", unit="shape")
+                compiles = self.runner.warmup(lambda done, total: bar.update(done - bar.n))
+                bar.close()
+            else:
+                compiles = self.runner.warmup(progress)
+            logger.info("warmup: %d executables built in %.1fs", compiles, time.perf_counter() - t0)
         self._thread = threading.Thread(target=self._loop, name="myserve-engine", daemon=True)
         self._thread.start()
         self.ready.set()
@@ -249,7 +261,8 @@ class GenerationService:
         max_len = min(self.max_model_len, len(req.prompt_ids) + (req.params.max_tokens or self.max_model_len))
         self._requests[req.request_id] = req
         for choice in range(req.params.n):
-            seq = Seq(req.request_id, choice, req.prompt_ids, req.params, max_len)
+            parent = req.seqs[0] if req.seqs else None
+            seq = Seq(req.request_id, choice, req.prompt_ids, req.params, max_len, parent=parent)
             req.seqs.append(seq)
             req.detok[seq] = IncrementalDetokenizer(
                 self.tokenizer, req.prompt_ids, skip_special_tokens=req.params.skip_special_tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Mapping
 
@@ -29,6 +30,17 @@ def resolve_dtype(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 
 
+def enable_compilation_cache(directory: str | None) -> None:
+    """Turn on JAX's persistent compilation cache in ``directory`` (every executable, however fast to build)."""
+    if directory is None:
+        return
+    path = os.path.expanduser(directory)
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Deployment:
     """Everything loaded for serving one model, ready for a runner to allocate its KV cache."""
@@ -46,6 +58,7 @@ class Deployment:
     def load(config: Config) -> Deployment:
         """Resolve the checkpoint, build the mesh, load weights onto it, load the tokenizer."""
         t0 = time.perf_counter()
+        enable_compilation_cache(config.engine.compilation_cache_dir)
         resolved = resolve_checkpoint(config.model.checkpoint)
         source = open_source(resolved)
         spec = source.spec

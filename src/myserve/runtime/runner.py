@@ -74,6 +74,12 @@ def _sample(
     return out, counts.at[slots, out.tokens].add(sampled_weight)
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _copy_page(kv_cache: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """Copy one page's K/V in every layer (copy-on-write for shared prompts)."""
+    return kv_cache.at[:, dst].set(kv_cache[:, src])
+
+
 @functools.partial(jax.jit, donate_argnums=(0, 1))
 def _write_slot(
     counts: jax.Array, prompt_mask: jax.Array, slot: jax.Array, ids: jax.Array, n: jax.Array, to_prompt: jax.Array
@@ -217,6 +223,8 @@ class ModelRunner:
 
     def execute(self, batch: ScheduledBatch) -> dict[Seq, tuple[int, float, np.ndarray, np.ndarray]]:
         """Run one scheduler step; for each chunk that samples: (token, logprob, top ids, top logprobs)."""
+        for src, dst in batch.copies:
+            self.kv_cache = _copy_page(self.kv_cache, jnp.int32(src), jnp.int32(dst))
         calls: list[tuple[Sequence[ScheduledChunk], SampleOutput]] = []
         if batch.decodes:
             rows = Buckets.fit(self.buckets.batch, len(batch.decodes))
@@ -245,7 +253,8 @@ class ModelRunner:
             self._dispatch([], rows, t, width).tokens.block_until_ready()
             if progress is not None:
                 progress(i + 1, len(shapes))
-        # The penalty-slot writers too, on the scratch slot.
+        # The page copy (page 0 onto itself) and the penalty-slot writers (on the scratch slot) too.
+        self.kv_cache = _copy_page(self.kv_cache, jnp.int32(0), jnp.int32(0))
         self.counts, self.prompt_mask = _clear_slot(self.counts, self.prompt_mask, jnp.int32(self.scratch_slot))
         zeros = np.zeros(_SLOT_CHUNK, np.int32)
         self.counts, self.prompt_mask = _write_slot(
