@@ -206,3 +206,31 @@ def test_n_greedy_choices_share_prompt_pages_copy_on_write(service, hf_tiny) -> 
     assert by_choice[0] == by_choice[1] == by_choice[2] == want
     assert after.prompt_tokens_computed - before.prompt_tokens_computed == len(prompt)
     assert after.pages_used == 0
+
+
+def test_full_waiting_queue_raises_overloaded_and_the_rest_finish(tiny_checkpoints, prompts) -> None:
+    from myserve.engine.outputs import Overloaded
+
+    svc = start_service(
+        tiny_checkpoints["llama3"],
+        *ENGINE[:2],
+        "engine.max_num_seqs=1",
+        "engine.batch_buckets=[1]",
+        "engine.max_num_batched_tokens=64",
+        "engine.token_buckets=[16,64]",
+        "engine.page_buckets=[8,64]",
+        "engine.max_waiting=3",
+    )
+    try:
+        accepted, refused = [], 0
+        for i in range(12):
+            try:
+                accepted.append(svc.submit(prompts[i], SamplingParams(max_tokens=30, temperature=0.0)))
+            except Overloaded:
+                refused += 1
+        assert refused > 0 and len(accepted) >= 3
+        finishes = [collect(s)[2] for s in accepted]
+        assert all(f in ("length", "stop") for f in finishes)
+        assert svc.stats().pages_used == 0
+    finally:
+        svc.shutdown()

@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import platform
+import threading
 import time
 from collections.abc import Sequence
 
@@ -41,19 +42,33 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
 
 
 def bench_myserve(service, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Submit all prompts at once; wall time until every request finished."""
+    """Submit all prompts at once; wall time until every request finished, and TTFTs.
+
+    Each stream is drained by its own thread so first-token times are taken when they happen.
+    """
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    streams = [service.submit(p, params) for p in prompts]
-    ttfts, generated = [], 0
-    for stream in streams:
-        first = None
+    ttfts: list[float] = []
+    counts: list[int] = []
+    lock = threading.Lock()
+
+    def drain(stream, t0: float) -> None:
+        first, n = None, 0
         for out in stream:
             if out.token_ids and first is None:
                 first = time.perf_counter() - t0
-            generated += len(out.token_ids)
-        ttfts.append(first)
+            n += len(out.token_ids)
+        with lock:
+            ttfts.append(first if first is not None else float("nan"))
+            counts.append(n)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=drain, args=(service.submit(p, params), t0)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     elapsed = time.perf_counter() - t0
+    generated = sum(counts)
     ttfts.sort()
     return {
         "requests": len(prompts),
