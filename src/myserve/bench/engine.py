@@ -18,6 +18,7 @@ import platform
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from myserve.engine.params import SamplingParams
 
@@ -103,7 +104,7 @@ def bench_transformers(prompts: list[list[int]], max_tokens: int, pad_id: int) -
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     path = bundled_gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
     model.eval()

@@ -245,7 +245,7 @@ class GenerationService:
             if kind == "submit":
                 self._admit(payload)  # type: ignore[arg-type]
             elif kind == "abort":
-                req = self._requests.get(payload)  # type: ignore[arg-type]
+                req = self._requests.get(str(payload))
                 if req is not None:
                     self._finish_request(req, "abort")
             try:
@@ -297,12 +297,13 @@ class GenerationService:
             k = params.logprobs
             top = tuple((int(i), float(v)) for i, v in zip(top_ids[:k], top_lps[:k], strict=True))
             logprobs = (TokenLogprob(token, logprob, top),)
-        finish, stop_reason = None, None
+        finish: str | None = None
+        stop_reason: str | int | None = None
         text = ""
         if token in params.stop_token_ids:
             finish, stop_reason = "stop", token
         elif not params.ignore_eos and token in self.tokenizer.eos_token_ids:
-            finish, stop_reason = "stop", None
+            finish = "stop"
         else:
             text, stopped = req.stops[seq].feed(req.detok[seq].add([token]))
             if stopped:

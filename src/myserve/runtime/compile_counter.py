@@ -17,14 +17,14 @@ _lock = threading.Lock()
 _count = 0
 
 
-def _on_duration(event: str, duration: float, **kwargs: object) -> None:
+def _on_duration(event: str, duration_secs: float, **kwargs: str | int) -> None:
     global _count
     if event == _BACKEND_COMPILE:
         with _lock:
             _count += 1
 
 
-def _on_event(event: str, **kwargs: object) -> None:
+def _on_event(event: str, **kwargs: str | int) -> None:
     global _count
     if event == _CACHE_HIT:
         with _lock:

@@ -176,6 +176,7 @@ class ModelRunner:
             if p.uses_penalties:
                 if seq.slot is None:
                     self._assign_slot(seq)
+                assert seq.slot is not None
                 slots[i] = seq.slot
         arrays = SamplingArrays(
             temperature=jnp.asarray(temperature),
