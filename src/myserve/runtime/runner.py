@@ -38,6 +38,16 @@ logger = logging.getLogger(__name__)
 MAX_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
 MAX_BANNED = 32  # EOS + stop_token_ids banned while min_tokens is not reached
 _SLOT_CHUNK = 256  # token ids written into a penalty slot per call
+# SamplingParams fields copied as they are into the same-named SamplingArrays row.
+_PER_ROW_PARAMS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 @functools.partial(jax.jit, donate_argnums=1)
@@ -147,52 +157,41 @@ class ModelRunner:
 
     # -- steps --------------------------------------------------------------------------------
     def _sampling_rows(self, chunks: Sequence[ScheduledChunk], rows: int) -> tuple[SamplingArrays, np.ndarray]:
-        temperature = np.zeros(rows, np.float32)
-        top_k = np.zeros(rows, np.int32)
-        top_p = np.ones(rows, np.float32)
-        min_p = np.zeros(rows, np.float32)
-        presence = np.zeros(rows, np.float32)
-        frequency = np.zeros(rows, np.float32)
-        repetition = np.ones(rows, np.float32)
-        seed = np.zeros(rows, np.uint32)
-        choice = np.zeros(rows, np.int32)
-        position = np.zeros(rows, np.int32)
-        bias_ids = np.full((rows, MAX_BIAS), -1, np.int32)
-        bias_values = np.zeros((rows, MAX_BIAS), np.float32)
-        banned = np.full((rows, MAX_BANNED), -1, np.int32)
+        # Host-side rows, named as the SamplingArrays fields; padding rows stay greedy and inert.
+        a = {
+            "temperature": np.zeros(rows, np.float32),
+            "top_k": np.zeros(rows, np.int32),
+            "top_p": np.ones(rows, np.float32),
+            "min_p": np.zeros(rows, np.float32),
+            "presence_penalty": np.zeros(rows, np.float32),
+            "frequency_penalty": np.zeros(rows, np.float32),
+            "repetition_penalty": np.ones(rows, np.float32),
+            "seed": np.zeros(rows, np.uint32),
+            "choice": np.zeros(rows, np.int32),
+            "position": np.zeros(rows, np.int32),
+            "bias_ids": np.full((rows, MAX_BIAS), -1, np.int32),
+            "bias_values": np.zeros((rows, MAX_BIAS), np.float32),
+            "banned_ids": np.full((rows, MAX_BANNED), -1, np.int32),
+        }
         slots = np.full(rows, self.scratch_slot, np.int32)
         for i, chunk in enumerate(chunks):
             seq, p = chunk.seq, chunk.seq.params
-            temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-            presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
-            seed[i] = seq.seed & 0xFFFFFFFF
-            choice[i], position[i] = seq.choice, len(seq.output_ids)
+            for name in _PER_ROW_PARAMS:
+                a[name][i] = getattr(p, name)
+            a["seed"][i] = seq.seed & 0xFFFFFFFF
+            a["choice"][i], a["position"][i] = seq.choice, len(seq.output_ids)
             if p.logit_bias:
                 ids, values = zip(*p.logit_bias, strict=True)
-                bias_ids[i, : len(ids)], bias_values[i, : len(ids)] = ids, values
+                a["bias_ids"][i, : len(ids)], a["bias_values"][i, : len(ids)] = ids, values
             if len(seq.output_ids) < p.min_tokens:
                 stop_ids = (() if p.ignore_eos else self.eos_ids) + p.stop_token_ids
-                banned[i, : len(stop_ids)] = stop_ids[:MAX_BANNED]
+                a["banned_ids"][i, : len(stop_ids)] = stop_ids[:MAX_BANNED]
             if p.uses_penalties:
                 if seq.slot is None:
                     self._assign_slot(seq)
                 assert seq.slot is not None
                 slots[i] = seq.slot
-        arrays = SamplingArrays(
-            temperature=jnp.asarray(temperature),
-            top_k=jnp.asarray(top_k),
-            top_p=jnp.asarray(top_p),
-            min_p=jnp.asarray(min_p),
-            presence_penalty=jnp.asarray(presence),
-            frequency_penalty=jnp.asarray(frequency),
-            repetition_penalty=jnp.asarray(repetition),
-            seed=jnp.asarray(seed),
-            choice=jnp.asarray(choice),
-            position=jnp.asarray(position),
-            bias_ids=jnp.asarray(bias_ids),
-            bias_values=jnp.asarray(bias_values),
-            banned_ids=jnp.asarray(banned),
-        )
+        arrays = SamplingArrays(**{name: jnp.asarray(value) for name, value in a.items()})
         return arrays, slots
 
     def _dispatch(self, chunks: Sequence[ScheduledChunk], rows: int, tokens_per_row: int, width: int) -> SampleOutput:
