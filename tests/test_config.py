@@ -193,7 +193,7 @@ def test_override_errors(override: str, message: str) -> None:
         (
             "server:\n  prot: 1\n",
             "{path}: unknown key 'server.prot' (did you mean 'server.port'?); "
-            "known keys: host, port, served_model_name, api_key, log_level",
+            "known keys: host, port, served_model_name, api_key, log_level, drain_timeout_s, max_body_bytes",
         ),
         ("engine: [1, 2]\n", "{path}: engine: expected a mapping of keys, got [1, 2] (list)"),
         ("- model\n", "{path}: top level: expected a mapping of sections, got ['model'] (list)"),

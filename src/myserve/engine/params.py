@@ -81,7 +81,7 @@ class SamplingParams:
         check(len(self.stop) <= 16, "stop", "at most 16 stop strings")
 
     @staticmethod
-    def bias_from_mapping(bias: Mapping[int | str, float] | None) -> tuple[tuple[int, float], ...]:
+    def bias_from_mapping(bias: Mapping[str, float] | Mapping[int, float] | None) -> tuple[tuple[int, float], ...]:
         """OpenAI's ``{"token id": bias}`` mapping as sorted pairs (JSON object keys are strings)."""
         if not bias:
             return ()

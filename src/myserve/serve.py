@@ -1,0 +1,127 @@
+"""``python -m myserve.serve``: the OpenAI-compatible server. No arguments: bundled SmolLM2 on 127.0.0.1:8000.
+
+Flags use vLLM's spelling where vLLM has one; ``--set section.key=value`` overrides any config field.
+The HTTP socket opens at once (``/health`` answers 503), the engine compiles its buckets, then the
+server reports ready. SIGTERM/SIGINT stop admission (503), let in-flight requests finish within
+``server.drain_timeout_s``, then exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from myserve.errors import MyserveError
+
+logger = logging.getLogger("myserve.serve")
+
+# vLLM-style flag -> config key.
+_FLAGS = {
+    "hf_checkpoint": "model.checkpoint",
+    "chat_template": "model.chat_template",
+    "max_model_len": "model.max_model_len",
+    "dtype": "model.dtype",
+    "max_num_seqs": "engine.max_num_seqs",
+    "tensor_parallel_size": "mesh.model",
+    "host": "server.host",
+    "port": "server.port",
+    "served_model_name": "server.served_model_name",
+    "api_key": "server.api_key",
+    "log_level": "server.log_level",
+}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(prog="python -m myserve.serve", description=__doc__)
+    p.add_argument("--config", default=None, help="deployment YAML (default: config/smollm2-135m-cpu.yaml)")
+    p.add_argument("--hf-checkpoint", help="HF directory, cached hub id or .gguf file")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--served-model-name")
+    p.add_argument("--api-key", default=os.environ.get("MYSERVE_API_KEY"), help="or MYSERVE_API_KEY")
+    p.add_argument("--chat-template", help="Jinja template file or text")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--tensor-parallel-size", type=int)
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Load, warm up, serve until signalled; returns the exit code."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        from myserve.config import load_config, with_overrides
+
+        config = load_config(args.config, args.set)
+        flags = {key: getattr(args, flag) for flag, key in _FLAGS.items() if getattr(args, flag) is not None}
+        config = with_overrides(config, flags, source="command line") if flags else config
+        logging.getLogger().setLevel(config.server.log_level.upper())
+
+        from myserve.bundled import BUNDLED_MODEL_NAME
+        from myserve.engine.service import GenerationService
+        from myserve.runtime.deployment import Deployment
+        from myserve.server.app import create_app
+
+        dep = Deployment.load(config)
+        service = GenerationService.from_deployment(dep)
+    except MyserveError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    name = config.server.served_model_name or (
+        BUNDLED_MODEL_NAME if config.model.checkpoint is None else os.path.basename(config.model.checkpoint.rstrip("/"))
+    )
+    app = create_app(
+        service, served_model_name=name, api_key=config.server.api_key, max_body_bytes=config.server.max_body_bytes
+    )
+    url = f"http://{config.server.host}:{config.server.port}"
+
+    class DrainingServer(uvicorn.Server):
+        """First signal: refuse new requests, wait for in-flight ones (bounded), then exit."""
+
+        draining = False
+
+        def handle_exit(self, sig: int, frame: object) -> None:
+            if self.draining:
+                self.should_exit = True
+                return
+            self.draining = True
+            app.state.server.draining = True
+            logger.info("signal %d: draining (up to %.0fs)", sig, config.server.drain_timeout_s)
+
+            def drain() -> None:
+                deadline = time.monotonic() + config.server.drain_timeout_s
+                while app.state.server.in_flight > 0 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                self.should_exit = True
+
+            threading.Thread(target=drain, daemon=True).start()
+
+    server = DrainingServer(
+        uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level=config.server.log_level)
+    )
+
+    def warm() -> None:
+        service.start()
+        logger.info("model %s ready on %s", name, url)
+
+    threading.Thread(target=warm, name="myserve-warmup", daemon=True).start()
+    server.run()
+    service.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

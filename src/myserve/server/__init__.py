@@ -1,0 +1,1 @@
+"""server package: the OpenAI-compatible HTTP front end."""

@@ -1,0 +1,503 @@
+"""The FastAPI app: OpenAI routes over a GenerationService.
+
+Each route validates (pydantic, then SamplingParams), renders chat templates, tokenizes, checks the
+context length, submits one engine request per prompt and either collects the outputs into one JSON
+response or streams them as server-sent events. A client that disconnects aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from myserve.engine.outputs import ContextLengthExceeded, EngineDead, Overloaded, RequestOutput
+from myserve.engine.params import InvalidParams, SamplingParams
+from myserve.engine.service import GenerationService
+from myserve.engine.stream import RequestStream
+from myserve.server.errors import APIError, install_error_handlers
+from myserve.server.formatting import LogprobFormatter, usage_json
+from myserve.server.metrics import Metrics
+from myserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from myserve.tokenizer import ChatTemplateError
+
+logger = logging.getLogger("myserve.requests")
+
+SYSTEM_FINGERPRINT = "myserve-0.1.0"
+_OPEN_PATHS = ("/health", "/healthz", "/metrics", "/docs", "/openapi.json", "/redoc")
+
+
+class ServerState:
+    """Mutable server-wide state: draining flag for graceful shutdown."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.in_flight = 0
+
+
+def create_app(
+    service: GenerationService,
+    *,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_body_bytes: int = 4 * 1024 * 1024,
+) -> FastAPI:
+    """The OpenAI-compatible app for ``service`` (which the caller starts and stops)."""
+    app = FastAPI(title="myserve", description="OpenAI-compatible LLM server on JAX", version="0.1.0")
+    install_error_handlers(app)
+    state = ServerState()
+    metrics = Metrics(service)
+    fmt = LogprobFormatter(service.tokenizer)
+    tokenizer = service.tokenizer
+    app.state.server = state
+    app.state.metrics = metrics
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Any) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+            return APIError(413, f"request body exceeds {max_body_bytes} bytes", code="request_too_large").response()
+        if api_key is not None and not request.url.path.startswith(_OPEN_PATHS):
+            given = request.headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), api_key.encode()):
+                return APIError(401, "invalid or missing API key", code="invalid_api_key").response()
+        return await call_next(request)
+
+    def check_ready(model: str | None) -> None:
+        if state.draining:
+            raise APIError(503, "the server is shutting down", code="server_draining")
+        if not service.ready.is_set():
+            raise APIError(503, "the model is still loading", code="server_not_ready")
+        if model is not None and model != served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    @app.get("/health")
+    @app.get("/healthz")
+    async def health() -> Response:
+        if service.dead is not None:
+            return APIError(503, "the engine has stopped", code="engine_dead").response()
+        if not service.ready.is_set() or state.draining:
+            return APIError(503, "not ready", code="server_not_ready").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served_model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "myserve",
+                    "max_model_len": service.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict:
+        check_ready(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if req.messages is not None:
+            ids = render_chat(req.messages, req.add_generation_prompt)
+        else:
+            ids = tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": service.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        check_ready(req.model)
+        if any(t < 0 or t >= service.vocab_size for t in req.tokens):
+            raise APIError(400, f"token ids must be in [0, {service.vocab_size})", param="tokens")
+        return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    def render_chat(messages: list, add_generation_prompt: bool = True) -> list[int]:
+        try:
+            return tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt=add_generation_prompt
+            )
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param="messages") from None
+
+    def sampling(
+        req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                min_p=req.min_p or 0.0,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=SamplingParams.bias_from_mapping(req.logit_bias),
+                seed=req.seed,
+                n=req.n,
+                stop=stop,
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos,
+                min_tokens=req.min_tokens,
+                logprobs=logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+        except InvalidParams as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+
+    def submit_all(prompts: list[list[int]], params: SamplingParams, request_id: str) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                streams.append(service.submit(ids, params, request_id=f"{request_id}-{i}"))
+        except BaseException as e:
+            for s in streams:
+                s.close()
+            if isinstance(e, InvalidParams):
+                raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+            if isinstance(e, ContextLengthExceeded):
+                raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
+            if isinstance(e, Overloaded):
+                raise APIError(429, str(e), code="overloaded", headers={"Retry-After": "1"}) from None
+            if isinstance(e, EngineDead):
+                raise APIError(503, str(e), code="engine_dead") from None
+            raise
+        return streams
+
+    async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of several streams as they come, tagged with their prompt index."""
+        queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            async for out in stream:
+                await queue.put((i, out))
+            await queue.put((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, out = await queue.get()
+                if out is None:
+                    remaining -= 1
+                else:
+                    yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                s.close()  # aborts whatever has not finished (client gone, or an error)
+
+    async def run(
+        request: Request,
+        kind: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        stream: bool,
+        include_usage: bool,
+        echo_texts: list[str] | None = None,
+    ) -> Response:
+        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        t0 = time.perf_counter()
+        streams = submit_all(prompts, params, request_id)
+        n = params.n
+        obj = "chat.completion" if kind == "chat" else "text_completion"
+        log = _RequestLog(request_id, sum(len(p) for p in prompts), t0)
+        state.in_flight += 1
+
+        def finish_metrics(status: str, usage: Any) -> None:
+            state.in_flight -= 1
+            metrics.requests.labels(kind, status).inc()
+            metrics.e2e.observe(time.perf_counter() - t0)
+            if usage is not None:
+                metrics.prompt_tokens.inc(usage.prompt_tokens)
+                metrics.generation_tokens.inc(usage.completion_tokens)
+            log.done(status, usage)
+
+        if not stream:
+            choices: dict[int, dict[str, Any]] = {}
+            usages = []
+            watcher = asyncio.ensure_future(_wait_disconnect(request))
+            collect = asyncio.ensure_future(_collect(merged(streams)))
+            done, _ = await asyncio.wait({watcher, collect}, return_when=asyncio.FIRST_COMPLETED)
+            if collect not in done:
+                collect.cancel()
+                for s in streams:
+                    s.close()
+                finish_metrics("disconnected", None)
+                return Response(status_code=499)
+            watcher.cancel()
+            for i, out in collect.result():
+                if out.final:
+                    usages.append(out.usage)
+                    if out.error:
+                        finish_metrics("error", None)
+                        raise APIError(500, out.error, code="engine_error")
+                    continue
+                c = choices.setdefault(i * n + out.choice, {"text": "", "logprobs": [], "finish": None, "first": None})
+                if c["first"] is None and out.token_ids:
+                    c["first"] = time.perf_counter()
+                c["text"] += out.text
+                c["logprobs"].extend(out.logprobs or ())
+                c["finish"] = out.finish_reason or c["finish"]
+            usage = _sum_usage(usages)
+            body_choices = []
+            for index in sorted(choices):
+                c = choices[index]
+                if kind == "chat":
+                    body_choices.append(
+                        {
+                            "index": index,
+                            "message": {"role": "assistant", "content": c["text"]},
+                            "logprobs": fmt.chat(c["logprobs"]) if params.logprobs is not None else None,
+                            "finish_reason": c["finish"],
+                        }
+                    )
+                else:
+                    prefix = echo_texts[index // n] if echo_texts else ""
+                    body_choices.append(
+                        {
+                            "index": index,
+                            "text": prefix + c["text"],
+                            "logprobs": fmt.completion(c["logprobs"], len(prefix))
+                            if params.logprobs is not None
+                            else None,
+                            "finish_reason": c["finish"],
+                        }
+                    )
+            firsts = [c["first"] for c in choices.values() if c["first"] is not None]
+            if firsts:
+                metrics.ttft.observe(min(firsts) - t0)
+            finish_metrics("ok", usage)
+            return JSONResponse(
+                {
+                    "id": request_id,
+                    "object": obj,
+                    "created": created,
+                    "model": served_model_name,
+                    "system_fingerprint": SYSTEM_FINGERPRINT,
+                    "choices": body_choices,
+                    "usage": usage_json(usage),
+                }
+            )
+
+        async def events() -> AsyncIterator[str]:
+            chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+            base = {
+                "id": request_id,
+                "object": chunk_obj,
+                "created": created,
+                "model": served_model_name,
+                "system_fingerprint": SYSTEM_FINGERPRINT,
+            }
+            usages, started, last_token_t, status = [], set(), None, "ok"
+            offsets: dict[int, int] = {}
+            try:
+                if kind == "chat":
+                    for index in range(len(prompts) * n):
+                        started.add(index)
+                        yield _sse(
+                            {
+                                **base,
+                                "choices": [
+                                    {
+                                        "index": index,
+                                        "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None,
+                                        "finish_reason": None,
+                                    }
+                                ],
+                            }
+                        )
+                elif echo_texts:
+                    for index in range(len(prompts) * n):
+                        offsets[index] = len(echo_texts[index // n])
+                        yield _sse(
+                            {
+                                **base,
+                                "choices": [
+                                    {
+                                        "index": index,
+                                        "text": echo_texts[index // n],
+                                        "logprobs": None,
+                                        "finish_reason": None,
+                                    }
+                                ],
+                            }
+                        )
+                async for i, out in merged(streams):
+                    if out.final:
+                        usages.append(out.usage)
+                        if out.error:
+                            status = "error"
+                            yield _sse(
+                                {
+                                    "error": {
+                                        "message": out.error,
+                                        "type": "internal_server_error",
+                                        "param": None,
+                                        "code": "engine_error",
+                                    }
+                                }
+                            )
+                            return
+                        continue
+                    index = i * n + out.choice
+                    if out.token_ids:
+                        now = time.perf_counter()
+                        if last_token_t is None:
+                            metrics.ttft.observe(now - t0)
+                        else:
+                            metrics.itl.observe(now - last_token_t)
+                        last_token_t = now
+                    lp = list(out.logprobs or ())
+                    if kind == "chat":
+                        choice = {
+                            "index": index,
+                            "delta": {"content": out.text} if out.text else {},
+                            "logprobs": fmt.chat(lp) if params.logprobs is not None and lp else None,
+                            "finish_reason": out.finish_reason,
+                        }
+                    else:
+                        start = offsets.get(index, 0)
+                        offsets[index] = start + len(out.text)
+                        choice = {
+                            "index": index,
+                            "text": out.text,
+                            "logprobs": fmt.completion(lp, start) if params.logprobs is not None and lp else None,
+                            "finish_reason": out.finish_reason,
+                        }
+                    if out.text or out.finish_reason or choice["logprobs"]:
+                        yield _sse({**base, "choices": [choice]})
+                if include_usage:
+                    yield _sse({**base, "choices": [], "usage": usage_json(_sum_usage(usages))})
+                yield "data: [DONE]\n\n"
+            except asyncio.CancelledError:
+                status = "disconnected"
+                raise
+            finally:
+                finish_metrics(status, _sum_usage(usages) if len(usages) == len(prompts) else None)
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        check_ready(req.model)
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
+        if req.echo and req.logprobs is not None:
+            raise APIError(
+                400,
+                "echo together with logprobs (prompt logprobs) is not supported yet",
+                param="echo",
+                code="unsupported_parameter",
+            )
+        prompts = _completion_prompts(req.prompt, tokenizer.encode)
+        params = sampling(req, req.max_tokens, req.logprobs)
+        echo = [tokenizer.decode(p) for p in prompts] if req.echo else None
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await run(request, "completion", prompts, params, req.stream, include_usage, echo)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        check_ready(req.model)
+        if req.tools:
+            raise APIError(400, "tools are not supported yet", param="tools", code="unsupported_parameter")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise APIError(
+                400,
+                "only response_format type text is supported",
+                param="response_format",
+                code="unsupported_parameter",
+            )
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = sampling(req, max_tokens, logprobs)
+        ids = render_chat(req.messages)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await run(request, "chat", [ids], params, req.stream, include_usage)
+
+    return app
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _sum_usage(usages: list) -> Any:
+    from myserve.engine.outputs import Usage
+
+    present = [u for u in usages if u is not None]
+    return Usage(
+        prompt_tokens=sum(u.prompt_tokens for u in present),
+        completion_tokens=sum(u.completion_tokens for u in present),
+        cached_tokens=sum(u.cached_tokens for u in present),
+    )
+
+
+def _completion_prompts(prompt: Any, encode: Any) -> list[list[int]]:
+    """OpenAI's four prompt forms as token-id lists."""
+    if isinstance(prompt, str):
+        return [encode(prompt)]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return [encode(p) for p in prompt]
+    if all(isinstance(p, list) for p in prompt):
+        return [list(p) for p in prompt]
+    raise APIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
+
+
+async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
+    return [item async for item in outputs]
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the ASGI server sends http.disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _RequestLog:
+    """One structured log line per finished request."""
+
+    def __init__(self, request_id: str, prompt_tokens: int, t0: float):
+        self.request_id, self.prompt_tokens, self.t0 = request_id, prompt_tokens, t0
+
+    def done(self, status: str, usage: Any) -> None:
+        logger.info(
+            "request_id=%s status=%s prompt_tokens=%d completion_tokens=%s total_s=%.3f",
+            self.request_id,
+            status,
+            self.prompt_tokens,
+            usage.completion_tokens if usage is not None else "-",
+            time.perf_counter() - self.t0,
+        )

@@ -1,0 +1,51 @@
+"""Prometheus metrics (prometheus-client), one registry per app so tests can run several apps."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from myserve.engine.service import GenerationService
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+    """Request counters and latency histograms, plus engine gauges refreshed on every scrape."""
+
+    def __init__(self, service: GenerationService):
+        self.service = service
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "myserve_requests", "Finished requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.prompt_tokens = Counter("myserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("myserve_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram(
+            "myserve_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "myserve_inter_token_latency_seconds", "Time between streamed tokens", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "myserve_e2e_request_latency_seconds", "Request latency", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.waiting = Gauge("myserve_num_requests_waiting", "Sequences waiting for admission", registry=r)
+        self.running = Gauge("myserve_num_requests_running", "Sequences running", registry=r)
+        self.pages_used = Gauge("myserve_kv_pages_used", "KV cache pages referenced", registry=r)
+        self.pages_total = Gauge("myserve_kv_pages_total", "KV cache pages", registry=r)
+        self.hit_rate = Gauge("myserve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", registry=r)
+        self.compiles = Gauge("myserve_compile_count", "XLA executables built in this process", registry=r)
+        self.preemptions = Gauge("myserve_num_preemptions", "Sequences preempted so far", registry=r)
+
+    def render(self) -> bytes:
+        """The exposition text, with engine gauges read now."""
+        s = self.service.stats()
+        self.waiting.set(s.waiting)
+        self.running.set(s.running)
+        self.pages_used.set(s.pages_used)
+        self.pages_total.set(s.pages_total)
+        self.hit_rate.set(s.prefix_cache_hit_rate)
+        self.compiles.set(s.compile_count)
+        self.preemptions.set(s.num_preemptions)
+        return generate_latest(self.registry)

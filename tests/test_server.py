@@ -1,0 +1,302 @@
+"""The real app over real HTTP (uvicorn on a free port) with the OpenAI SDK and raw requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from myserve.server.app import create_app
+from myserve.testing import start_service
+
+MODEL = "smol"
+KEY = "sk-test-key"
+QUESTION = "What is the capital of France? Answer with one word."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """uvicorn serving an app in a background thread."""
+
+    def __init__(self, app):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def service():
+    svc = start_service(
+        None,
+        "model.max_model_len=512",
+        "engine.num_pages=256",
+        "engine.max_num_seqs=16",
+        "engine.max_num_batched_tokens=128",
+        "engine.batch_buckets=[1,4,16]",
+        "engine.token_buckets=[32,128]",
+        "engine.page_buckets=[16]",
+    )
+    yield svc
+    svc.shutdown()
+
+
+@pytest.fixture(scope="module")
+def live(service):
+    server = LiveServer(create_app(service, served_model_name=MODEL, api_key=KEY, max_body_bytes=64 * 1024))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(live) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key=KEY, max_retries=0)
+
+
+def chat(client, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}], **kw)
+
+
+def test_sdk_chat_paris_streaming_and_not(client) -> None:
+    full = chat(client, temperature=0, max_tokens=10)
+    text = full.choices[0].message.content
+    assert "Paris" in text
+    assert full.id.startswith("chatcmpl-") and full.model == MODEL and full.system_fingerprint
+    assert full.usage.prompt_tokens > 10 and full.usage.completion_tokens >= 1
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    chunks = list(chat(client, temperature=0, max_tokens=10, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_sdk_seeded_sampling_streamed_equals_not_streamed(client) -> None:
+    kw = dict(temperature=0.9, top_p=0.95, seed=17, max_tokens=20)
+    full = chat(client, **kw).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(client, stream=True, **kw) if c.choices)
+    assert streamed == full
+
+
+def test_async_sdk_and_completions_logprobs(live) -> None:
+    async def go():
+        client = openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key=KEY, max_retries=0)
+        out = await client.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=3
+        )
+        chat_out = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=4,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+        )
+        await client.close()
+        return out, chat_out
+
+    out, chat_out = asyncio.run(go())
+    choice = out.choices[0]
+    assert out.id.startswith("cmpl-") and choice.text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == choice.text and all(len(t) == 3 for t in lp.top_logprobs)
+    assert all(v <= 0 for v in lp.token_logprobs)
+    content = chat_out.choices[0].logprobs.content
+    assert len(content) == chat_out.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and bytes(c.bytes).decode("utf-8", "replace") == c.token for c in content)
+
+
+def test_sixteen_concurrent_streams_are_batched(live, service) -> None:
+    async def one(client, i):
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Count from {i} to {i + 5}."}],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+        )
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def go():
+        client = openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key=KEY, max_retries=0)
+        texts = await asyncio.gather(*(one(client, i) for i in range(16)))
+        await client.close()
+        return texts
+
+    before = service.stats().max_decode_batch
+    texts = asyncio.run(go())
+    assert len(texts) == 16 and all(texts)
+    assert service.stats().max_decode_batch >= max(before, 4)
+
+
+def test_disconnect_mid_stream_frees_everything(live, service) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            lines = response.iter_lines()
+            data: list[str] = []
+            for line in lines:
+                if line.startswith("data:"):
+                    data.append(line)
+                if len(data) == 3:
+                    break
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        s = service.stats()
+        if s.running == 0 and s.pages_used == 0:
+            break
+        time.sleep(0.02)
+    s = service.stats()
+    assert len(data) == 3 and s.running == 0 and s.waiting == 0 and s.pages_used == 0
+
+
+def _chat_body(**extra):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+BAD = [
+    # (description, path, body or raw, headers override, status, type, param, code)
+    ("temperature too high", _chat_body(temperature=3), 400, "temperature", "invalid_value"),
+    ("temperature negative", _chat_body(temperature=-1), 400, "temperature", "invalid_value"),
+    ("top_p zero", _chat_body(top_p=0), 400, "top_p", "invalid_value"),
+    ("top_p above one", _chat_body(top_p=1.5), 400, "top_p", "invalid_value"),
+    ("n zero", _chat_body(n=0), 400, "n", "invalid_value"),
+    ("n too large", _chat_body(n=100), 400, "n", "invalid_value"),
+    ("max_tokens zero", _chat_body(max_tokens=0), 400, "max_tokens", "invalid_value"),
+    ("max_tokens wrong type", _chat_body(max_tokens="ten"), 400, "max_tokens", "invalid_value"),
+    ("presence penalty out of range", _chat_body(presence_penalty=5), 400, "presence_penalty", "invalid_value"),
+    ("frequency penalty out of range", _chat_body(frequency_penalty=-3), 400, "frequency_penalty", "invalid_value"),
+    ("repetition penalty zero", _chat_body(repetition_penalty=0), 400, "repetition_penalty", "invalid_value"),
+    ("top_logprobs too many", _chat_body(logprobs=True, top_logprobs=25), 400, "logprobs", "invalid_value"),
+    ("top_logprobs without logprobs", _chat_body(top_logprobs=2), 400, "top_logprobs", "invalid_value"),
+    ("logit_bias out of range", _chat_body(logit_bias={"5": 200}), 400, "logit_bias", "invalid_value"),
+    ("logit_bias bad token", _chat_body(logit_bias={"99999999": 1}), 400, "logit_bias", "invalid_value"),
+    ("logit_bias key not an id", _chat_body(logit_bias={"abc": 1}), 400, "logit_bias", "invalid_value"),
+    ("empty messages", {"model": MODEL, "messages": []}, 400, "messages", "invalid_value"),
+    (
+        "bad role",
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages.0.role",
+        "invalid_value",
+    ),
+    ("messages wrong type", {"model": MODEL, "messages": "hello"}, 400, "messages", "invalid_value"),
+    ("missing model", {"messages": [{"role": "user", "content": "x"}]}, 400, "model", "invalid_value"),
+    ("wrong model", _chat_body(model="gpt-9"), 404, "model", "model_not_found"),
+    (
+        "tools unsupported",
+        _chat_body(tools=[{"type": "function", "function": {"name": "f"}}]),
+        400,
+        "tools",
+        "unsupported_parameter",
+    ),
+    (
+        "json response format unsupported",
+        _chat_body(response_format={"type": "json_object"}),
+        400,
+        "response_format",
+        "unsupported_parameter",
+    ),
+    (
+        "prompt too long",
+        _chat_body(messages=[{"role": "user", "content": "word " * 600}]),
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
+    ("max_tokens beyond context", _chat_body(max_tokens=600), 400, "messages", "context_length_exceeded"),
+    ("min_tokens above max_tokens", _chat_body(max_tokens=2, min_tokens=5), 400, "min_tokens", "invalid_value"),
+    ("empty stop string", _chat_body(stop=[""]), 400, "stop", "invalid_value"),
+    ("stop_token_ids out of vocab", _chat_body(stop_token_ids=[10**9]), 400, "stop_token_ids", "invalid_value"),
+]
+
+BAD_COMPLETIONS = [
+    ("empty prompt list", {"model": MODEL, "prompt": []}, 400, "prompt", "invalid_value"),
+    ("prompt token out of vocab", {"model": MODEL, "prompt": [1, 2, 10**9]}, 400, "prompt", "invalid_value"),
+    ("prompt wrong type", {"model": MODEL, "prompt": {"a": 1}}, 400, "prompt", "invalid_value"),
+    ("logprobs too many", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs", "invalid_value"),
+    ("empty token prompt", {"model": MODEL, "prompt": [[]]}, 400, "prompt", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize(("what", "body", "status", "param", "code"), BAD, ids=[b[0] for b in BAD])
+def test_bad_chat_requests(live, what, body, status, param, code) -> None:
+    r = httpx.post(f"{live.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == code, err
+    assert err["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert err["message"]
+
+
+@pytest.mark.parametrize(
+    ("what", "body", "status", "param", "code"), BAD_COMPLETIONS, ids=[b[0] for b in BAD_COMPLETIONS]
+)
+def test_bad_completion_requests(live, what, body, status, param, code) -> None:
+    r = httpx.post(f"{live.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == code, err
+
+
+def test_auth_body_size_and_malformed_json(live) -> None:
+    url = f"{live.url}/v1/chat/completions"
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(url, json=_chat_body(), headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(
+        url,
+        content=b"{" + b" " * (70 * 1024) + b"}",
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(
+        url, content=b"{not json", headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(f"{live.url}/health").status_code == 200
+    models = httpx.get(f"{live.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert models["data"][0]["id"] == MODEL
+
+
+def test_unknown_fields_ignored_and_tokenize_roundtrip(live) -> None:
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{live.url}/v1/chat/completions", json=_chat_body(max_tokens=2, some_future_field=1), headers=h)
+    assert r.status_code == 200
+    tok = httpx.post(f"{live.url}/tokenize", json={"prompt": "Hello world"}, headers=h).json()
+    assert tok["count"] == len(tok["tokens"]) > 0
+    text = httpx.post(f"{live.url}/detokenize", json={"tokens": tok["tokens"]}, headers=h).json()["prompt"]
+    assert text == "Hello world"
+    metrics = httpx.get(f"{live.url}/metrics").text
+    assert "myserve_requests_total" in metrics and "myserve_kv_pages_used" in metrics
+    assert json.loads(json.dumps(tok))  # plain JSON
