@@ -300,3 +300,41 @@ def test_unknown_fields_ignored_and_tokenize_roundtrip(live) -> None:
     metrics = httpx.get(f"{live.url}/metrics").text
     assert "myserve_requests_total" in metrics and "myserve_kv_pages_used" in metrics
     assert json.loads(json.dumps(tok))  # plain JSON
+
+
+def test_full_queue_answers_429_with_retry_after(tiny_checkpoints) -> None:
+    svc = start_service(
+        tiny_checkpoints["llama3"],
+        "model.max_model_len=512",
+        "engine.page_size=8",
+        "engine.max_num_seqs=1",
+        "engine.batch_buckets=[1]",
+        "engine.max_num_batched_tokens=64",
+        "engine.token_buckets=[16,64]",
+        "engine.page_buckets=[8,64]",
+        "engine.max_waiting=2",
+    )
+    server = LiveServer(create_app(svc, served_model_name="tiny"))
+    try:
+
+        async def one(client: httpx.AsyncClient):
+            return await client.post(
+                "/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0}
+            )
+
+        async def go():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+                return await asyncio.gather(*(one(client) for _ in range(10)))
+
+        responses = asyncio.run(go())
+        codes = [r.status_code for r in responses]
+        assert 429 in codes and 200 in codes, codes
+        for r in responses:
+            if r.status_code == 429:
+                assert r.headers["Retry-After"] and r.json()["error"]["type"] == "rate_limit_error"
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 40
+        assert svc.stats().pages_used == 0
+    finally:
+        server.stop()
+        svc.shutdown()

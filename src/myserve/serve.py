@@ -60,11 +60,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        from myserve.config import load_config, with_overrides
+        from myserve.config import load_config, parse_overrides, with_overrides
 
-        config = load_config(args.config, args.set)
-        flags = {key: getattr(args, flag) for flag, key in _FLAGS.items() if getattr(args, flag) is not None}
-        config = with_overrides(config, flags, source="command line") if flags else config
+        # Flags and --set overrides are applied together, so their combination is validated once.
+        overrides = {key: getattr(args, flag) for flag, key in _FLAGS.items() if getattr(args, flag) is not None}
+        overrides.update(parse_overrides(args.set))
+        config = load_config(args.config)
+        config = with_overrides(config, overrides, source="command line") if overrides else config
         logging.getLogger().setLevel(config.server.log_level.upper())
 
         from myserve.bundled import BUNDLED_MODEL_NAME
