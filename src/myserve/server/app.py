@@ -250,6 +250,7 @@ def create_app(
                 return Response(status_code=499)
             watcher.cancel()
             for i, out in collect.result():
+                log.saw(out)
                 if out.final:
                     usages.append(out.usage)
                     if out.error:
@@ -348,6 +349,7 @@ def create_app(
                             }
                         )
                 async for i, out in merged(streams):
+                    log.saw(out)
                     if out.final:
                         usages.append(out.usage)
                         if out.error:
@@ -487,17 +489,29 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 class _RequestLog:
-    """One structured log line per finished request."""
+    """One structured log line per finished request: id, tokens, TTFT, total time, finish reasons."""
 
     def __init__(self, request_id: str, prompt_tokens: int, t0: float):
         self.request_id, self.prompt_tokens, self.t0 = request_id, prompt_tokens, t0
+        self.first_token: float | None = None
+        self.finish_reasons: list[str] = []
+
+    def saw(self, out: RequestOutput) -> None:
+        """Note a delta: the first token's time, and each choice's finish reason."""
+        if out.token_ids and self.first_token is None:
+            self.first_token = time.perf_counter()
+        if out.finish_reason:
+            self.finish_reasons.append(out.finish_reason)
 
     def done(self, status: str, usage: Any) -> None:
+        ttft = f"{self.first_token - self.t0:.3f}" if self.first_token is not None else "-"
         logger.info(
-            "request_id=%s status=%s prompt_tokens=%d completion_tokens=%s total_s=%.3f",
+            "request_id=%s status=%s prompt_tokens=%d completion_tokens=%s ttft_s=%s total_s=%.3f finish=%s",
             self.request_id,
             status,
             self.prompt_tokens,
             usage.completion_tokens if usage is not None else "-",
+            ttft,
             time.perf_counter() - self.t0,
+            ",".join(self.finish_reasons) or ("abort" if status == "disconnected" else "-"),
         )
