@@ -9,7 +9,7 @@ import pytest
 
 from myserve.engine.params import SamplingParams
 from myserve.runtime.compile_counter import compile_count
-from myserve.testing import hf_greedy, start_service
+from myserve.testing import hf_greedy, hf_logits, start_service
 
 # Small buckets keep warmup short on 2 cores.
 ENGINE = [
@@ -232,5 +232,45 @@ def test_full_waiting_queue_raises_overloaded_and_the_rest_finish(tiny_checkpoin
         finishes = [collect(s)[2] for s in accepted]
         assert all(f in ("length", "stop") for f in finishes)
         assert svc.stats().pages_used == 0
+    finally:
+        svc.shutdown()
+
+
+def test_prompt_logprobs_equal_transformers_log_softmax(service, tiny_checkpoints) -> None:
+    """Scored prompts (echo with logprobs): every prompt token's logprob, across prefill chunks."""
+    prompt = [int(t) for t in np.random.RandomState(33).randint(3, 256, size=150)]  # 3 chunks of <= 64
+    ref = hf_logits(tiny_checkpoints["llama3"], prompt)
+    ref_lp = ref - np.log(np.exp(ref - ref.max(-1, keepdims=True)).sum(-1, keepdims=True)) - ref.max(-1, keepdims=True)
+    outputs = list(service.submit(prompt, SamplingParams(max_tokens=0, prompt_logprobs=3)))
+    scored = [o for o in outputs if o.prompt_logprobs is not None]
+    assert len(scored) == 1 and scored[0].finish_reason == "length"
+    entries = scored[0].prompt_logprobs
+    assert entries[0] is None and len(entries) == len(prompt)
+    for i in range(1, len(prompt)):
+        e = entries[i]
+        assert e.token_id == prompt[i]
+        assert abs(e.logprob - ref_lp[i - 1, prompt[i]]) < 1e-4
+        assert [t for t, _ in e.top] == list(np.argsort(-ref[i - 1])[:3])
+    assert outputs[-1].usage.completion_tokens == 0
+    # With generation too: the prompt's scores come first, then the tokens.
+    outs = list(service.submit(prompt[:40], SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=0)))
+    assert outs[0].prompt_logprobs is not None and sum(len(o.token_ids) for o in outs) == 3
+
+
+def test_engine_crash_fails_requests_instead_of_hanging(tiny_checkpoints, prompts) -> None:
+    from myserve.engine.outputs import EngineDead
+
+    svc = start_service(tiny_checkpoints["llama3"], *ENGINE, "engine.num_pages=64")
+    try:
+
+        def boom(batch):
+            raise RuntimeError("injected device failure")
+
+        svc.runner.execute = boom  # type: ignore[method-assign]
+        streams = [svc.submit(p, GREEDY) for p in prompts[:4]]
+        finals = [[o for o in s if o.final][0] for s in streams]
+        assert all(f.error and "injected device failure" in f.error for f in finals)
+        with pytest.raises(EngineDead):
+            svc.submit(prompts[0], GREEDY)
     finally:
         svc.shutdown()

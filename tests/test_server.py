@@ -338,3 +338,28 @@ def test_full_queue_answers_429_with_retry_after(tiny_checkpoints) -> None:
     finally:
         server.stop()
         svc.shutdown()
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, live) -> None:
+    prompt = "The capital of France is"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    n_prompt = out.usage.prompt_tokens
+    assert choice.text.startswith(prompt) and "".join(lp.tokens) == choice.text
+    assert len(lp.tokens) == n_prompt + out.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # lm-eval-harness style loglikelihood: echo, max_tokens 0, logprobs.
+    only = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    assert only.choices[0].text == prompt and only.usage.completion_tokens == 0
+    assert only.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:n_prompt], abs=1e-4)
+    # Streaming: the echoed prompt (with its logprobs) first, then the completion.
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[0].choices[0].text == prompt and chunks[0].choices[0].logprobs.token_logprobs[0] is None

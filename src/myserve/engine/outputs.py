@@ -63,6 +63,8 @@ class RequestOutput:
     """The stop string or stop token id that ended the choice, if any (vLLM's field)."""
     usage: Usage | None = None
     error: str | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    """Per prompt token (the first is None), once, before the choice's first token; only when asked."""
 
     @property
     def final(self) -> bool:

@@ -47,6 +47,8 @@ class SamplingParams:
     """EOS and stop token ids are banned until this many tokens are generated."""
     logprobs: int | None = None
     """None = no logprobs; k = the chosen token's logprob plus the top k (k <= 20)."""
+    prompt_logprobs: int | None = None
+    """None = none; k = logprob of every prompt token after the first, plus the top k (k <= 20)."""
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -54,7 +56,13 @@ class SamplingParams:
             if not ok:
                 raise InvalidParams(param, message)
 
-        check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1")
+        # max_tokens 0 is only meaningful when the prompt itself is scored (echo with logprobs).
+        min_tokens_out = 0 if self.prompt_logprobs is not None else 1
+        check(
+            self.max_tokens is None or self.max_tokens >= min_tokens_out,
+            "max_tokens",
+            f"max_tokens must be at least {min_tokens_out}",
+        )
         check(0.0 <= self.temperature <= 2.0, "temperature", "temperature must be between 0 and 2")
         check(0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
         check(self.top_k >= -1, "top_k", "top_k must be -1 (disabled) or at least 0")
@@ -71,6 +79,11 @@ class SamplingParams:
         )
         check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+            "logprobs",
+            f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}",
+        )
+        check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
             "logprobs",
             f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}",
         )

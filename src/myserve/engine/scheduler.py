@@ -57,6 +57,12 @@ class ScheduledBatch:
         return sum(c.num_tokens for c in self.decodes) + sum(c.num_tokens for c in self.prefills)
 
 
+def scores_prompt(chunk: ScheduledChunk) -> bool:
+    """Whether the chunk holds prompt positions whose next-token logprobs were asked for."""
+    seq = chunk.seq
+    return seq.params.prompt_logprobs is not None and chunk.start < len(seq.prompt_ids) - 1
+
+
 class Scheduler:
     """Waiting queue, running list and the step planner. Not thread-safe: the engine thread owns it."""
 
@@ -159,8 +165,9 @@ class Scheduler:
             self.waiting.remove(seq)
             chunks[seq] = ScheduledChunk(seq, seq.num_computed, first)
             budget -= first
-        decodes = [c for c in chunks.values() if c.num_tokens == 1]
-        prefills = [c for c in chunks.values() if c.num_tokens > 1]
+        # Single tokens run in the decode call, unless they are prompt tokens to be scored.
+        decodes = [c for c in chunks.values() if c.num_tokens == 1 and not scores_prompt(c)]
+        prefills = [c for c in chunks.values() if c.num_tokens > 1 or scores_prompt(c)]
         return ScheduledBatch(decodes, prefills, preempted, copies)
 
     def _admit_sibling(self, seq: Sequence, parent: Sequence, copies: list[tuple[int, int]]) -> int:
@@ -187,7 +194,9 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Admit ``seq`` with its prefix-cached pages and pages for a first chunk; its size, or 0 if short."""
         hashes = chain_hashes(seq.tokens(0, seq.num_tokens), self.page_size)
-        cached = self.allocator.match_prefix(hashes, seq.num_tokens)
+        # A prompt that is scored (prompt logprobs) must be computed whole: no cached pages.
+        scored = seq.params.prompt_logprobs is not None and not seq.output_ids
+        cached = [] if scored else self.allocator.match_prefix(hashes, seq.num_tokens)
         computed = len(cached) * self.page_size
         first = min(seq.num_tokens - computed, budget, self.max_prefill_chunk)
         need = -(-(computed + first) // self.page_size) - len(cached)

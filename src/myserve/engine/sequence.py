@@ -7,6 +7,7 @@ import itertools
 import random
 import time
 
+from myserve.engine.outputs import TokenLogprob
 from myserve.engine.pages import PageHash, chain_hashes
 from myserve.engine.params import SamplingParams
 
@@ -60,6 +61,8 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_reason: str | None = None
+        # Logprobs of prompt tokens by position, when the request scores its prompt.
+        self.prompt_scores: dict[int, TokenLogprob] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -175,6 +175,8 @@ class GenerationService:
         request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
         stream = RequestStream(request_id, on_close=self.abort)
         self._inbox.put(("submit", _Request(request_id, prompt, params, stream)))
+        if self.dead is not None:  # died between the check above and the put: nobody will drain it
+            raise EngineDead(f"engine stopped: {self.dead}")
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -229,8 +231,17 @@ class GenerationService:
         except BaseException as e:  # the engine must never die silently: fail every request
             logger.exception("engine thread crashed")
             self.dead = e
+            message = f"engine error: {type(e).__name__}: {e}"
             for req in list(self._requests.values()):
-                self._fail(req, f"engine error: {type(e).__name__}: {e}")
+                self._fail(req, message)
+            # Requests still in the inbox were never admitted: fail them too, or their streams hang.
+            while True:
+                try:
+                    kind, payload = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "submit":
+                    self._fail(payload, message)  # type: ignore[arg-type]
             return
         for req in list(self._requests.values()):
             self._finish_request(req, "abort")
@@ -282,14 +293,41 @@ class GenerationService:
         if batch.decodes:
             self._max_decode_batch = max(self._max_decode_batch, len(batch.decodes))
         self._prompt_computed += sum(c.num_tokens for c in batch.prefills)
-        for seq, (token, logprob, top_ids, top_lps) in results.items():
+        for seq, (start, lps, ids, tlps) in results.prompt_scores.items():
+            self._record_prompt_scores(seq, start, lps, ids, tlps)
+        for seq, (token, logprob, top_ids, top_lps) in results.sampled.items():
             req = self._requests.get(seq.request_id)
             if req is None or seq.finish_reason is not None:
                 continue
+            if seq.params.max_tokens == 0:  # only the prompt was wanted (scored): done without a token
+                req.stream.put(self._prompt_output(req, seq, finish="length"))
+                self._finish_seq(req, seq, "length")
+                continue
             self._append(req, seq, token, logprob, top_ids, top_lps)
+
+    def _record_prompt_scores(self, seq: Seq, start: int, lps, ids, tlps) -> None:
+        """Keep the logprob of each prompt token (after the first) computed by a scored chunk."""
+        if seq.prompt_scores is None:
+            seq.prompt_scores = {}
+        k = seq.params.prompt_logprobs or 0
+        last = len(seq.prompt_ids) - 1  # position whose next token is still a prompt token, at most
+        for j in range(len(lps)):
+            pos = start + j
+            if pos >= last:
+                break
+            top = tuple((int(i), float(v)) for i, v in zip(ids[j][:k], tlps[j][:k], strict=True))
+            seq.prompt_scores[pos + 1] = TokenLogprob(seq.prompt_ids[pos + 1], float(lps[j]), top)
+
+    def _prompt_output(self, req: _Request, seq: Seq, finish: str | None = None) -> RequestOutput:
+        """The delta carrying the prompt's logprobs (first prompt token: None)."""
+        scores = seq.prompt_scores or {}
+        entries = (None, *(scores.get(i) for i in range(1, len(seq.prompt_ids))))
+        return RequestOutput(req.request_id, seq.choice, prompt_logprobs=entries, finish_reason=finish)
 
     def _append(self, req: _Request, seq: Seq, token: int, logprob: float, top_ids, top_lps) -> None:
         params = seq.params
+        if params.prompt_logprobs is not None and not seq.output_ids:
+            req.stream.put(self._prompt_output(req, seq))
         seq.output_ids.append(token)
         self._generated += 1
         logprobs = None

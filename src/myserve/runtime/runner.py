@@ -13,6 +13,7 @@ counts, so the state never crosses back to the host.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -24,14 +25,14 @@ import numpy as np
 from jax.sharding import Mesh
 
 from myserve.engine.params import MAX_TOP_LOGPROBS
-from myserve.engine.scheduler import ScheduledBatch, ScheduledChunk
+from myserve.engine.scheduler import ScheduledBatch, ScheduledChunk, scores_prompt
 from myserve.engine.sequence import Sequence as Seq
 from myserve.models.llama import LlamaModel
 from myserve.ops.paged_attention import PageBatch
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.compile_counter import compile_count
 from myserve.runtime.kv_cache import init_kv_cache
-from myserve.runtime.sampler import SampleOutput, SamplingArrays, sample
+from myserve.runtime.sampler import SampleOutput, SamplingArrays, sample, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,19 @@ def _forward(
         rows.array[jnp.arange(tokens.shape[0]), last], (rows.resolve_axis("batch"), rows.resolve_axis("embed"))
     )
     return model.logits(picked).array, kv_cache
+
+
+@functools.partial(jax.jit, donate_argnums=1)
+def _forward_scored(
+    model: LlamaModel, kv_cache: jax.Array, tokens: jax.Array, batch: PageBatch, next_tokens: jax.Array
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array], jax.Array]:
+    """``_forward`` for one prompt chunk [1, T] that also scores it: each position's logprob of
+    ``next_tokens`` [1, T] (the prompt's following token) and the top-20, for echo with logprobs."""
+    hidden, kv_cache = model(tokens, batch, kv_cache)
+    logits = model.logits(hidden).array[0]  # [T, V]
+    scores = token_logprobs(logits, next_tokens[0], MAX_TOP_LOGPROBS)
+    last = jnp.clip(batch.q_lens[0] - 1, 0, None)
+    return logits[last][None], scores, kv_cache
 
 
 @functools.partial(jax.jit, donate_argnums=1)
@@ -104,6 +118,16 @@ def _write_slot(
 @functools.partial(jax.jit, donate_argnums=(0, 1))
 def _clear_slot(counts: jax.Array, prompt_mask: jax.Array, slot: jax.Array) -> tuple[jax.Array, jax.Array]:
     return counts.at[slot].set(0), prompt_mask.at[slot].set(False)
+
+
+@dataclasses.dataclass
+class StepResults:
+    """What one step produced, per sequence."""
+
+    sampled: dict[Seq, tuple[int, float, np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
+    """Sequences whose chunk ended their known tokens: (token, logprob, top ids, top logprobs)."""
+    prompt_scores: dict[Seq, tuple[int, np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
+    """Scored prompt chunks: (start, logprob of each position's next token [n], top ids, top logprobs)."""
 
 
 class ModelRunner:
@@ -194,7 +218,9 @@ class ModelRunner:
         arrays = SamplingArrays(**{name: jnp.asarray(value) for name, value in a.items()})
         return arrays, slots
 
-    def _dispatch(self, chunks: Sequence[ScheduledChunk], rows: int, tokens_per_row: int, width: int) -> SampleOutput:
+    def _dispatch(
+        self, chunks: Sequence[ScheduledChunk], rows: int, tokens_per_row: int, width: int, scored: bool = False
+    ) -> tuple[SampleOutput, tuple | None]:
         tokens = np.zeros((rows, tokens_per_row), np.int32)
         positions = np.zeros((rows, tokens_per_row), np.int32)
         q_lens = np.zeros(rows, np.int32)
@@ -209,7 +235,17 @@ class ModelRunner:
             table[i, : len(c.seq.pages)] = c.seq.pages
             weight[i] = 1 if c.samples else 0
         batch = PageBatch(jnp.asarray(positions), jnp.asarray(q_lens), jnp.asarray(kv_lens), jnp.asarray(table))
-        logits, self.kv_cache = _forward(self.model, self.kv_cache, jnp.asarray(tokens), batch)
+        scores = None
+        if scored:
+            following = np.zeros((rows, tokens_per_row), np.int32)
+            for i, c in enumerate(chunks):
+                nxt = c.seq.tokens(c.start + 1, c.start + c.num_tokens + 1)
+                following[i, : len(nxt)] = nxt
+            logits, scores, self.kv_cache = _forward_scored(
+                self.model, self.kv_cache, jnp.asarray(tokens), batch, jnp.asarray(following)
+            )
+        else:
+            logits, self.kv_cache = _forward(self.model, self.kv_cache, jnp.asarray(tokens), batch)
         # Prefill rows are sampled in the smallest batch bucket, so the sampler compiles per bucket.
         sample_rows = Buckets.fit(self.buckets.batch, rows)
         if sample_rows != rows:
@@ -219,13 +255,13 @@ class ModelRunner:
         out, self.counts = _sample(
             logits, self.counts, self.prompt_mask, jnp.asarray(slots), jnp.asarray(weight), sampling
         )
-        return out
+        return out, scores
 
-    def execute(self, batch: ScheduledBatch) -> dict[Seq, tuple[int, float, np.ndarray, np.ndarray]]:
-        """Run one scheduler step; for each chunk that samples: (token, logprob, top ids, top logprobs)."""
+    def execute(self, batch: ScheduledBatch) -> StepResults:
+        """Run one scheduler step: sampled tokens, and prompt scores of chunks that asked for them."""
         for src, dst in batch.copies:
             self.kv_cache = _copy_page(self.kv_cache, jnp.int32(src), jnp.int32(dst))
-        calls: list[tuple[Sequence[ScheduledChunk], SampleOutput]] = []
+        calls: list[tuple[Sequence[ScheduledChunk], tuple[SampleOutput, tuple | None]]] = []
         if batch.decodes:
             rows = Buckets.fit(self.buckets.batch, len(batch.decodes))
             width = Buckets.fit(self.buckets.pages, max(len(c.seq.pages) for c in batch.decodes))
@@ -233,15 +269,20 @@ class ModelRunner:
         for chunk in batch.prefills:
             t = Buckets.fit(self.buckets.tokens, chunk.num_tokens)
             width = self.buckets.prefill_pages(len(chunk.seq.pages), t)
-            calls.append(([chunk], self._dispatch([chunk], 1, t, width)))
+            calls.append(([chunk], self._dispatch([chunk], 1, t, width, scores_prompt(chunk))))
         # Every call is dispatched before any result is read, so device work queues back to back.
-        results: dict[Seq, tuple[int, float, np.ndarray, np.ndarray]] = {}
-        for chunks, out in calls:
+        results = StepResults()
+        for chunks, (out, scores) in calls:
             tokens, logprobs = np.asarray(out.tokens), np.asarray(out.logprobs)
             top_ids, top_lps = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
             for i, c in enumerate(chunks):
                 if c.samples:
-                    results[c.seq] = (int(tokens[i]), float(logprobs[i]), top_ids[i], top_lps[i])
+                    results.sampled[c.seq] = (int(tokens[i]), float(logprobs[i]), top_ids[i], top_lps[i])
+            if scores is not None:
+                c = chunks[0]
+                n = c.num_tokens
+                lp, ids, tlp = (np.asarray(a)[:n] for a in scores)
+                results.prompt_scores[c.seq] = (c.start, lp, ids, tlp)
         return results
 
     # -- warmup -------------------------------------------------------------------------------
@@ -250,7 +291,9 @@ class ModelRunner:
         before = compile_count()
         shapes = self.buckets.shapes()
         for i, (rows, t, width) in enumerate(shapes):
-            self._dispatch([], rows, t, width).tokens.block_until_ready()
+            jax.block_until_ready(self._dispatch([], rows, t, width))
+            if t > 1:  # prefill shapes also come in the scoring variant (echo with logprobs)
+                jax.block_until_ready(self._dispatch([], rows, t, width, scored=True))
             if progress is not None:
                 progress(i + 1, len(shapes))
         # The page copy (page 0 onto itself) and the penalty-slot writers (on the scratch slot) too.

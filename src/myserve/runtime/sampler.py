@@ -265,12 +265,20 @@ def sample(
 
     # Greedy is the common serving case: an all-greedy batch skips thresholds and noise.
     tokens = lax.cond(jnp.all(greedy_rows), lambda: jnp.argmax(processed, axis=-1).astype(jnp.int32), draw)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
-    if num_top_logprobs > 0:
-        top_vals, top_ids = _top_k(logits, num_top_logprobs)
-        top_logprobs = top_vals - lse[:, None]
-    else:
-        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
-        top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
+    chosen, top_ids, top_logprobs = token_logprobs(logits, tokens, num_top_logprobs)
     return SampleOutput(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Raw log-softmax at ``targets`` and the top ``k`` (static) per row.
+
+    logits f32 [N, V]; targets i32 [N]. Returns logprobs f32 [N], top ids i32 [N, k], top logprobs
+    f32 [N, k] (descending). Used for sampled tokens and for prompt tokens (echo with logprobs).
+    """
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    chosen = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
+    if k > 0:
+        top_vals, top_ids = _top_k(logits, k)
+        return chosen, top_ids, top_vals - lse[:, None]
+    return chosen, jnp.zeros((logits.shape[0], 0), jnp.int32), jnp.zeros((logits.shape[0], 0), jnp.float32)

@@ -140,7 +140,10 @@ def create_app(
             raise APIError(400, str(e), param="messages") from None
 
     def sampling(
-        req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+        req: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         try:
@@ -161,6 +164,7 @@ def create_app(
                 ignore_eos=req.ignore_eos,
                 min_tokens=req.min_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
             )
         except InvalidParams as e:
@@ -257,7 +261,11 @@ def create_app(
                         finish_metrics("error", None)
                         raise APIError(500, out.error, code="engine_error")
                     continue
-                c = choices.setdefault(i * n + out.choice, {"text": "", "logprobs": [], "finish": None, "first": None})
+                c = choices.setdefault(
+                    i * n + out.choice, {"text": "", "logprobs": [], "finish": None, "first": None, "prompt": None}
+                )
+                if out.prompt_logprobs is not None:
+                    c["prompt"] = out.prompt_logprobs
                 if c["first"] is None and out.token_ids:
                     c["first"] = time.perf_counter()
                 c["text"] += out.text
@@ -278,13 +286,16 @@ def create_app(
                     )
                 else:
                     prefix = echo_texts[index // n] if echo_texts else ""
+                    logprobs_json = None
+                    if params.logprobs is not None:
+                        items = fmt.prompt_items(prompts[index // n], c["prompt"]) if c["prompt"] else []
+                        generated = [(e.token_id, e.logprob, e.top) for e in c["logprobs"]]
+                        logprobs_json = fmt.completion_items(items + generated, 0 if items else len(prefix))
                     body_choices.append(
                         {
                             "index": index,
                             "text": prefix + c["text"],
-                            "logprobs": fmt.completion(c["logprobs"], len(prefix))
-                            if params.logprobs is not None
-                            else None,
+                            "logprobs": logprobs_json,
                             "finish_reason": c["finish"],
                         }
                     )
@@ -332,7 +343,7 @@ def create_app(
                                 ],
                             }
                         )
-                elif echo_texts:
+                elif echo_texts and params.logprobs is None:  # with logprobs: sent with the prompt's scores
                     for index in range(len(prompts) * n):
                         offsets[index] = len(echo_texts[index // n])
                         yield _sse(
@@ -367,6 +378,17 @@ def create_app(
                             return
                         continue
                     index = i * n + out.choice
+                    if out.prompt_logprobs is not None and echo_texts:
+                        echo = echo_texts[i]
+                        offsets[index] = len(echo)
+                        items = fmt.prompt_items(prompts[i], out.prompt_logprobs)
+                        lp_json = fmt.completion_items(items) if params.logprobs is not None else None
+                        yield _sse(
+                            {
+                                **base,
+                                "choices": [{"index": index, "text": echo, "logprobs": lp_json, "finish_reason": None}],
+                            }
+                        )
                     if out.token_ids:
                         now = time.perf_counter()
                         if last_token_t is None:
@@ -409,15 +431,12 @@ def create_app(
         check_ready(req.model)
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
-        if req.echo and req.logprobs is not None:
-            raise APIError(
-                400,
-                "echo together with logprobs (prompt logprobs) is not supported yet",
-                param="echo",
-                code="unsupported_parameter",
-            )
         prompts = _completion_prompts(req.prompt, tokenizer.encode)
-        params = sampling(req, req.max_tokens, req.logprobs)
+        # echo with logprobs scores the prompt; echo with max_tokens 0 returns only the prompt.
+        prompt_logprobs = None
+        if req.echo and (req.logprobs is not None or req.max_tokens == 0):
+            prompt_logprobs = req.logprobs or 0
+        params = sampling(req, req.max_tokens, req.logprobs, prompt_logprobs)
         echo = [tokenizer.decode(p) for p in prompts] if req.echo else None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await run(request, "completion", prompts, params, req.stream, include_usage, echo)

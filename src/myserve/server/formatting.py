@@ -49,15 +49,30 @@ class LogprobFormatter:
 
     def completion(self, entries: list[TokenLogprob], start_offset: int = 0) -> dict:
         """Completions ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``."""
+        return self.completion_items([(e.token_id, e.logprob, e.top) for e in entries], start_offset)
+
+    def completion_items(
+        self, items: list[tuple[int, float | None, tuple[tuple[int, float], ...] | None]], start_offset: int = 0
+    ) -> dict:
+        """As ``completion``, for (token id, logprob, top) items whose logprob may be None (a prompt's
+        first token, with echo)."""
         tokens, offsets, offset = [], [], start_offset
-        for e in entries:
-            s = self.text(e.token_id)
+        for token_id, _, _ in items:
+            s = self.text(token_id)
             tokens.append(s)
             offsets.append(offset)
             offset += len(s)
         return {
             "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self.text(t): lp for t, lp in e.top} for e in entries],
+            "token_logprobs": [lp for _, lp, _ in items],
+            "top_logprobs": [None if top is None else {self.text(t): v for t, v in top} for _, _, top in items],
             "text_offset": offsets,
         }
+
+    def prompt_items(
+        self, prompt_ids: list[int], scores: tuple[TokenLogprob | None, ...]
+    ) -> list[tuple[int, float | None, tuple[tuple[int, float], ...] | None]]:
+        """Echoed prompt tokens as completion items (the first token has no logprob)."""
+        return [
+            (t, None, None) if s is None else (t, s.logprob, s.top) for t, s in zip(prompt_ids, scores, strict=True)
+        ]
