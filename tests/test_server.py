@@ -363,3 +363,14 @@ def test_echo_with_logprobs_scores_the_prompt(client, live) -> None:
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     assert chunks[0].choices[0].text == prompt and chunks[0].choices[0].logprobs.token_logprobs[0] is None
+
+
+def test_disconnect_without_streaming_aborts(live, service) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{live.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=1.5)
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and (service.stats().running or service.stats().pages_used):
+        time.sleep(0.02)
+    s = service.stats()
+    assert s.running == 0 and s.pages_used == 0
