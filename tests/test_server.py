@@ -374,3 +374,41 @@ def test_disconnect_without_streaming_aborts(live, service) -> None:
         time.sleep(0.02)
     s = service.stats()
     assert s.running == 0 and s.pages_used == 0
+
+
+def test_engine_error_mid_stream_sends_error_event(tiny_checkpoints) -> None:
+    svc = start_service(
+        tiny_checkpoints["llama3"],
+        "model.max_model_len=512",
+        "engine.page_size=8",
+        "engine.max_num_seqs=8",
+        "engine.batch_buckets=[1,2,4,8]",
+        "engine.max_num_batched_tokens=64",
+        "engine.token_buckets=[16,64]",
+        "engine.page_buckets=[8,64]",
+        "engine.num_pages=64",
+    )
+    server = LiveServer(create_app(svc, served_model_name="tiny"))
+    real_execute, calls = svc.runner.execute, []
+
+    def failing_later(batch):
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("injected device failure")
+        return real_execute(batch)
+
+    svc.runner.execute = failing_later  # type: ignore[method-assign]
+    try:
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 50, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.status_code == 200
+        payloads = [json.loads(e) for e in events if e != "[DONE]"]
+        assert any("choices" in p for p in payloads)  # the stream had started
+        assert "error" in payloads[-1] and "injected device failure" in payloads[-1]["error"]["message"]
+        assert "[DONE]" not in events
+        assert httpx.get(f"{server.url}/health").status_code == 503  # a dead engine is not healthy
+        assert httpx.get(f"{server.url}/docs").status_code == 200
+    finally:
+        server.stop()
+        svc.shutdown()
