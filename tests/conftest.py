@@ -32,6 +32,37 @@ def smollm2():
     return load_on_mesh(None)
 
 
+# A tiny-model engine with small buckets, so warmup stays short on 2 cores.
+TINY_ENGINE = (
+    "model.max_model_len=512",
+    "engine.page_size=8",
+    "engine.max_num_seqs=8",
+    "engine.max_num_batched_tokens=64",
+    "engine.batch_buckets=[1,2,4,8]",
+    "engine.token_buckets=[16,64]",
+    "engine.page_buckets=[8,64]",
+)
+
+
+@pytest.fixture(scope="session")
+def smol_service():
+    """The bundled SmolLM2 behind a started GenerationService with small buckets (shared by modules)."""
+    from myserve.testing import start_service
+
+    svc = start_service(
+        None,
+        "model.max_model_len=512",
+        "engine.num_pages=256",
+        "engine.max_num_seqs=16",
+        "engine.max_num_batched_tokens=128",
+        "engine.batch_buckets=[1,4,16]",
+        "engine.token_buckets=[32,128]",
+        "engine.page_buckets=[16]",
+    )
+    yield svc
+    svc.shutdown()
+
+
 @pytest.fixture(scope="session")
 def hf_gguf_model():
     """transformers' own load of the bundled GGUF (dequantized to float32): the parity reference."""

@@ -6,21 +6,13 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import TINY_ENGINE
 
 from myserve.engine.params import SamplingParams
 from myserve.runtime.compile_counter import compile_count
 from myserve.testing import hf_greedy, hf_logits, start_service
 
-# Small buckets keep warmup short on 2 cores.
-ENGINE = [
-    "model.max_model_len=512",
-    "engine.page_size=8",
-    "engine.max_num_seqs=8",
-    "engine.max_num_batched_tokens=64",
-    "engine.batch_buckets=[1,2,4,8]",
-    "engine.token_buckets=[16,64]",
-    "engine.page_buckets=[8,64]",
-]
+ENGINE = TINY_ENGINE
 LENGTHS = [3, 200, 17, 64, 5, 120, 33, 9, 150, 48, 77, 11]
 
 
@@ -212,14 +204,7 @@ def test_full_waiting_queue_raises_overloaded_and_the_rest_finish(tiny_checkpoin
     from myserve.engine.outputs import Overloaded
 
     svc = start_service(
-        tiny_checkpoints["llama3"],
-        *ENGINE[:2],
-        "engine.max_num_seqs=1",
-        "engine.batch_buckets=[1]",
-        "engine.max_num_batched_tokens=64",
-        "engine.token_buckets=[16,64]",
-        "engine.page_buckets=[8,64]",
-        "engine.max_waiting=3",
+        tiny_checkpoints["llama3"], *ENGINE, "engine.max_num_seqs=1", "engine.batch_buckets=[1]", "engine.max_waiting=3"
     )
     try:
         accepted, refused = [], 0

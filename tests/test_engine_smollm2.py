@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from myserve.engine.params import SamplingParams
-from myserve.testing import hf_greedy, start_service
+from myserve.testing import hf_greedy
 
 TEXT = (
     "The history of the bicycle spans more than two centuries. Early designs had no pedals, and riders pushed "
@@ -15,22 +15,6 @@ TEXT = (
     "delivery and leisure, and electric assistance has brought them to new riders in hilly cities everywhere. "
     "Engineers keep refining frames, gears and brakes, while planners build lanes so that people feel safe."
 )
-
-
-@pytest.fixture(scope="module")
-def smol_service():
-    svc = start_service(
-        None,
-        "model.max_model_len=512",
-        "engine.num_pages=128",
-        "engine.max_num_seqs=16",
-        "engine.max_num_batched_tokens=128",
-        "engine.batch_buckets=[1,4,16]",
-        "engine.token_buckets=[32,128]",
-        "engine.page_buckets=[16]",
-    )
-    yield svc
-    svc.shutdown()
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from conftest import TINY_ENGINE
 
 from myserve.server.app import create_app
 from myserve.testing import start_service
@@ -47,19 +48,8 @@ class LiveServer:
 
 
 @pytest.fixture(scope="module")
-def service():
-    svc = start_service(
-        None,
-        "model.max_model_len=512",
-        "engine.num_pages=256",
-        "engine.max_num_seqs=16",
-        "engine.max_num_batched_tokens=128",
-        "engine.batch_buckets=[1,4,16]",
-        "engine.token_buckets=[32,128]",
-        "engine.page_buckets=[16]",
-    )
-    yield svc
-    svc.shutdown()
+def service(smol_service):
+    return smol_service
 
 
 @pytest.fixture(scope="module")
@@ -305,13 +295,9 @@ def test_unknown_fields_ignored_and_tokenize_roundtrip(live) -> None:
 def test_full_queue_answers_429_with_retry_after(tiny_checkpoints) -> None:
     svc = start_service(
         tiny_checkpoints["llama3"],
-        "model.max_model_len=512",
-        "engine.page_size=8",
+        *TINY_ENGINE,
         "engine.max_num_seqs=1",
         "engine.batch_buckets=[1]",
-        "engine.max_num_batched_tokens=64",
-        "engine.token_buckets=[16,64]",
-        "engine.page_buckets=[8,64]",
         "engine.max_waiting=2",
     )
     server = LiveServer(create_app(svc, served_model_name="tiny"))
@@ -377,17 +363,7 @@ def test_disconnect_without_streaming_aborts(live, service) -> None:
 
 
 def test_engine_error_mid_stream_sends_error_event(tiny_checkpoints) -> None:
-    svc = start_service(
-        tiny_checkpoints["llama3"],
-        "model.max_model_len=512",
-        "engine.page_size=8",
-        "engine.max_num_seqs=8",
-        "engine.batch_buckets=[1,2,4,8]",
-        "engine.max_num_batched_tokens=64",
-        "engine.token_buckets=[16,64]",
-        "engine.page_buckets=[8,64]",
-        "engine.num_pages=64",
-    )
+    svc = start_service(tiny_checkpoints["llama3"], *TINY_ENGINE, "engine.num_pages=64")
     server = LiveServer(create_app(svc, served_model_name="tiny"))
     real_execute, calls = svc.runner.execute, []
 
