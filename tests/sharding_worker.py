@@ -40,11 +40,11 @@ def logits_on(source, data: int, model_size: int) -> tuple[np.ndarray, dict]:
         out.append(np.asarray(logits[0, : len(step)]))
         done += len(step)
     layout = {
-        "mlp": str(model.layers.gate_proj.array.sharding.spec),
-        "heads": str(model.layers.q_proj.array.sharding.spec),
+        "mlp": str(model.layers[0].gate_up_proj.array.sharding.spec),
+        "heads": str(model.layers[0].qkv_proj.array.sharding.spec),
         "vocab": str(model.embed.array.sharding.spec),
-        "kv_cache": str(cache.sharding.spec),
-        "devices": len(model.layers.gate_proj.array.sharding.device_set),
+        "kv_cache": str(cache.k.sharding.spec),
+        "devices": len(model.layers[0].gate_up_proj.array.sharding.device_set),
     }
     return np.concatenate(out), layout
 

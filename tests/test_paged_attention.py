@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from myserve.ops.paged_attention import PageBatch, reference_paged_attention, write_kv
+from myserve.ops.paged_attention import KVCache, PageBatch, reference_paged_attention, write_kv
 from myserve.runtime.kv_cache import init_kv_cache
 from myserve.runtime.steps import forward_all_logits, page_batch
 from myserve.testing import hf_logits
@@ -88,7 +88,7 @@ def test_reference_attention_matches_naive_numpy() -> None:
     kv_lens = np.array([9, 7])  # row 1 has only 2 real query tokens (positions 5, 6)
     q_lens = np.array([3, 2])
     tables = np.array([[7, 2, 5], [0, 9, 3]], np.int32)
-    cache = jnp.zeros((1, n_pages, ps, 2 * kvh, d), jnp.float32)
+    cache = KVCache(jnp.zeros((1, kvh, n_pages, ps, d), jnp.float32), jnp.zeros((1, kvh, n_pages, ps, d), jnp.float32))
     # Write all 9 (or 7) tokens of each row through the op's own write path, in one step.
     wb = PageBatch(
         positions=jnp.asarray(np.tile(np.arange(9), (b, 1)), jnp.int32),
@@ -96,7 +96,7 @@ def test_reference_attention_matches_naive_numpy() -> None:
         kv_lens=jnp.asarray(kv_lens, jnp.int32),
         page_table=jnp.asarray(tables),
     )
-    cache = write_kv(cache, jnp.int32(0), jnp.asarray(k_all), jnp.asarray(v_all), wb)
+    cache = write_kv(cache, 0, jnp.asarray(k_all), jnp.asarray(v_all), wb)
     positions = np.stack([np.arange(6, 9), np.array([5, 6, 0])]).astype(np.int32)
     qb = PageBatch(
         jnp.asarray(positions),
@@ -104,7 +104,7 @@ def test_reference_attention_matches_naive_numpy() -> None:
         jnp.asarray(kv_lens, jnp.int32),
         jnp.asarray(tables),
     )
-    out = np.asarray(reference_paged_attention(jnp.asarray(q), cache, jnp.int32(0), qb, sm_scale=d**-0.5))
+    out = np.asarray(reference_paged_attention(jnp.asarray(q), cache, 0, qb, sm_scale=d**-0.5))
     for i in range(b):
         for j in range(q_lens[i]):
             p = positions[i, j]

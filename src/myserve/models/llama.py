@@ -1,9 +1,22 @@
 """The Llama-family decoder (Llama 2/3.x, TinyLlama, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Equinox modules whose weights are haliax ``NamedArray``s: every weight carries logical axis names
-(``embed``, ``heads``, ``kv_heads``, ``head_size``, ``mlp``, ``vocab``, ``layers``), and
-``runtime/mesh.py`` maps those names to mesh axes in one table. Layers are stacked along ``layers``
-and run with ``haliax.fold`` (a ``lax.scan``), so XLA compiles one layer, not ``num_layers``.
+(``embed``, ``kv_heads``, ``qkv``, ``head_size``, ``mlp``, ``vocab``...), and ``runtime/mesh.py``
+maps those names to mesh axes in one table.
+
+Layers are a tuple of separate modules. A ``lax.scan`` over weights stacked along a ``layers``
+axis would compile one layer, but XLA:CPU then copies every layer's weights out of the stack on
+every step (a dynamic-slice is not an aliasable buffer for its dot kernels): measured 1.9x slower
+for a single-sequence decode of SmolLM2. Unrolling the layers in one trace avoids the copy but
+compiles 30 layers (~8 s per shape). So the block is a free function of one layer's weights
+(``decoder_block``): the serving runtime jits it once per shape and calls it per layer.
+
+Projections that read the same input are fused into one matmul (fewer, larger kernels):
+
+- ``qkv_proj`` (embed, kv_heads, qkv, head_size): for each KV head, its ``q_per_kv`` query heads,
+  then its key, then its value (``qkv = q_per_kv + 2``). Grouping by KV head means sharding
+  ``kv_heads`` over the ``model`` mesh axis keeps every query head with the KV head it reads.
+- ``gate_up_proj`` (embed, gate_up, mlp): gate and up, sharded together along ``mlp``.
 
 The families differ only by flags on ``ModelSpec``: q/k/v bias (Qwen2), q/k RMSNorm (Qwen3),
 llama3 rotary scaling, tied embeddings.
@@ -19,7 +32,7 @@ from haliax import Axis, NamedArray
 
 from myserve.models.rope import apply_rope, inverse_frequencies
 from myserve.models.spec import ModelSpec
-from myserve.ops.paged_attention import PageBatch, paged_attention, write_kv
+from myserve.ops.paged_attention import KVCache, PageBatch, paged_attention, write_kv
 
 BATCH, POS = "batch", "position"
 
@@ -28,24 +41,26 @@ class ModelAxes(eqx.Module):
     """The named axes of one model, sized from its spec."""
 
     Embed: Axis
-    Heads: Axis
     KVHeads: Axis
+    QPerKV: Axis
+    QKV: Axis
     HeadSize: Axis
+    GateUp: Axis
     Mlp: Axis
     Vocab: Axis
-    Layers: Axis
 
     @staticmethod
     def of(spec: ModelSpec) -> ModelAxes:
         """Axes for ``spec``."""
         return ModelAxes(
             Embed=Axis("embed", spec.hidden_size),
-            Heads=Axis("heads", spec.num_heads),
             KVHeads=Axis("kv_heads", spec.num_kv_heads),
+            QPerKV=Axis("q_per_kv", spec.q_per_kv),
+            QKV=Axis("qkv", spec.q_per_kv + 2),
             HeadSize=Axis("head_size", spec.head_dim),
+            GateUp=Axis("gate_up", 2),
             Mlp=Axis("mlp", spec.intermediate_size),
             Vocab=Axis("vocab", spec.vocab_size),
-            Layers=Axis("layers", spec.num_layers),
         )
 
 
@@ -58,25 +73,19 @@ def rms_norm(x: NamedArray, weight: NamedArray, axis: Axis, eps: float) -> Named
 
 
 class DecoderLayer(eqx.Module):
-    """One pre-norm transformer block. In a model, every array has a leading ``layers`` axis."""
+    """One pre-norm transformer block."""
 
     attn_norm: NamedArray  # (embed)
-    q_proj: NamedArray  # (embed, heads, head_size)
-    k_proj: NamedArray  # (embed, kv_heads, head_size)
-    v_proj: NamedArray  # (embed, kv_heads, head_size)
-    o_proj: NamedArray  # (heads, head_size, embed)
+    qkv_proj: NamedArray  # (embed, kv_heads, qkv, head_size)
+    o_proj: NamedArray  # (kv_heads, q_per_kv, head_size, embed)
     mlp_norm: NamedArray  # (embed)
-    gate_proj: NamedArray  # (embed, mlp)
-    up_proj: NamedArray  # (embed, mlp)
+    gate_up_proj: NamedArray  # (embed, gate_up, mlp)
     down_proj: NamedArray  # (mlp, embed)
-    q_bias: NamedArray | None = None  # (heads, head_size)
-    k_bias: NamedArray | None = None  # (kv_heads, head_size)
-    v_bias: NamedArray | None = None  # (kv_heads, head_size)
+    qkv_bias: NamedArray | None = None  # (kv_heads, qkv, head_size)
     o_bias: NamedArray | None = None  # (embed)
     q_norm: NamedArray | None = None  # (head_size)
     k_norm: NamedArray | None = None  # (head_size)
-    gate_bias: NamedArray | None = None  # (mlp)
-    up_bias: NamedArray | None = None  # (mlp)
+    gate_up_bias: NamedArray | None = None  # (gate_up, mlp)
     down_bias: NamedArray | None = None  # (embed)
 
 
@@ -94,7 +103,7 @@ class LlamaModel(eqx.Module):
     spec: ModelSpec = eqx.field(static=True)
     attention_backend: str = eqx.field(static=True)
     embed: NamedArray  # (vocab, embed)
-    layers: DecoderLayer  # stacked over (layers, ...)
+    layers: tuple[DecoderLayer, ...]
     final_norm: NamedArray  # (embed)
     lm_head: NamedArray | None  # (embed, vocab); None when tied to `embed`
 
@@ -103,33 +112,31 @@ class LlamaModel(eqx.Module):
         """Named axes of this model."""
         return ModelAxes.of(self.spec)
 
-    def __call__(self, tokens: jax.Array, batch: PageBatch, kv_cache: jax.Array) -> tuple[NamedArray, jax.Array]:
-        """Run the new tokens of a batch of sequences through the model.
+    def __call__(self, tokens: jax.Array, batch: PageBatch, kv_cache: KVCache) -> tuple[NamedArray, KVCache]:
+        """Run the new tokens of a batch of sequences through the whole model (inside one trace).
+
+        The serving runtime dispatches the same pieces one jitted layer at a time instead
+        (``runtime/steps.py``); this is the single-trace form for tests and small models.
 
         Args:
             tokens: int32 [B, T], padded rows of new tokens (see ``PageBatch``).
             batch: positions, lengths and page table of the step.
-            kv_cache: [layers, pages, page_size, 2 * kv_heads, head_dim]; this step's K/V are written.
+            kv_cache: the paged KV cache; this step's K/V are written into it.
         Returns:
             Final hidden states (batch, position, embed), after the final norm, and the new cache.
         """
-        ax = self.axes
-        named_tokens = hax.named(tokens, (BATCH, POS))
-        x = self.embed.take(ax.Vocab, named_tokens)
-        inv_freq = inverse_frequencies(self.spec)
+        x = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            x, kv_cache = decoder_block(self.spec, self.attention_backend, layer, x, batch, kv_cache, i)
+        return self.norm(x), kv_cache
 
-        def block(carry: tuple[NamedArray, jax.Array], layer: DecoderLayer, layer_idx: jax.Array):
-            x, cache = carry
-            h = rms_norm(x, layer.attn_norm, ax.Embed, self.spec.rms_norm_eps)
-            attn, cache = self._attention(layer, h, batch, cache, layer_idx, inv_freq)
-            x = x + attn
-            h = rms_norm(x, layer.mlp_norm, ax.Embed, self.spec.rms_norm_eps)
-            x = x + self._mlp(layer, h)
-            return x, cache
+    def embed_tokens(self, tokens: jax.Array) -> NamedArray:
+        """Embeddings (batch, position, embed) of int32 tokens [B, T]."""
+        return self.embed.take(self.axes.Vocab, hax.named(tokens, (BATCH, POS)))
 
-        layer_ids = jnp.arange(self.spec.num_layers, dtype=jnp.int32)
-        x, kv_cache = hax.fold(block, ax.Layers)((x, kv_cache), self.layers, layer_ids)
-        return rms_norm(x, self.final_norm, ax.Embed, self.spec.rms_norm_eps), kv_cache
+    def norm(self, x: NamedArray) -> NamedArray:
+        """The final RMSNorm."""
+        return rms_norm(x, self.final_norm, self.axes.Embed, self.spec.rms_norm_eps)
 
     def logits(self, hidden: NamedArray) -> NamedArray:
         """Project hidden states (..., embed) to float32 logits (..., vocab)."""
@@ -137,34 +144,50 @@ class LlamaModel(eqx.Module):
         head = self.embed if self.lm_head is None else self.lm_head
         return hax.dot(hidden, head, axis=ax.Embed, preferred_element_type=jnp.float32)
 
-    def _attention(
-        self,
-        layer: DecoderLayer,
-        h: NamedArray,
-        batch: PageBatch,
-        cache: jax.Array,
-        layer_idx: jax.Array,
-        inv_freq,
-    ) -> tuple[NamedArray, jax.Array]:
-        ax, spec = self.axes, self.spec
-        q = _add(hax.dot(h, layer.q_proj, axis=ax.Embed), layer.q_bias)
-        k = _add(hax.dot(h, layer.k_proj, axis=ax.Embed), layer.k_bias)
-        v = _add(hax.dot(h, layer.v_proj, axis=ax.Embed), layer.v_bias)
-        if layer.q_norm is not None and layer.k_norm is not None:
-            q = rms_norm(q, layer.q_norm, ax.HeadSize, spec.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, ax.HeadSize, spec.rms_norm_eps)
-        # The paged op works on raw arrays in a fixed layout, like the kernels it can dispatch to.
-        q_raw = apply_rope(_raw(q, BATCH, POS, "heads", "head_size"), batch.positions, inv_freq)
-        k_raw = apply_rope(_raw(k, BATCH, POS, "kv_heads", "head_size"), batch.positions, inv_freq)
-        v_raw = _raw(v, BATCH, POS, "kv_heads", "head_size")
-        cache = write_kv(cache, layer_idx, k_raw, v_raw, batch)
-        out = paged_attention(q_raw, cache, layer_idx, batch, backend=self.attention_backend)  # type: ignore[arg-type]
-        out_named = hax.named(out, (h.resolve_axis(BATCH), h.resolve_axis(POS), ax.Heads, ax.HeadSize))
-        o = hax.dot(out_named, layer.o_proj, axis=(ax.Heads, ax.HeadSize))
-        return _add(o, layer.o_bias), cache
 
-    def _mlp(self, layer: DecoderLayer, h: NamedArray) -> NamedArray:
-        ax = self.axes
-        gate = _add(hax.dot(h, layer.gate_proj, axis=ax.Embed), layer.gate_bias)
-        up = _add(hax.dot(h, layer.up_proj, axis=ax.Embed), layer.up_bias)
-        return _add(hax.dot(hax.nn.silu(gate) * up, layer.down_proj, axis=ax.Mlp), layer.down_bias)
+def decoder_block(
+    spec: ModelSpec,
+    attention_backend: str,
+    layer: DecoderLayer,
+    x: NamedArray,
+    batch: PageBatch,
+    cache: KVCache,
+    layer_idx: int | jax.Array,
+) -> tuple[NamedArray, KVCache]:
+    """One pre-norm transformer block on hidden states (batch, position, embed); writes its K/V.
+
+    A free function of the layer's weights (not of the whole model), so the runtime can jit it
+    once and call it for every layer with that layer's arrays and index.
+    """
+    ax, eps = ModelAxes.of(spec), spec.rms_norm_eps
+    h = rms_norm(x, layer.attn_norm, ax.Embed, eps)
+    qkv = _add(hax.dot(h, layer.qkv_proj, axis=ax.Embed), layer.qkv_bias)
+    qkv_raw = _raw(qkv, BATCH, POS, "kv_heads", "qkv", "head_size")  # [B, T, KVH, G + 2, D]
+    b, t, kvh, _, d = qkv_raw.shape
+    g = spec.q_per_kv
+    q = qkv_raw[:, :, :, :g].reshape(b, t, kvh * g, d)  # head kvh_i * g + j reads KV head kvh_i
+    k, v = qkv_raw[:, :, :, g], qkv_raw[:, :, :, g + 1]
+    if layer.q_norm is not None and layer.k_norm is not None:
+        q = _rms_norm_raw(q, layer.q_norm.array, eps)
+        k = _rms_norm_raw(k, layer.k_norm.array, eps)
+    inv_freq = inverse_frequencies(spec)
+    # The paged op works on raw arrays in a fixed layout, like the kernels it can dispatch to.
+    q, k = apply_rope(q, batch.positions, inv_freq), apply_rope(k, batch.positions, inv_freq)
+    cache = write_kv(cache, layer_idx, k, v, batch)
+    out = paged_attention(q, cache, layer_idx, batch, backend=attention_backend)  # type: ignore[arg-type]
+    out_axes = (h.resolve_axis(BATCH), h.resolve_axis(POS), ax.KVHeads, ax.QPerKV, ax.HeadSize)
+    o = hax.dot(
+        hax.named(out.reshape(b, t, kvh, g, d), out_axes), layer.o_proj, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize)
+    )
+    x = x + _add(o, layer.o_bias)
+    h = rms_norm(x, layer.mlp_norm, ax.Embed, eps)
+    gate_up = _add(hax.dot(h, layer.gate_up_proj, axis=ax.Embed), layer.gate_up_bias)
+    gate, up = gate_up[ax.GateUp, 0], gate_up[ax.GateUp, 1]
+    return x + _add(hax.dot(hax.nn.silu(gate) * up, layer.down_proj, axis=ax.Mlp), layer.down_bias), cache
+
+
+def _rms_norm_raw(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis of a raw array (Qwen3's per-head q/k norm), float32 inside."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return normed.astype(x.dtype) * weight

@@ -1,14 +1,13 @@
 """Checkpoint loading: HF directories, hub ids (local cache only), GGUF files, the bundled default.
 
-Weights are read one tensor at a time, converted to our layout and dtype on the host, and placed
-straight onto the mesh with the sharding the rules give; stacked per-layer weights are filled in
-place on device, layer by layer. The host never holds more than one tensor of the checkpoint.
+Weights are read one tensor at a time (or the two or three one fused weight combines, such as
+q/k/v of one layer), converted to our layout and dtype on the host, and placed straight onto the
+mesh with the sharding the rules give. The host never holds more than one layer's few tensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 from collections.abc import Callable, Mapping
@@ -143,93 +142,70 @@ def open_source(resolved: ResolvedCheckpoint) -> TensorSource:
     return GGUFSource(resolved.path) if resolved.kind == "gguf" else SafetensorsSource(resolved.path)
 
 
-# How each weight goes from HF layout ([out, in] projections) to our named layout.
-def _proj_in_out(spec: ModelSpec, heads: int) -> Callable[[np.ndarray], np.ndarray]:
-    return lambda w: w.T.reshape(spec.hidden_size, heads, spec.head_dim)
+# How each weight goes from HF layout ([out, in] projections) to our named layout. A field may fuse
+# several HF tensors of one layer (q/k/v, gate/up); the host holds at most those few at a time.
+Combine = Callable[..., np.ndarray]
 
 
-def _layer_table(spec: ModelSpec, ax: ModelAxes) -> dict[str, tuple[str, tuple, Callable | None]]:
-    """field of DecoderLayer -> (HF suffix, our axes, transform)."""
-    t = np.transpose
-    table: dict[str, tuple[str, tuple, Callable | None]] = {
-        "attn_norm": ("input_layernorm.weight", (ax.Embed,), None),
-        "q_proj": (
-            "self_attn.q_proj.weight",
-            (ax.Embed, ax.Heads, ax.HeadSize),
-            _proj_in_out(spec, spec.num_heads),
-        ),
-        "k_proj": (
-            "self_attn.k_proj.weight",
-            (ax.Embed, ax.KVHeads, ax.HeadSize),
-            _proj_in_out(spec, spec.num_kv_heads),
-        ),
-        "v_proj": (
-            "self_attn.v_proj.weight",
-            (ax.Embed, ax.KVHeads, ax.HeadSize),
-            _proj_in_out(spec, spec.num_kv_heads),
-        ),
+def _layer_table(spec: ModelSpec, ax: ModelAxes) -> dict[str, tuple[tuple[str, ...], tuple, Combine | None]]:
+    """field of DecoderLayer -> (HF suffixes, our axes, combine(*tensors) -> our layout)."""
+    e, kvh, g, d = spec.hidden_size, spec.num_kv_heads, spec.q_per_kv, spec.head_dim
+
+    def qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        # [out, in] -> [in, kv_heads, qkv, head_size]: per KV head its query heads, then k, then v.
+        qs = q.T.reshape(e, kvh, g, d)
+        return np.concatenate([qs, k.T.reshape(e, kvh, 1, d), v.T.reshape(e, kvh, 1, d)], axis=2)
+
+    def qkv_bias(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        return np.concatenate([q.reshape(kvh, g, d), k.reshape(kvh, 1, d), v.reshape(kvh, 1, d)], axis=1)
+
+    attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    table: dict[str, tuple[tuple[str, ...], tuple, Combine | None]] = {
+        "attn_norm": (("input_layernorm.weight",), (ax.Embed,), None),
+        "qkv_proj": (tuple(f"{p}.weight" for p in attn), (ax.Embed, ax.KVHeads, ax.QKV, ax.HeadSize), qkv),
         "o_proj": (
-            "self_attn.o_proj.weight",
-            (ax.Heads, ax.HeadSize, ax.Embed),
-            lambda w: w.T.reshape(spec.num_heads, spec.head_dim, spec.hidden_size),
+            ("self_attn.o_proj.weight",),
+            (ax.KVHeads, ax.QPerKV, ax.HeadSize, ax.Embed),
+            lambda w: w.T.reshape(kvh, g, d, e),
         ),
-        "mlp_norm": ("post_attention_layernorm.weight", (ax.Embed,), None),
-        "gate_proj": ("mlp.gate_proj.weight", (ax.Embed, ax.Mlp), t),
-        "up_proj": ("mlp.up_proj.weight", (ax.Embed, ax.Mlp), t),
-        "down_proj": ("mlp.down_proj.weight", (ax.Mlp, ax.Embed), t),
+        "mlp_norm": (("post_attention_layernorm.weight",), (ax.Embed,), None),
+        "gate_up_proj": (
+            ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+            (ax.Embed, ax.GateUp, ax.Mlp),
+            lambda gate, up: np.stack([gate.T, up.T], axis=1),
+        ),
+        "down_proj": (("mlp.down_proj.weight",), (ax.Mlp, ax.Embed), np.transpose),
     }
     if spec.qkv_bias:
-        q_shape, kv_shape = (spec.num_heads, spec.head_dim), (spec.num_kv_heads, spec.head_dim)
-        table["q_bias"] = ("self_attn.q_proj.bias", (ax.Heads, ax.HeadSize), lambda b: b.reshape(q_shape))
-        table["k_bias"] = ("self_attn.k_proj.bias", (ax.KVHeads, ax.HeadSize), lambda b: b.reshape(kv_shape))
-        table["v_bias"] = ("self_attn.v_proj.bias", (ax.KVHeads, ax.HeadSize), lambda b: b.reshape(kv_shape))
+        table["qkv_bias"] = (tuple(f"{p}.bias" for p in attn), (ax.KVHeads, ax.QKV, ax.HeadSize), qkv_bias)
     if spec.o_bias:
-        table["o_bias"] = ("self_attn.o_proj.bias", (ax.Embed,), None)
+        table["o_bias"] = (("self_attn.o_proj.bias",), (ax.Embed,), None)
     if spec.qk_norm:
-        table["q_norm"] = ("self_attn.q_norm.weight", (ax.HeadSize,), None)
-        table["k_norm"] = ("self_attn.k_norm.weight", (ax.HeadSize,), None)
+        table["q_norm"] = (("self_attn.q_norm.weight",), (ax.HeadSize,), None)
+        table["k_norm"] = (("self_attn.k_norm.weight",), (ax.HeadSize,), None)
     if spec.mlp_bias:
-        table["gate_bias"] = ("mlp.gate_proj.bias", (ax.Mlp,), None)
-        table["up_bias"] = ("mlp.up_proj.bias", (ax.Mlp,), None)
-        table["down_bias"] = ("mlp.down_proj.bias", (ax.Embed,), None)
+        table["gate_up_bias"] = (("mlp.gate_proj.bias", "mlp.up_proj.bias"), (ax.GateUp, ax.Mlp), np.stack)
+        table["down_bias"] = (("mlp.down_proj.bias",), (ax.Embed,), None)
     return table
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _set_layer(stacked: jax.Array, i: jax.Array, value: jax.Array) -> jax.Array:
-    """Write one layer into a stacked weight in place (the stack is donated)."""
-    return stacked.at[i].set(value)
-
-
 class _Placer:
-    """Reads, converts and shards tensors onto the mesh one at a time."""
+    """Reads, converts and shards tensors onto the mesh one (fused) weight at a time."""
 
     def __init__(self, source: TensorSource, mesh: Mesh, mapping: Mapping[str, str], dtype: jnp.dtype):
         self.source, self.mesh, self.mapping, self.dtype = source, mesh, mapping, dtype
 
-    def _host(self, hf_name: str, axes: tuple, transform: Callable | None) -> np.ndarray:
-        w = self.source.read(hf_name)
-        if transform is not None:
-            w = transform(w)
+    def place(self, hf_names: tuple[str, ...], axes: tuple, combine: Combine | None = None) -> hax.NamedArray:
+        """Read ``hf_names``, combine them into our layout, cast, and put the result on the mesh."""
+        tensors = [self.source.read(name) for name in hf_names]
+        w = combine(*tensors) if combine is not None else tensors[0]
         expected = tuple(a.size for a in axes)
         if w.shape != expected:
-            raise CheckpointError(f"tensor {hf_name} has shape {w.shape}, expected {expected}")
-        return np.ascontiguousarray(w.astype(self.dtype))
-
-    def single(self, hf_name: str, axes: tuple, transform: Callable | None = None) -> hax.NamedArray:
+            shapes = ", ".join(f"{n} {t.shape}" for n, t in zip(hf_names, tensors, strict=True))
+            raise CheckpointError(f"tensor(s) {shapes} do not give the expected shape {expected}")
+        host = np.ascontiguousarray(w.astype(self.dtype))
         sharding = named_sharding([a.name for a in axes], self.mapping, self.mesh)
-        return hax.named(jax.device_put(self._host(hf_name, axes, transform), sharding), axes)
-
-    def stacked(self, Layers, hf_suffix: str, axes: tuple, transform: Callable | None) -> hax.NamedArray:
-        full_axes = (Layers, *axes)
-        sharding = named_sharding([a.name for a in full_axes], self.mapping, self.mesh)
-        layer_sharding = named_sharding([a.name for a in axes], self.mapping, self.mesh)
-        shape = tuple(a.size for a in full_axes)
-        stacked = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=sharding)()
-        for i in range(Layers.size):
-            host = self._host(f"model.layers.{i}.{hf_suffix}", axes, transform)
-            stacked = _set_layer(stacked, jnp.int32(i), jax.device_put(host, layer_sharding))
-        return hax.named(stacked, full_axes)
+        return hax.named(jax.device_put(host, sharding), axes)
 
 
 def load_model(
@@ -243,17 +219,23 @@ def load_model(
     spec = source.spec
     ax = ModelAxes.of(spec)
     placer = _Placer(source, mesh, mapping, jnp.dtype(dtype))
-    layer_fields = {
-        field: placer.stacked(ax.Layers, suffix, axes, transform)
-        for field, (suffix, axes, transform) in _layer_table(spec, ax).items()
-    }
+    table = _layer_table(spec, ax)
+    layers = tuple(
+        DecoderLayer(
+            **{
+                field: placer.place(tuple(f"model.layers.{i}.{s}" for s in suffixes), axes, combine)
+                for field, (suffixes, axes, combine) in table.items()
+            }
+        )
+        for i in range(spec.num_layers)
+    )
     return LlamaModel(
         spec=spec,
         attention_backend=attention_backend,
-        embed=placer.single("model.embed_tokens.weight", (ax.Vocab, ax.Embed)),
-        layers=DecoderLayer(**layer_fields),
-        final_norm=placer.single("model.norm.weight", (ax.Embed,)),
+        embed=placer.place(("model.embed_tokens.weight",), (ax.Vocab, ax.Embed)),
+        layers=layers,
+        final_norm=placer.place(("model.norm.weight",), (ax.Embed,)),
         lm_head=None
         if spec.tie_word_embeddings
-        else placer.single("lm_head.weight", (ax.Embed, ax.Vocab), np.transpose),
+        else placer.place(("lm_head.weight",), (ax.Embed, ax.Vocab), np.transpose),
     )

@@ -1,12 +1,16 @@
-"""Paged attention: the KV-cache write and the attention read, with a backend switch.
+"""Paged attention: the KV-cache layout, the cache write and the attention read, with a backend switch.
 
-Cache layout (one array for the whole model, donated into every jitted step)::
+Cache layout (two arrays for the whole model, donated into every jitted step)::
 
-    kv_cache: [layers, pages, page_size, 2 * kv_heads, head_dim]
+    KVCache.k, KVCache.v: [layers, kv_heads, pages, page_size, head_dim]
 
-K and V are interleaved along the head axis (K of head h at ``2h``, V at ``2h + 1``). That is the
-"combined" layout the TPU ragged paged attention kernel reads, so a TPU step needs no per-step
-re-layout, and sharding ``kv_heads`` over the ``model`` mesh axis keeps each K/V pair on one device.
+Head-major: the pages of one KV head are one contiguous block, so gathering a row's pages for a
+head gives its keys as a contiguous ``[context, head_dim]`` matrix. The attention then computes
+``K @ q^T`` with the keys as the left operand of a plain GEMM. With K/V interleaved per token (the
+TPU kernel's layout) XLA:CPU has to transpose the gathered keys of every layer of every step, and
+that transpose, the gather and tiny per-head batched dots cost SmolLM2 about 2x the time of all its
+matmuls at 32 concurrent decodes (measured: 6.5 -> 3.4 ms per layer). ``kv_heads`` shards over the
+``model`` mesh axis.
 
 Queries arrive as a padded batch ``[B, T]``: row ``b`` holds ``q_lens[b]`` new tokens of one
 sequence (a prefill chunk, or a single decode token), the rest is padding. Token ``(b, t)`` sits at
@@ -34,6 +38,23 @@ AttentionBackend = Literal["auto", "reference", "pallas"]
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+class KVCache(eqx.Module):
+    """The paged KV cache of every layer: keys and values, ``[layers, kv_heads, pages, page_size, head_dim]``."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the pool."""
+        return self.k.shape[2]
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page."""
+        return self.k.shape[3]
+
+
 class PageBatch(eqx.Module):
     """Attention metadata of one step: where each query token is and which pages hold its context.
 
@@ -50,65 +71,76 @@ class PageBatch(eqx.Module):
     """[B, P] page ids of each row's sequence, in order; entries past its length are ignored."""
 
 
-def write_kv(kv_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array, batch: PageBatch) -> jax.Array:
+def write_kv(cache: KVCache, layer: int | jax.Array, k: jax.Array, v: jax.Array, batch: PageBatch) -> KVCache:
     """Scatter this step's keys and values into their pages.
 
     Args:
-        kv_cache: [layers, pages, page_size, 2 * kv_heads, head_dim]
-        layer: int32 scalar, the layer being written.
+        cache: the whole cache (the caller donates it, so XLA updates it in place).
+        layer: the layer being written.
         k, v: [B, T, kv_heads, head_dim]
         batch: positions and page table of the step.
-    Returns:
-        The updated cache (the caller donates the input, so XLA updates it in place).
     """
-    num_pages, page_size = kv_cache.shape[1], kv_cache.shape[2]
-    b, t, kvh, d = k.shape
+    num_pages, page_size = cache.num_pages, cache.page_size
+    t = k.shape[1]
     pos = batch.positions
     valid = jnp.arange(t)[None, :] < batch.q_lens[:, None]
     page_idx = jnp.take_along_axis(batch.page_table, jnp.clip(pos // page_size, 0, None), axis=1)
     # Padding tokens target an out-of-range page, and mode="drop" discards those writes.
     page_idx = jnp.where(valid, page_idx, num_pages)
     offset = pos % page_size
-    kv = jnp.stack([k, v], axis=-2).reshape(b, t, 2 * kvh, d).astype(kv_cache.dtype)
-    return kv_cache.at[layer, page_idx, offset].set(kv, mode="drop")
+    # Indexing [layer, :, page_idx, offset] puts the [B, T] index dims first: updates are [B, T, KVH, D].
+    new_k = cache.k.at[layer, :, page_idx, offset].set(k.astype(cache.k.dtype), mode="drop")
+    new_v = cache.v.at[layer, :, page_idx, offset].set(v.astype(cache.v.dtype), mode="drop")
+    return KVCache(new_k, new_v)
+
+
+def _gather_pages(x: jax.Array, layer: int | jax.Array, page_table: jax.Array) -> jax.Array:
+    """Pages ``page_table`` [B, P] of every KV head of one layer: [kv_heads, B, P, page_size * D].
+
+    A gather of whole pages (contiguous ``page_size * head_dim`` rows of the flattened array) with
+    in-bounds indices promised: about 25 % faster on XLA:CPU than indexing ``x[layer][:, table]``.
+    """
+    num_layers, kvh, num_pages = x.shape[:3]
+    rows = x.reshape(num_layers * kvh * num_pages, -1)
+    heads = (layer * kvh + jnp.arange(kvh, dtype=page_table.dtype)) * num_pages
+    index = heads[:, None, None] + jnp.clip(page_table, 0, num_pages - 1)[None]
+    return rows.at[index].get(mode="promise_in_bounds")
 
 
 def reference_paged_attention(
-    q: jax.Array, kv_cache: jax.Array, layer: jax.Array, batch: PageBatch, *, sm_scale: float
+    q: jax.Array, cache: KVCache, layer: int | jax.Array, batch: PageBatch, *, sm_scale: float
 ) -> jax.Array:
     """Pure-JAX paged attention; runs everywhere and is the numerical reference for kernels.
 
-    Gathers each row's pages into a contiguous [P * page_size] context, then does masked grouped-
-    query attention with a float32 softmax.
+    Gathers each row's pages per KV head into a contiguous ``[context, head_dim]`` block, then does
+    masked grouped-query attention with a float32 softmax; the scores are computed transposed
+    (``K @ q^T``, context-major) so the gathered keys are used as they lie.
 
     Args:
         q: [B, T, heads, head_dim]
-        kv_cache: [layers, pages, page_size, 2 * kv_heads, head_dim]
-        layer: int32 scalar.
+        cache: the KV cache, this step's tokens already written.
+        layer: the layer to read.
         batch: step metadata.
     Returns:
         [B, T, heads, head_dim] in q's dtype.
     """
     b, t, h, d = q.shape
-    _, _, page_size, kvh2, _ = kv_cache.shape
-    kvh = kvh2 // 2
+    kvh = cache.k.shape[1]
     group = h // kvh
-    # One gather with the layer folded into the indices: slicing kv_cache[layer] first would copy
-    # a whole layer of the cache every step.
-    ctx = kv_cache[layer, batch.page_table]  # [B, P, page_size, 2*kvh, D]
-    ctx = ctx.reshape(b, -1, kvh, 2, d)
-    keys, values = ctx[..., 0, :], ctx[..., 1, :]  # [B, S, kvh, D]
-    s = keys.shape[1]
-
-    qg = q.reshape(b, t, kvh, group, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32) * sm_scale
+    keys, values = (_gather_pages(x, layer, batch.page_table).reshape(kvh, b, -1, d) for x in (cache.k, cache.v))
+    s = keys.shape[2]
+    # Queries of a row that share a KV head form one [T * group, D] matrix (row-major: t, then g).
+    qm = q.reshape(b, t, kvh, group, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, t * group, d)
+    scores = jnp.einsum("kbsd,bkmd->kbsm", keys, qm, preferred_element_type=jnp.float32) * sm_scale
     kv_pos = jnp.arange(s)
-    mask = (kv_pos[None, None, :] <= batch.positions[:, :, None]) & (
-        kv_pos[None, None, :] < batch.kv_lens[:, None, None]
-    )  # [B, T, S]
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, values, preferred_element_type=jnp.float32)
+    mask = (kv_pos[None, :, None] <= batch.positions[:, None, :]) & (
+        kv_pos[None, :, None] < batch.kv_lens[:, None, None]
+    )  # [B, S, T]
+    mask = jnp.repeat(mask, group, axis=2)  # [B, S, T * group]
+    scores = jnp.where(mask[None], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=2).astype(values.dtype)
+    out = jnp.einsum("kbsm,kbsd->bkmd", probs, values, preferred_element_type=jnp.float32)
+    out = out.reshape(b, kvh, t, group, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
@@ -123,18 +155,26 @@ def _tpu_kernel():  # pragma: no cover - needs a TPU
 
 
 def _pallas_paged_attention(
-    q: jax.Array, kv_cache: jax.Array, layer: jax.Array, batch: PageBatch, *, sm_scale: float
+    q: jax.Array, cache: KVCache, layer: int | jax.Array, batch: PageBatch, *, sm_scale: float
 ) -> jax.Array:  # pragma: no cover - needs a TPU
-    """TPU path: pack the padded rows into the kernel's ragged layout, run it, unpack."""
+    """TPU path: pack the padded rows into the kernel's ragged layout, run it, unpack.
+
+    The kernel reads K/V interleaved per token (``[pages, page_size, 2 * kv_heads, head_dim]``);
+    this adapter builds that view of the layer from the head-major cache, which costs a copy of
+    the layer per call. A TPU deployment that uses this backend should store the kernel's layout.
+    """
     kernel = _tpu_kernel()
     b, t, h, d = q.shape
+    kvh = cache.k.shape[1]
     # Real tokens of all rows packed to the front, in row order: cu_q_lens describes them.
     valid = (jnp.arange(t)[None, :] < batch.q_lens[:, None]).reshape(-1)
     order = jnp.argsort(~valid, stable=True)
     q_ragged = q.reshape(b * t, h, d)[order]
     cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(batch.q_lens).astype(jnp.int32)])
     num_seqs = jnp.sum(batch.q_lens > 0, dtype=jnp.int32).reshape(1)
-    out = kernel(q_ragged, kv_cache[layer], batch.kv_lens, batch.page_table, cu_q_lens, num_seqs, sm_scale=sm_scale)
+    k, v = jnp.moveaxis(cache.k[layer], 0, 2), jnp.moveaxis(cache.v[layer], 0, 2)  # [pages, page_size, kvh, D]
+    kv_pages = jnp.stack([k, v], axis=3).reshape(k.shape[0], k.shape[1], 2 * kvh, d)
+    out = kernel(q_ragged, kv_pages, batch.kv_lens, batch.page_table, cu_q_lens, num_seqs, sm_scale=sm_scale)
     unpacked = jnp.zeros_like(out).at[order].set(out)
     return unpacked.reshape(b, t, h, d)
 
@@ -153,8 +193,8 @@ def resolve_backend(backend: AttentionBackend) -> Literal["reference", "pallas"]
 
 def paged_attention(
     q: jax.Array,
-    kv_cache: jax.Array,
-    layer: jax.Array,
+    cache: KVCache,
+    layer: int | jax.Array,
     batch: PageBatch,
     *,
     backend: Literal["reference", "pallas"] = "reference",
@@ -162,5 +202,5 @@ def paged_attention(
     """Attention of ``q`` [B, T, heads, head_dim] over each row's paged context (already written)."""
     sm_scale = 1.0 / math.sqrt(q.shape[-1])
     if backend == "pallas":  # pragma: no cover - needs a TPU
-        return _pallas_paged_attention(q, kv_cache, layer, batch, sm_scale=sm_scale)
-    return reference_paged_attention(q, kv_cache, layer, batch, sm_scale=sm_scale)
+        return _pallas_paged_attention(q, cache, layer, batch, sm_scale=sm_scale)
+    return reference_paged_attention(q, cache, layer, batch, sm_scale=sm_scale)

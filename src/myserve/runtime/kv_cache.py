@@ -9,25 +9,28 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from myserve.models.spec import ModelSpec
+from myserve.ops.paged_attention import KVCache
 from myserve.runtime.mesh import kv_cache_sharding
 
 
 def kv_cache_shape(spec: ModelSpec, num_pages: int, page_size: int) -> tuple[int, int, int, int, int]:
-    """[layers, pages, page_size, 2 * kv_heads, head_dim] (K and V interleaved per head)."""
-    return (spec.num_layers, num_pages, page_size, 2 * spec.num_kv_heads, spec.head_dim)
+    """Shape of the K (and of the V) array: [layers, kv_heads, pages, page_size, head_dim]."""
+    return (spec.num_layers, spec.num_kv_heads, num_pages, page_size, spec.head_dim)
 
 
 def init_kv_cache(
     spec: ModelSpec, num_pages: int, page_size: int, dtype: jnp.dtype, mesh: Mesh, mapping: Mapping[str, str]
-) -> jax.Array:
+) -> KVCache:
     """A zeroed KV cache, created directly with its sharding (never whole on one device first)."""
     shape = kv_cache_shape(spec, num_pages, page_size)
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_cache_sharding(mapping, mesh))()
+    sharding = kv_cache_sharding(mapping, mesh)
+    zeros = jax.jit(lambda: (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)), out_shardings=(sharding, sharding))
+    return KVCache(*zeros())
 
 
 def kv_cache_bytes(spec: ModelSpec, num_pages: int, page_size: int, dtype: jnp.dtype) -> int:
-    """Size of the whole cache in bytes, for logs and memory planning."""
-    n = 1
+    """Size of the whole cache (K and V) in bytes, for logs and memory planning."""
+    n = 2
     for d in kv_cache_shape(spec, num_pages, page_size):
         n *= d
     return n * jnp.dtype(dtype).itemsize

@@ -2,7 +2,7 @@
 
 Every weight and cache array carries logical axis names; ``LOGICAL_AXIS_RULES`` says which mesh
 axis each name shards over. A rule applies only when the dimension divides the mesh axis size;
-otherwise that dimension is replicated (e.g. SmolLM2's 9 heads and 3 KV heads on ``model=2``).
+otherwise that dimension is replicated (e.g. SmolLM2's 3 KV heads on ``model=2``).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from myserve.models.spec import ModelSpec
 
 DATA, MODEL = "data", "model"
 
-# logical axis name -> mesh axis. Axes not listed (embed, head_size, layers, position) are replicated.
+# logical axis name -> mesh axis. Axes not listed (embed, qkv, q_per_kv, head_size, gate_up, layers,
+# position) are replicated. Query heads are grouped under their KV head (see models/llama.py), so
+# sharding kv_heads shards the whole attention: q/k/v projections, o_proj and the KV cache.
 LOGICAL_AXIS_RULES: Mapping[str, str] = {
-    "heads": MODEL,
     "kv_heads": MODEL,
     "mlp": MODEL,
     "vocab": MODEL,
@@ -61,12 +62,8 @@ def named_sharding(axes: Sequence[str], mapping: Mapping[str, str], mesh: Mesh) 
 
 
 def kv_cache_sharding(mapping: Mapping[str, str], mesh: Mesh) -> NamedSharding:
-    """Sharding of the KV cache [layers, pages, page_size, 2 * kv_heads, head_dim].
-
-    K/V are interleaved per head, so splitting the combined axis into ``model`` equal blocks keeps
-    whole KV heads (both K and V) on each device whenever ``kv_heads`` divides.
-    """
-    return named_sharding(("layers", "pages", "page_size", "kv_heads", "head_size"), mapping, mesh)
+    """Sharding of each KV cache array [layers, kv_heads, pages, page_size, head_dim]: KV heads over ``model``."""
+    return named_sharding(("layers", "kv_heads", "pages", "page_size", "head_size"), mapping, mesh)
 
 
 def shard_named(x: hax.NamedArray, mapping: Mapping[str, str], mesh: Mesh) -> hax.NamedArray:

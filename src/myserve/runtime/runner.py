@@ -1,7 +1,8 @@
 """ModelRunner: owns the params, the paged KV cache and the penalty state on the mesh; runs steps.
 
-Two jitted entry points: ``_forward`` computes a padded batch of rows through the model (the cache
-is donated and updated in place) and ``_sample`` draws one token per row on device. A scheduler step becomes
+A step runs a padded batch of rows through the model (``runtime/steps.py``: jitted embedding, one
+jitted call per layer with the cache donated and updated in place, jitted head), then ``_sample``
+draws one token per row on device. A scheduler step becomes
 at most one decode call (all single-token rows, ``[B, 1]``) plus one call per prefill chunk
 (``[1, T]``); every call's shape is a bucket from ``Buckets``, and ``warmup`` compiles all of them.
 
@@ -18,7 +19,6 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 
-import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,11 +28,12 @@ from myserve.engine.params import MAX_TOP_LOGPROBS
 from myserve.engine.scheduler import ScheduledBatch, ScheduledChunk, scores_prompt
 from myserve.engine.sequence import Sequence as Seq
 from myserve.models.llama import LlamaModel
-from myserve.ops.paged_attention import PageBatch
+from myserve.ops.paged_attention import KVCache, PageBatch
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.compile_counter import compile_count
 from myserve.runtime.kv_cache import init_kv_cache
-from myserve.runtime.sampler import SampleOutput, SamplingArrays, sample, token_logprobs
+from myserve.runtime.sampler import SampleOutput, SamplingArrays, sample
+from myserve.runtime.steps import forward_last_logits, forward_scored, outer_part
 
 logger = logging.getLogger(__name__)
 
@@ -52,33 +53,6 @@ _PER_ROW_PARAMS = (
 
 
 @functools.partial(jax.jit, donate_argnums=1)
-def _forward(
-    model: LlamaModel, kv_cache: jax.Array, tokens: jax.Array, batch: PageBatch
-) -> tuple[jax.Array, jax.Array]:
-    """Run rows ``tokens`` [B, T] through the model; float32 logits [B, V] of each row's last real token."""
-    hidden, kv_cache = model(tokens, batch, kv_cache)
-    last = jnp.clip(batch.q_lens - 1, 0, None)
-    rows = hidden.rearrange(("batch", "position", "embed"))
-    picked = hax.named(
-        rows.array[jnp.arange(tokens.shape[0]), last], (rows.resolve_axis("batch"), rows.resolve_axis("embed"))
-    )
-    return model.logits(picked).array, kv_cache
-
-
-@functools.partial(jax.jit, donate_argnums=1)
-def _forward_scored(
-    model: LlamaModel, kv_cache: jax.Array, tokens: jax.Array, batch: PageBatch, next_tokens: jax.Array
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array], jax.Array]:
-    """``_forward`` for one prompt chunk [1, T] that also scores it: each position's logprob of
-    ``next_tokens`` [1, T] (the prompt's following token) and the top-20, for echo with logprobs."""
-    hidden, kv_cache = model(tokens, batch, kv_cache)
-    logits = model.logits(hidden).array[0]  # [T, V]
-    scores = token_logprobs(logits, next_tokens[0], MAX_TOP_LOGPROBS)
-    last = jnp.clip(batch.q_lens[0] - 1, 0, None)
-    return logits[last][None], scores, kv_cache
-
-
-@functools.partial(jax.jit, donate_argnums=1)
 def _sample(
     logits: jax.Array,
     counts: jax.Array,
@@ -89,7 +63,7 @@ def _sample(
 ) -> tuple[SampleOutput, jax.Array]:
     """Sample one token per row of ``logits`` [B, V] and count it in the row's penalty slot.
 
-    A separate executable from ``_forward`` so it is compiled per batch size only, not per
+    A separate executable from the model step so it is compiled per batch size only, not per
     (batch, tokens, pages) shape: the sampler costs more to compile than the model.
     ``counts`` [slots, V] int32 and ``prompt_mask`` [slots, V] bool hold penalty state; ``slots``
     [B] picks each row's; ``sampled_weight`` [B] is 1 where the sampled token is really appended.
@@ -99,9 +73,11 @@ def _sample(
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _copy_page(kv_cache: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
-    """Copy one page's K/V in every layer (copy-on-write for shared prompts)."""
-    return kv_cache.at[:, dst].set(kv_cache[:, src])
+def _copy_page(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """Copy one page's K/V in every layer and head (copy-on-write for shared prompts)."""
+    return KVCache(
+        kv_cache.k.at[:, :, dst].set(kv_cache.k[:, :, src]), kv_cache.v.at[:, :, dst].set(kv_cache.v[:, :, src])
+    )
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -145,6 +121,7 @@ class ModelRunner:
         eos_ids: Sequence[int] = (),
     ):
         self.model = model
+        self.outer = outer_part(model)
         self.spec = model.spec
         self.buckets = buckets
         self.page_size = buckets.page_size
@@ -241,11 +218,19 @@ class ModelRunner:
             for i, c in enumerate(chunks):
                 nxt = c.seq.tokens(c.start + 1, c.start + c.num_tokens + 1)
                 following[i, : len(nxt)] = nxt
-            logits, scores, self.kv_cache = _forward_scored(
-                self.model, self.kv_cache, jnp.asarray(tokens), batch, jnp.asarray(following)
+            logits, scores, self.kv_cache = forward_scored(
+                self.model,
+                jnp.asarray(tokens),
+                batch,
+                self.kv_cache,
+                jnp.asarray(following),
+                MAX_TOP_LOGPROBS,
+                self.outer,
             )
         else:
-            logits, self.kv_cache = _forward(self.model, self.kv_cache, jnp.asarray(tokens), batch)
+            logits, self.kv_cache = forward_last_logits(
+                self.model, jnp.asarray(tokens), batch, self.kv_cache, self.outer
+            )
         # Prefill rows are sampled in the smallest batch bucket, so the sampler compiles per bucket.
         sample_rows = Buckets.fit(self.buckets.batch, rows)
         if sample_rows != rows:
