@@ -39,7 +39,7 @@ TINY_ENGINE = (
     "engine.max_num_seqs=8",
     "engine.max_num_batched_tokens=64",
     "engine.batch_buckets=[1,2,4,8]",
-    "engine.token_buckets=[16,64]",
+    "engine.prefill_row_tokens=16",
     "engine.page_buckets=[8,64]",
 )
 
@@ -56,7 +56,7 @@ def smol_service():
         "engine.max_num_seqs=16",
         "engine.max_num_batched_tokens=128",
         "engine.batch_buckets=[1,4,16]",
-        "engine.token_buckets=[32,128]",
+        "engine.prefill_row_tokens=32",
         "engine.page_buckets=[16]",
     )
     yield svc

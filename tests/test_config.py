@@ -143,7 +143,8 @@ def test_with_overrides_returns_a_new_validated_config() -> None:
             "engine.page_sise=32",
             "overrides: unknown key 'engine.page_sise' (did you mean 'engine.page_size'?); "
             "known keys: page_size, num_pages, attention_backend, compilation_cache_dir, max_num_seqs, "
-            "max_num_batched_tokens, max_waiting, batch_buckets, token_buckets, page_buckets, enable_prefix_caching",
+            "max_num_batched_tokens, max_waiting, batch_buckets, prefill_row_tokens, page_buckets, "
+            "enable_prefix_caching",
         ),
         (
             "egnine.page_size=32",

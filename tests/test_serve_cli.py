@@ -32,7 +32,7 @@ def test_serve_subprocess_curl_and_sigterm_drain() -> None:
         "--set",
         "engine.batch_buckets=[1,4]",
         "--set",
-        "engine.token_buckets=[32,128]",
+        "engine.prefill_row_tokens=32",
         "--set",
         "engine.page_buckets=[16]",
         "--set",

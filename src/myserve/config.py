@@ -92,10 +92,12 @@ class EngineConfig:
     max_waiting: int = 1024
     """Most requests waiting for admission; beyond it submissions are refused as overloaded."""
     batch_buckets: tuple[int, ...] = ()
-    """Decode batch sizes compiled at warmup; empty = powers of two up to max_num_seqs."""
-    token_buckets: tuple[int, ...] = ()
-    """Prefill chunk lengths compiled at warmup (the largest is the chunk size); empty = powers of
-    two from 16 up to min(256, max_num_batched_tokens)."""
+    """Rows per model call compiled at warmup: decode batch sizes, and (up to
+    max_num_batched_tokens / prefill_row_tokens) prefill rows; empty = powers of two up to
+    max_num_seqs."""
+    prefill_row_tokens: int = 32
+    """Prompt tokens per prefill row: a step's prefill chunks are cut into rows of this many tokens
+    and run as one batched call (only a chunk's last row is padded)."""
     page_buckets: tuple[int, ...] = ()
     """Page-table widths compiled at warmup (attention reads this many pages per sequence);
     empty = powers of four from 4 pages up to the pages of max_model_len."""
@@ -116,7 +118,12 @@ class EngineConfig:
             f"({self.max_num_seqs})",
         )
         _check(self.max_waiting >= 1, f"engine.max_waiting must be >= 1, got {self.max_waiting}")
-        for key in ("batch_buckets", "token_buckets", "page_buckets"):
+        _check(
+            1 <= self.prefill_row_tokens <= self.max_num_batched_tokens,
+            f"engine.prefill_row_tokens must be in [1, max_num_batched_tokens ({self.max_num_batched_tokens})], "
+            f"got {self.prefill_row_tokens}",
+        )
+        for key in ("batch_buckets", "page_buckets"):
             buckets = getattr(self, key)
             _check(
                 all(b >= 1 for b in buckets) and list(buckets) == sorted(set(buckets)),
@@ -126,11 +133,6 @@ class EngineConfig:
             _check(
                 self.batch_buckets[-1] >= self.max_num_seqs,
                 f"engine.batch_buckets must reach max_num_seqs ({self.max_num_seqs}), got {list(self.batch_buckets)}",
-            )
-        if self.token_buckets:
-            _check(
-                self.token_buckets[-1] <= self.max_num_batched_tokens,
-                f"engine.token_buckets must not exceed max_num_batched_tokens ({self.max_num_batched_tokens})",
             )
 
 

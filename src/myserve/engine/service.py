@@ -83,7 +83,7 @@ class GenerationService:
             self.allocator,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            max_prefill_chunk=runner.buckets.max_chunk,
+            max_prefill_chunk=max_num_batched_tokens,
         )
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._pending = 0  # submitted but not yet admitted to the scheduler (bounded by max_waiting)
@@ -114,12 +114,13 @@ class GenerationService:
             eos_ids=dep.tokenizer.eos_token_ids,
         )
         logger.info(
-            "engine: %d pages x %d tokens, max_num_seqs=%d, buckets batch=%s tokens=%s pages=%s",
+            "engine: %d pages x %d tokens, max_num_seqs=%d, buckets batch=%s prefill rows=%s x %d tokens pages=%s",
             cfg.num_pages,
             cfg.page_size,
             cfg.max_num_seqs,
             buckets.batch,
-            buckets.tokens,
+            buckets.prefill_rows,
+            buckets.row_tokens,
             buckets.pages,
         )
         return GenerationService(
@@ -293,7 +294,7 @@ class GenerationService:
         if batch.decodes:
             self._max_decode_batch = max(self._max_decode_batch, len(batch.decodes))
         self._prompt_computed += sum(c.num_tokens for c in batch.prefills)
-        for seq, (start, lps, ids, tlps) in results.prompt_scores.items():
+        for seq, start, lps, ids, tlps in results.prompt_scores:
             self._record_prompt_scores(seq, start, lps, ids, tlps)
         for seq, (token, logprob, top_ids, top_lps) in results.sampled.items():
             req = self._requests.get(seq.request_id)

@@ -1,7 +1,9 @@
-"""Static shapes by bucket: decode batch sizes, prefill chunk lengths and page-table widths.
+"""Static shapes by bucket: rows per call, prefill row width and page-table widths.
 
 Every jitted step runs at one (rows, tokens per row, pages per row) shape from these sets, so the
-number of compilations is fixed and all of them happen at warmup.
+number of compilations is fixed and all of them happen at warmup. A decode call is ``[rows, 1]``;
+a prefill call is ``[rows, row_tokens]``: each prefill chunk is cut into rows of ``row_tokens``
+prompt tokens, and all the rows of a step go into as few calls as possible.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ class Buckets:
     """The shape sets of one engine."""
 
     batch: tuple[int, ...]
-    """Decode rows per step."""
-    tokens: tuple[int, ...]
-    """Prefill chunk lengths; the largest is the longest chunk the scheduler makes."""
+    """Decode rows per call."""
+    prefill_rows: tuple[int, ...]
+    """Prefill rows per call; the largest holds a whole step's token budget."""
+    row_tokens: int
+    """Prompt tokens per prefill row."""
     pages: tuple[int, ...]
     """Page-table widths; the largest covers ``max_model_len``."""
     page_size: int
@@ -39,16 +43,16 @@ class Buckets:
         """Buckets from the config, with defaults derived from the limits where left empty."""
         max_pages = math.ceil(max_model_len / cfg.page_size)
         batch = cfg.batch_buckets or _powers(1, cfg.max_num_seqs)
-        tokens = cfg.token_buckets or _powers(min(16, cfg.max_num_batched_tokens), min(256, cfg.max_num_batched_tokens))
-        # A chunk never exceeds the context, so longer chunk buckets would never be used.
-        tokens = tuple(t for t in tokens if t < max_pages * cfg.page_size) or (tokens[0],)
+        max_rows = math.ceil(cfg.max_num_batched_tokens / cfg.prefill_row_tokens)
+        prefill_rows = tuple(sorted({b for b in batch if b < max_rows} | {max_rows}))
         pages = tuple(p for p in (cfg.page_buckets or _powers(min(4, max_pages), max_pages, 4)) if p < max_pages)
-        return Buckets(batch=tuple(batch), tokens=tuple(tokens), pages=(*pages, max_pages), page_size=cfg.page_size)
-
-    @property
-    def max_chunk(self) -> int:
-        """Longest prefill chunk."""
-        return self.tokens[-1]
+        return Buckets(
+            batch=tuple(batch),
+            prefill_rows=prefill_rows,
+            row_tokens=min(cfg.prefill_row_tokens, max_model_len),
+            pages=(*pages, max_pages),
+            page_size=cfg.page_size,
+        )
 
     @staticmethod
     def fit(options: tuple[int, ...], n: int) -> int:
@@ -58,12 +62,8 @@ class Buckets:
             raise ValueError(f"{n} exceeds the largest bucket {options[-1]}")
         return options[i]
 
-    def prefill_pages(self, num_pages: int, tokens: int) -> int:
-        """Page-table width for a chunk of ``tokens`` (bucketed) over ``num_pages`` pages: wide enough for both."""
-        return self.fit(self.pages, max(num_pages, -(-tokens // self.page_size)))
-
     def shapes(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens per row, pages per row) a step can have: the warmup list."""
         decode = [(b, 1, p) for p in self.pages for b in self.batch]
-        prefill = sorted({(1, t, self.prefill_pages(p, t)) for p in self.pages for t in self.tokens})
+        prefill = [(r, self.row_tokens, p) for p in self.pages for r in self.prefill_rows]
         return decode + prefill

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from myserve.engine.params import MAX_TOP_LOGPROBS
-from myserve.engine.scheduler import ScheduledBatch, ScheduledChunk, scores_prompt
+from myserve.engine.scheduler import ScheduledBatch, ScheduledChunk
 from myserve.engine.sequence import Sequence as Seq
 from myserve.models.llama import LlamaModel
 from myserve.ops.paged_attention import KVCache, PageBatch
@@ -102,8 +102,33 @@ class StepResults:
 
     sampled: dict[Seq, tuple[int, float, np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
     """Sequences whose chunk ended their known tokens: (token, logprob, top ids, top logprobs)."""
-    prompt_scores: dict[Seq, tuple[int, np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
-    """Scored prompt chunks: (start, logprob of each position's next token [n], top ids, top logprobs)."""
+    prompt_scores: list[tuple[Seq, int, np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
+    """Scored prompt rows: (sequence, start, logprob of each position's next token [n], top ids, top logprobs)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    """One row of a model call: ``num_tokens`` tokens of ``seq`` from ``start``."""
+
+    seq: Seq
+    start: int
+    num_tokens: int
+    samples: bool
+    """The row ends its chunk and the chunk ends the sequence's known tokens: its logits give a token."""
+
+    @property
+    def scored(self) -> bool:
+        """Whether the row holds prompt positions whose next-token logprobs were asked for."""
+        return self.seq.params.prompt_logprobs is not None and self.start < len(self.seq.prompt_ids) - 1
+
+
+def _rows_of(chunk: ScheduledChunk, row_tokens: int) -> list[_Row]:
+    """A chunk cut into rows of ``row_tokens`` tokens; only the last row may sample."""
+    n = chunk.num_tokens
+    return [
+        _Row(chunk.seq, chunk.start + k, min(row_tokens, n - k), chunk.samples and k + row_tokens >= n)
+        for k in range(0, n, row_tokens)
+    ]
 
 
 class ModelRunner:
@@ -157,7 +182,7 @@ class ModelRunner:
             seq.slot = None
 
     # -- steps --------------------------------------------------------------------------------
-    def _sampling_rows(self, chunks: Sequence[ScheduledChunk], rows: int) -> tuple[SamplingArrays, np.ndarray]:
+    def _sampling_rows(self, chunks: Sequence[_Row], rows: int) -> tuple[SamplingArrays, np.ndarray]:
         # Host-side rows, named as the SamplingArrays fields; padding rows stay greedy and inert.
         a = {
             "temperature": np.zeros(rows, np.float32),
@@ -196,7 +221,7 @@ class ModelRunner:
         return arrays, slots
 
     def _dispatch(
-        self, chunks: Sequence[ScheduledChunk], rows: int, tokens_per_row: int, width: int, scored: bool = False
+        self, chunks: Sequence[_Row], rows: int, tokens_per_row: int, width: int, scored: bool = False
     ) -> tuple[SampleOutput, tuple | None]:
         tokens = np.zeros((rows, tokens_per_row), np.int32)
         positions = np.zeros((rows, tokens_per_row), np.int32)
@@ -232,7 +257,7 @@ class ModelRunner:
                 self.model, jnp.asarray(tokens), batch, self.kv_cache, self.outer
             )
         # Prefill rows are sampled in the smallest batch bucket, so the sampler compiles per bucket.
-        sample_rows = Buckets.fit(self.buckets.batch, rows)
+        sample_rows = Buckets.fit(self.buckets.batch, rows) if rows <= self.buckets.batch[-1] else rows
         if sample_rows != rows:
             logits = jnp.pad(logits, ((0, sample_rows - rows), (0, 0)))
             weight = np.pad(weight, (0, sample_rows - rows))
@@ -242,19 +267,39 @@ class ModelRunner:
         )
         return out, scores
 
+    def _prefill_calls(self, prefills: Sequence[ScheduledChunk]) -> list[tuple[list[_Row], int, bool]]:
+        """The step's prefill chunks as rows, grouped into calls: (rows, page-table width, scored).
+
+        Rows are grouped by page-table bucket (a short prompt never pays for a long one's pages)
+        and by whether they are scored (echo with logprobs), then packed up to the largest row bucket.
+        """
+        groups: dict[tuple[int, bool], list[_Row]] = {}
+        for chunk in prefills:
+            width = Buckets.fit(self.buckets.pages, len(chunk.seq.pages))
+            for row in _rows_of(chunk, self.buckets.row_tokens):
+                groups.setdefault((width, row.scored), []).append(row)
+        most = self.buckets.prefill_rows[-1]
+        return [
+            (rows[i : i + most], width, scored)
+            for (width, scored), rows in sorted(groups.items(), key=lambda g: g[0])
+            for i in range(0, len(rows), most)
+        ]
+
     def execute(self, batch: ScheduledBatch) -> StepResults:
-        """Run one scheduler step: sampled tokens, and prompt scores of chunks that asked for them."""
+        """Run one scheduler step: sampled tokens, and prompt scores of rows that asked for them."""
         for src, dst in batch.copies:
             self.kv_cache = _copy_page(self.kv_cache, jnp.int32(src), jnp.int32(dst))
-        calls: list[tuple[Sequence[ScheduledChunk], tuple[SampleOutput, tuple | None]]] = []
+        calls: list[tuple[Sequence[_Row], tuple[SampleOutput, tuple | None]]] = []
         if batch.decodes:
             rows = Buckets.fit(self.buckets.batch, len(batch.decodes))
             width = Buckets.fit(self.buckets.pages, max(len(c.seq.pages) for c in batch.decodes))
-            calls.append((batch.decodes, self._dispatch(batch.decodes, rows, 1, width)))
-        for chunk in batch.prefills:
-            t = Buckets.fit(self.buckets.tokens, chunk.num_tokens)
-            width = self.buckets.prefill_pages(len(chunk.seq.pages), t)
-            calls.append(([chunk], self._dispatch([chunk], 1, t, width, scores_prompt(chunk))))
+            decodes = [_Row(c.seq, c.start, 1, c.samples) for c in batch.decodes]
+            calls.append((decodes, self._dispatch(decodes, rows, 1, width)))
+        # Prefill rows run after the decodes, in chunk order: a later row of a chunk reads the K/V
+        # its earlier rows wrote in the same call or an earlier one.
+        for rows_, width, scored in self._prefill_calls(batch.prefills):
+            n = Buckets.fit(self.buckets.prefill_rows, len(rows_))
+            calls.append((rows_, self._dispatch(rows_, n, self.buckets.row_tokens, width, scored)))
         # Every call is dispatched before any result is read, so device work queues back to back.
         results = StepResults()
         for chunks, (out, scores) in calls:
@@ -264,10 +309,10 @@ class ModelRunner:
                 if c.samples:
                     results.sampled[c.seq] = (int(tokens[i]), float(logprobs[i]), top_ids[i], top_lps[i])
             if scores is not None:
-                c = chunks[0]
-                n = c.num_tokens
-                lp, ids, tlp = (np.asarray(a)[:n] for a in scores)
-                results.prompt_scores[c.seq] = (c.start, lp, ids, tlp)
+                lp, ids, tlp = (np.asarray(a) for a in scores)
+                for i, c in enumerate(chunks):
+                    n = c.num_tokens
+                    results.prompt_scores.append((c.seq, c.start, lp[i, :n], ids[i, :n], tlp[i, :n]))
         return results
 
     # -- warmup -------------------------------------------------------------------------------
@@ -277,7 +322,8 @@ class ModelRunner:
         shapes = self.buckets.shapes()
         for i, (rows, t, width) in enumerate(shapes):
             jax.block_until_ready(self._dispatch([], rows, t, width))
-            if t > 1:  # prefill shapes also come in the scoring variant (echo with logprobs)
+            if t > 1 and width == self.buckets.pages[0]:
+                # The scoring head (echo with logprobs) depends on (rows, tokens) only, not the width.
                 jax.block_until_ready(self._dispatch([], rows, t, width, scored=True))
             if progress is not None:
                 progress(i + 1, len(shapes))

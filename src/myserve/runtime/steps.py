@@ -74,10 +74,12 @@ def _all_logits(outer: LlamaModel, x: hax.NamedArray) -> jax.Array:
 def _scored_logits(
     outer: LlamaModel, x: hax.NamedArray, batch: PageBatch, next_tokens: jax.Array, k: int
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
-    logits = outer.logits(outer.norm(x)).array[0]  # [T, V]
-    scores = token_logprobs(logits, next_tokens[0], k)
-    last = jnp.clip(batch.q_lens[0] - 1, 0, None)
-    return logits[last][None], scores
+    logits = outer.logits(outer.norm(x)).array  # [R, T, V]
+    r, t, v = logits.shape
+    lp, top_ids, top_lps = token_logprobs(logits.reshape(r * t, v), next_tokens.reshape(r * t), k)
+    last = jnp.clip(batch.q_lens - 1, 0, None)
+    last_logits = logits[jnp.arange(r), last]
+    return last_logits, (lp.reshape(r, t), top_ids.reshape(r, t, k), top_lps.reshape(r, t, k))
 
 
 def outer_part(model: LlamaModel) -> LlamaModel:
@@ -138,8 +140,8 @@ def forward_scored(
     k: int,
     outer: LlamaModel | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array], KVCache]:
-    """One prompt chunk [1, T] that is also scored: the last token's logits [1, V], each position's
-    logprob of ``next_tokens`` [1, T] (the prompt's following token) with the top ``k``, the cache."""
+    """Prompt rows [R, T] that are also scored: each row's last-token logits [R, V], each position's
+    logprob of ``next_tokens`` [R, T] (the prompt's following token) with the top ``k``, the cache."""
     outer = outer_part(model) if outer is None else outer
     x, kv_cache = run_layers(model, _embed(outer, tokens), batch, kv_cache)
     logits, scores = _scored_logits(outer, x, batch, next_tokens, k)
