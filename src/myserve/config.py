@@ -27,6 +27,7 @@ from myserve.errors import ConfigError
 T = TypeVar("T")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -62,11 +63,15 @@ class ModelConfig:
     auto = float32 on CPU, bfloat16 on TPU/GPU."""
     max_model_len: int | None = None
     """Longest sequence (prompt + completion) in tokens, >= 1; null = the model's max_position_embeddings."""
+    quantization: str = "none"
+    """none, or int8: matmul weights and the LM head stored as int8 per output channel, activations
+    quantized per token on the fly (W8A8); about 3x faster matmuls on CPUs with int8 dot products."""
 
     def __post_init__(self) -> None:
         for name in ("checkpoint", "tokenizer", "chat_template"):
             _check_not_empty(f"model.{name}", getattr(self, name))
         _check_choice("model.dtype", self.dtype, DTYPES)
+        _check_choice("model.quantization", self.quantization, QUANTIZATIONS)
         if self.max_model_len is not None:
             _check(self.max_model_len >= 1, f"model.max_model_len must be >= 1, got {self.max_model_len}")
 

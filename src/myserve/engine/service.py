@@ -33,6 +33,7 @@ from myserve.engine.scheduler import Scheduler
 from myserve.engine.sequence import Sequence as Seq
 from myserve.engine.stop import StopChecker
 from myserve.engine.stream import RequestStream
+from myserve.models.quant import MIN_ROWS
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.compile_counter import compile_count
 from myserve.runtime.deployment import Deployment
@@ -103,7 +104,8 @@ class GenerationService:
     def from_deployment(dep: Deployment) -> GenerationService:
         """A service (not yet started) for a loaded deployment, sized by its engine config."""
         cfg = dep.config.engine
-        buckets = Buckets.from_config(cfg, dep.max_model_len)
+        min_rows = MIN_ROWS if dep.config.model.quantization == "int8" else 1
+        buckets = Buckets.from_config(cfg, dep.max_model_len, min_rows)
         runner = ModelRunner(
             dep.model,
             dep.mesh,

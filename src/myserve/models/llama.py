@@ -24,12 +24,15 @@ llama3 rotary scaling, tied embeddings.
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import Axis, NamedArray
 
+from myserve.models.quant import QuantizedWeight, linear
 from myserve.models.rope import apply_rope, inverse_frequencies
 from myserve.models.spec import ModelSpec
 from myserve.ops.paged_attention import KVCache, PageBatch, paged_attention, write_kv
@@ -72,15 +75,19 @@ def rms_norm(x: NamedArray, weight: NamedArray, axis: Axis, eps: float) -> Named
     return normed * weight
 
 
+Weight: TypeAlias = NamedArray | QuantizedWeight
+"""A matmul weight: float, or int8 with scales (``model.quantization: int8``)."""
+
+
 class DecoderLayer(eqx.Module):
     """One pre-norm transformer block."""
 
     attn_norm: NamedArray  # (embed)
-    qkv_proj: NamedArray  # (embed, kv_heads, qkv, head_size)
-    o_proj: NamedArray  # (kv_heads, q_per_kv, head_size, embed)
+    qkv_proj: Weight  # (embed, kv_heads, qkv, head_size)
+    o_proj: Weight  # (kv_heads, q_per_kv, head_size, embed)
     mlp_norm: NamedArray  # (embed)
-    gate_up_proj: NamedArray  # (embed, gate_up, mlp)
-    down_proj: NamedArray  # (mlp, embed)
+    gate_up_proj: Weight  # (embed, gate_up, mlp)
+    down_proj: Weight  # (mlp, embed)
     qkv_bias: NamedArray | None = None  # (kv_heads, qkv, head_size)
     o_bias: NamedArray | None = None  # (embed)
     q_norm: NamedArray | None = None  # (head_size)
@@ -105,7 +112,7 @@ class LlamaModel(eqx.Module):
     embed: NamedArray  # (vocab, embed)
     layers: tuple[DecoderLayer, ...]
     final_norm: NamedArray  # (embed)
-    lm_head: NamedArray | None  # (embed, vocab); None when tied to `embed`
+    lm_head: Weight | None  # (embed, vocab) float, or quantized (vocab, embed); None when tied to `embed`
 
     @property
     def axes(self) -> ModelAxes:
@@ -142,6 +149,8 @@ class LlamaModel(eqx.Module):
         """Project hidden states (..., embed) to float32 logits (..., vocab)."""
         ax = self.axes
         head = self.embed if self.lm_head is None else self.lm_head
+        if isinstance(head, QuantizedWeight):
+            return head.matmul(hidden, ax.Embed)
         return hax.dot(hidden, head, axis=ax.Embed, preferred_element_type=jnp.float32)
 
 
@@ -161,7 +170,7 @@ def decoder_block(
     """
     ax, eps = ModelAxes.of(spec), spec.rms_norm_eps
     h = rms_norm(x, layer.attn_norm, ax.Embed, eps)
-    qkv = _add(hax.dot(h, layer.qkv_proj, axis=ax.Embed), layer.qkv_bias)
+    qkv = _add(linear(h, layer.qkv_proj, ax.Embed), layer.qkv_bias)
     qkv_raw = _raw(qkv, BATCH, POS, "kv_heads", "qkv", "head_size")  # [B, T, KVH, G + 2, D]
     b, t, kvh, _, d = qkv_raw.shape
     g = spec.q_per_kv
@@ -176,14 +185,12 @@ def decoder_block(
     cache = write_kv(cache, layer_idx, k, v, batch)
     out = paged_attention(q, cache, layer_idx, batch, backend=attention_backend)  # type: ignore[arg-type]
     out_axes = (h.resolve_axis(BATCH), h.resolve_axis(POS), ax.KVHeads, ax.QPerKV, ax.HeadSize)
-    o = hax.dot(
-        hax.named(out.reshape(b, t, kvh, g, d), out_axes), layer.o_proj, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize)
-    )
+    o = linear(hax.named(out.reshape(b, t, kvh, g, d), out_axes), layer.o_proj, (ax.KVHeads, ax.QPerKV, ax.HeadSize))
     x = x + _add(o, layer.o_bias)
     h = rms_norm(x, layer.mlp_norm, ax.Embed, eps)
-    gate_up = _add(hax.dot(h, layer.gate_up_proj, axis=ax.Embed), layer.gate_up_bias)
+    gate_up = _add(linear(h, layer.gate_up_proj, ax.Embed), layer.gate_up_bias)
     gate, up = gate_up[ax.GateUp, 0], gate_up[ax.GateUp, 1]
-    return x + _add(hax.dot(hax.nn.silu(gate) * up, layer.down_proj, axis=ax.Mlp), layer.down_bias), cache
+    return x + _add(linear(hax.nn.silu(gate) * up, layer.down_proj, ax.Mlp), layer.down_bias), cache
 
 
 def _rms_norm_raw(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -23,7 +23,8 @@ from jax.sharding import Mesh
 from myserve.bundled import bundled_gguf_path
 from myserve.errors import CheckpointError
 from myserve.models.gguf import GGUFSource
-from myserve.models.llama import DecoderLayer, LlamaModel, ModelAxes
+from myserve.models.llama import DecoderLayer, LlamaModel, ModelAxes, Weight
+from myserve.models.quant import QuantizedWeight, quantize
 from myserve.models.spec import ModelSpec, spec_from_hf_config
 from myserve.runtime.mesh import named_sharding
 
@@ -189,23 +190,45 @@ def _layer_table(spec: ModelSpec, ax: ModelAxes) -> dict[str, tuple[tuple[str, .
     return table
 
 
+# Matmul weights and the axes (by position) they are contracted over: these are what int8
+# quantization replaces; norms, biases and the embedding table stay in the model dtype.
+_CONTRACTED: dict[str, tuple[int, ...]] = {
+    "qkv_proj": (0,),
+    "o_proj": (0, 1, 2),
+    "gate_up_proj": (0,),
+    "down_proj": (0,),
+}
+
+
 class _Placer:
     """Reads, converts and shards tensors onto the mesh one (fused) weight at a time."""
 
     def __init__(self, source: TensorSource, mesh: Mesh, mapping: Mapping[str, str], dtype: jnp.dtype):
         self.source, self.mesh, self.mapping, self.dtype = source, mesh, mapping, dtype
 
-    def place(self, hf_names: tuple[str, ...], axes: tuple, combine: Combine | None = None) -> hax.NamedArray:
-        """Read ``hf_names``, combine them into our layout, cast, and put the result on the mesh."""
+    def host(self, hf_names: tuple[str, ...], axes: tuple, combine: Combine | None = None) -> np.ndarray:
+        """Read ``hf_names`` and combine them into our layout (float32 or the stored dtype), on the host."""
         tensors = [self.source.read(name) for name in hf_names]
         w = combine(*tensors) if combine is not None else tensors[0]
         expected = tuple(a.size for a in axes)
         if w.shape != expected:
             shapes = ", ".join(f"{n} {t.shape}" for n, t in zip(hf_names, tensors, strict=True))
             raise CheckpointError(f"tensor(s) {shapes} do not give the expected shape {expected}")
-        host = np.ascontiguousarray(w.astype(self.dtype))
+        return w
+
+    def put(self, host: np.ndarray, axes: tuple, dtype: jnp.dtype | None = None) -> hax.NamedArray:
+        """Cast and place one host array on the mesh, sharded by the rules."""
+        array = np.ascontiguousarray(host.astype(dtype or self.dtype))
         sharding = named_sharding([a.name for a in axes], self.mapping, self.mesh)
-        return hax.named(jax.device_put(host, sharding), axes)
+        return hax.named(jax.device_put(array, sharding), axes)
+
+    def put_quantized(self, host: np.ndarray, axes: tuple, contracted: tuple[int, ...]) -> QuantizedWeight:
+        """Quantize a matmul weight to int8 per output channel and place both parts."""
+        q, scale = quantize(host, contracted)
+        out_axes = tuple(a for i, a in enumerate(axes) if i not in contracted)
+        return QuantizedWeight(
+            q=self.put(q, axes, jnp.dtype(jnp.int8)), scale=self.put(scale, out_axes, jnp.dtype(jnp.float32))
+        )
 
 
 def load_model(
@@ -214,28 +237,50 @@ def load_model(
     mapping: Mapping[str, str],
     dtype: jnp.dtype = jnp.float32,
     attention_backend: str = "reference",
+    quantization: str = "none",
 ) -> LlamaModel:
-    """Build a ``LlamaModel`` from a tensor source, every weight placed on ``mesh`` by ``mapping``."""
+    """Build a ``LlamaModel`` from a tensor source, every weight placed on ``mesh`` by ``mapping``.
+
+    ``quantization="int8"`` stores the matmul weights (and the LM head) as int8 with per-channel
+    scales (``models/quant.py``).
+    """
     spec = source.spec
     ax = ModelAxes.of(spec)
     placer = _Placer(source, mesh, mapping, jnp.dtype(dtype))
+    int8 = quantization == "int8"
+
+    def weight(field: str, hf_names: tuple[str, ...], axes: tuple, combine: Combine | None) -> Weight:
+        host = placer.host(hf_names, axes, combine)
+        if int8 and field in _CONTRACTED:
+            return placer.put_quantized(host, axes, _CONTRACTED[field])
+        return placer.put(host, axes)
+
     table = _layer_table(spec, ax)
     layers = tuple(
         DecoderLayer(
             **{
-                field: placer.place(tuple(f"model.layers.{i}.{s}" for s in suffixes), axes, combine)
+                field: weight(field, tuple(f"model.layers.{i}.{s}" for s in suffixes), axes, combine)
                 for field, (suffixes, axes, combine) in table.items()
             }
         )
         for i in range(spec.num_layers)
     )
+    embed_host = placer.host(("model.embed_tokens.weight",), (ax.Vocab, ax.Embed))
+    lm_head: Weight | None = None
+    if not spec.tie_word_embeddings:
+        head_host = placer.host(("lm_head.weight",), (ax.Embed, ax.Vocab), np.transpose)
+        lm_head = (
+            placer.put_quantized(head_host, (ax.Embed, ax.Vocab), (0,))
+            if int8
+            else placer.put(head_host, (ax.Embed, ax.Vocab))
+        )
+    elif int8:  # tied: the lookup keeps the float table, the head gets an int8 copy
+        lm_head = placer.put_quantized(embed_host, (ax.Vocab, ax.Embed), (1,))
     return LlamaModel(
         spec=spec,
         attention_backend=attention_backend,
-        embed=placer.place(("model.embed_tokens.weight",), (ax.Vocab, ax.Embed)),
+        embed=placer.put(embed_host, (ax.Vocab, ax.Embed)),
         layers=layers,
-        final_norm=placer.place(("model.norm.weight",), (ax.Embed,)),
-        lm_head=None
-        if spec.tie_word_embeddings
-        else placer.place(("lm_head.weight",), (ax.Embed, ax.Vocab), np.transpose),
+        final_norm=placer.put(placer.host(("model.norm.weight",), (ax.Embed,)), (ax.Embed,)),
+        lm_head=lm_head,
     )

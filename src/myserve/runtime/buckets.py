@@ -39,12 +39,17 @@ class Buckets:
     page_size: int
 
     @staticmethod
-    def from_config(cfg: EngineConfig, max_model_len: int) -> Buckets:
-        """Buckets from the config, with defaults derived from the limits where left empty."""
+    def from_config(cfg: EngineConfig, max_model_len: int, min_rows: int = 1) -> Buckets:
+        """Buckets from the config, with defaults derived from the limits where left empty.
+
+        ``min_rows``: decode calls are padded to at least this many rows (int8 matmuls are slow below 8).
+        """
         max_pages = math.ceil(max_model_len / cfg.page_size)
-        batch = cfg.batch_buckets or _powers(1, cfg.max_num_seqs)
+        rows = cfg.batch_buckets or _powers(1, cfg.max_num_seqs)
+        # Prefill calls have row_tokens tokens per row, so they never need min_rows rows.
         max_rows = math.ceil(cfg.max_num_batched_tokens / cfg.prefill_row_tokens)
-        prefill_rows = tuple(sorted({b for b in batch if b < max_rows} | {max_rows}))
+        prefill_rows = tuple(sorted({b for b in rows if b < max_rows} | {max_rows}))
+        batch = tuple(sorted({max(b, min(min_rows, rows[-1])) for b in rows}))
         pages = tuple(p for p in (cfg.page_buckets or _powers(min(4, max_pages), max_pages, 4)) if p < max_pages)
         return Buckets(
             batch=tuple(batch),

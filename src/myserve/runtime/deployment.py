@@ -68,14 +68,15 @@ class Deployment:
         mapping = axis_mapping(spec, mesh)
         dtype = resolve_dtype(config.model.dtype)
         backend = resolve_backend(config.engine.attention_backend)  # type: ignore[arg-type]
-        model = load_model(source, mesh, mapping, dtype, backend)
+        model = load_model(source, mesh, mapping, dtype, backend, config.model.quantization)
         tokenizer = Tokenizer.load(config.model.tokenizer or resolved.path, chat_template=config.model.chat_template)
         logger.info(
-            "loaded %s (%s, %d layers) as %s on mesh %s, attention=%s, in %.1fs",
+            "loaded %s (%s, %d layers) as %s%s on mesh %s, attention=%s, in %.1fs",
             resolved.path,
             spec.model_type,
             spec.num_layers,
             dtype.name,
+            "" if config.model.quantization == "none" else f" with {config.model.quantization} matmuls",
             dict(mesh.shape),
             backend,
             time.perf_counter() - t0,
