@@ -35,7 +35,7 @@ def logits_on(source, data: int, model_size: int) -> tuple[np.ndarray, dict]:
         step = ids[done : done + t]
         row = np.zeros((1, t), np.int32)
         row[0, : len(step)] = step
-        batch = page_batch([done], [len(step)], [pages], tokens_per_row=t, pages_per_row=len(pages))
+        batch = page_batch([done], [len(step)], [pages], tokens_per_row=t, pages_per_row=len(pages), page_size=4)
         logits, cache = forward_all_logits(model, jnp.asarray(row), batch, cache)
         out.append(np.asarray(logits[0, : len(step)]))
         done += len(step)

@@ -16,7 +16,9 @@ def full_logits(model, mesh, mapping, ids: list[int], page_size: int = 16) -> np
     """Our logits [T, vocab] for one forward over the whole sequence (one contiguous page run)."""
     pages = -(-len(ids) // page_size)
     cache = init_kv_cache(model.spec, pages, page_size, jnp.float32, mesh, mapping)
-    batch = page_batch([0], [len(ids)], [list(range(pages))], tokens_per_row=len(ids), pages_per_row=pages)
+    batch = page_batch(
+        [0], [len(ids)], [list(range(pages))], tokens_per_row=len(ids), pages_per_row=pages, page_size=page_size
+    )
     logits, _ = forward_all_logits(model, jnp.asarray([ids], jnp.int32), batch, cache)
     return np.asarray(logits[0])
 

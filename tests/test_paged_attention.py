@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from myserve.ops.paged_attention import KVCache, PageBatch, reference_paged_attention, write_kv
+from myserve.ops.paged_attention import KVCache, reference_paged_attention, write_kv
+from myserve.runtime.batch_layout import Entry, balance, grouped_batch, row_batch
 from myserve.runtime.kv_cache import init_kv_cache
 from myserve.runtime.steps import forward_all_logits, page_batch
 from myserve.testing import hf_logits
@@ -24,7 +25,7 @@ def run_paged(model, mesh, mapping, ids, *, prompt_len, chunk, page_size, pages)
         step = ids[computed : min(computed + t, prompt_len if computed < prompt_len else len(ids))]
         row = np.zeros((1, t), np.int32)
         row[0, : len(step)] = step
-        batch = page_batch([computed], [len(step)], [pages], tokens_per_row=t, pages_per_row=width)
+        batch = page_batch([computed], [len(step)], [pages], tokens_per_row=t, pages_per_row=width, page_size=page_size)
         logits, cache = forward_all_logits(model, jnp.asarray(row), batch, cache)
         out.append(np.asarray(logits[0, : len(step)]))
         computed += len(step)
@@ -63,13 +64,13 @@ def test_batched_rows_of_different_lengths(tiny_llama, tiny_checkpoints) -> None
     rows = np.zeros((3, t), np.int32)
     for i, n in enumerate(lens):
         rows[i, :n] = seqs[i][:n]
-    batch = page_batch([0, 0, 0], lens, tables, tokens_per_row=t, pages_per_row=10)
+    batch = page_batch([0, 0, 0], lens, tables, tokens_per_row=t, pages_per_row=10, page_size=page_size)
     logits, cache = forward_all_logits(model, jnp.asarray(rows), batch, cache)
     got = [[np.asarray(logits[i, :n])] for i, n in enumerate(lens)]
     for s in range(steps):
         starts = [n + s for n in lens]
         row = np.asarray([[seqs[i][starts[i]]] for i in range(3)], np.int32)
-        batch = page_batch(starts, [1, 1, 1], tables, tokens_per_row=1, pages_per_row=10)
+        batch = page_batch(starts, [1, 1, 1], tables, tokens_per_row=1, pages_per_row=10, page_size=page_size)
         logits, cache = forward_all_logits(model, jnp.asarray(row), batch, cache)
         for i in range(3):
             got[i].append(np.asarray(logits[i]))
@@ -90,20 +91,10 @@ def test_reference_attention_matches_naive_numpy() -> None:
     tables = np.array([[7, 2, 5], [0, 9, 3]], np.int32)
     cache = KVCache(jnp.zeros((1, kvh, n_pages, ps, d), jnp.float32), jnp.zeros((1, kvh, n_pages, ps, d), jnp.float32))
     # Write all 9 (or 7) tokens of each row through the op's own write path, in one step.
-    wb = PageBatch(
-        positions=jnp.asarray(np.tile(np.arange(9), (b, 1)), jnp.int32),
-        q_lens=jnp.asarray(kv_lens, jnp.int32),
-        kv_lens=jnp.asarray(kv_lens, jnp.int32),
-        page_table=jnp.asarray(tables),
-    )
+    wb = page_batch([0, 0], list(kv_lens), [list(r) for r in tables], tokens_per_row=9, pages_per_row=3, page_size=ps)
     cache = write_kv(cache, 0, jnp.asarray(k_all), jnp.asarray(v_all), wb)
     positions = np.stack([np.arange(6, 9), np.array([5, 6, 0])]).astype(np.int32)
-    qb = PageBatch(
-        jnp.asarray(positions),
-        jnp.asarray(q_lens, jnp.int32),
-        jnp.asarray(kv_lens, jnp.int32),
-        jnp.asarray(tables),
-    )
+    qb = page_batch([6, 5], list(q_lens), [list(r) for r in tables], tokens_per_row=3, pages_per_row=3, page_size=ps)
     out = np.asarray(reference_paged_attention(jnp.asarray(q), cache, 0, qb, sm_scale=d**-0.5))
     for i in range(b):
         for j in range(q_lens[i]):
@@ -114,3 +105,31 @@ def test_reference_attention_matches_naive_numpy() -> None:
                 w = np.exp(s - s.max())
                 w /= w.sum()
                 np.testing.assert_allclose(out[i, j, head], w @ v_all[i, : p + 1, kh], atol=1e-5)
+
+
+def test_grouped_decode_layout_equals_rows_layout() -> None:
+    """Decode rows read through balanced groups (pages concatenated) give the rows-layout result."""
+    rng = np.random.RandomState(1)
+    kvh, h, d, ps, n_pages, rows, group = 2, 6, 8, 4, 64, 8, 2
+    lens = [3, 17, 1, 9, 30, 12, 5]  # 7 real rows, one padding row; very uneven contexts
+    perm = [int(p) for p in rng.permutation(n_pages)]
+    tables, used = [], 0
+    for n in lens:
+        tables.append(perm[used : used + -(-n // ps)])
+        used += len(tables[-1])
+    shape = (1, kvh, n_pages, ps, d)
+    cache = KVCache(jnp.asarray(rng.randn(*shape), jnp.float32), jnp.asarray(rng.randn(*shape), jnp.float32))
+    q = rng.randn(rows, 1, h, d).astype(np.float32)
+    entries = [Entry([0], n - 1, t) for n, t in zip(lens, tables, strict=True)]
+    _, by_rows = row_batch([*entries, None], rows=rows, tokens_per_row=1, width=8, page_size=ps).device()
+    want = np.asarray(reference_paged_attention(jnp.asarray(q), cache, 0, by_rows, sm_scale=d**-0.5))
+    order, most = balance([len(t) for t in tables], rows, group)
+    assert most <= 8  # 28 pages over 4 groups: balanced, not the longest row times the group size
+    slots = [None if i is None else entries[i] for i in order]
+    _, grouped = grouped_batch(slots, group=group, group_width=8, page_size=ps).device()
+    assert grouped.grouped and not by_rows.grouped
+    q_grouped = np.stack([q[i] if i is not None else q[7] for i in order])
+    got = np.asarray(reference_paged_attention(jnp.asarray(q_grouped), cache, 0, grouped, sm_scale=d**-0.5))
+    for slot, i in enumerate(order):
+        if i is not None:
+            np.testing.assert_allclose(got[slot], want[i], atol=1e-5)

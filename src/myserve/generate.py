@@ -61,7 +61,7 @@ def greedy_generate(
         step = pending[:t]
         row = np.zeros((1, t), np.int32)
         row[0, : len(step)] = step
-        batch = page_batch([computed], [len(step)], [pages], tokens_per_row=t, pages_per_row=width)
+        batch = page_batch([computed], [len(step)], [pages], tokens_per_row=t, pages_per_row=width, page_size=page_size)
         logits, cache = forward_last_logits(model, jnp.asarray(row), batch, cache)
         computed += len(step)
         if computed < len(tokens):

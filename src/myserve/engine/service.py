@@ -34,6 +34,7 @@ from myserve.engine.sequence import Sequence as Seq
 from myserve.engine.stop import StopChecker
 from myserve.engine.stream import RequestStream
 from myserve.models.quant import MIN_ROWS
+from myserve.runtime.batch_layout import DECODE_GROUP
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.compile_counter import compile_count
 from myserve.runtime.deployment import Deployment
@@ -105,7 +106,9 @@ class GenerationService:
         """A service (not yet started) for a loaded deployment, sized by its engine config."""
         cfg = dep.config.engine
         min_rows = MIN_ROWS if dep.config.model.quantization == "int8" else 1
-        buckets = Buckets.from_config(cfg, dep.max_model_len, min_rows)
+        # The TPU kernel reads the rows layout; the reference attention reads balanced row groups.
+        group = DECODE_GROUP if dep.model.attention_backend == "reference" else 1
+        buckets = Buckets.from_config(cfg, dep.max_model_len, min_rows, group)
         runner = ModelRunner(
             dep.model,
             dep.mesh,

@@ -58,7 +58,15 @@ class KVCache(eqx.Module):
 class PageBatch(eqx.Module):
     """Attention metadata of one step: where each query token is and which pages hold its context.
 
-    All fields are int32 device arrays; padding rows have ``q_lens == kv_lens == 0``.
+    All fields are int32 device arrays; padding rows have ``q_lens == kv_lens == 0``. The context
+    of the rows is described in one of two layouts:
+
+    - rows: ``page_table`` [B, P] lists each row's pages (prefill rows, any backend);
+    - grouped (decode steps, ``T == 1``, reference backend): rows ``g * k .. g * k + g - 1`` form
+      group ``k``, whose pages are concatenated in ``group_pages`` [B / g, PG]; ``slot_rows``
+      [B / g, PG * page_size] says which row of the group owns each slot (-1: none). Groups are
+      balanced by the host, so a step reads about its rows' real context instead of every row
+      padded to the longest one; ``page_table`` is then [B, 0].
     """
 
     positions: jax.Array
@@ -67,8 +75,19 @@ class PageBatch(eqx.Module):
     """[B] number of real (non-padding) query tokens in each row."""
     kv_lens: jax.Array
     """[B] context length of each row after this step's tokens are written."""
+    write_pages: jax.Array
+    """[B, T] page receiving each query token's K/V (at offset position % page_size)."""
     page_table: jax.Array
     """[B, P] page ids of each row's sequence, in order; entries past its length are ignored."""
+    group_pages: jax.Array
+    """[B / g, PG] pages of each group of decode rows (grouped layout), else [0, 0]."""
+    slot_rows: jax.Array
+    """[B / g, PG * page_size] row within its group owning each slot, or -1 (grouped layout)."""
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the context is in the grouped decode layout (static: decided by shapes)."""
+        return self.group_pages.shape[0] > 0
 
 
 def write_kv(cache: KVCache, layer: int | jax.Array, k: jax.Array, v: jax.Array, batch: PageBatch) -> KVCache:
@@ -78,16 +97,13 @@ def write_kv(cache: KVCache, layer: int | jax.Array, k: jax.Array, v: jax.Array,
         cache: the whole cache (the caller donates it, so XLA updates it in place).
         layer: the layer being written.
         k, v: [B, T, kv_heads, head_dim]
-        batch: positions and page table of the step.
+        batch: positions and pages of the step's tokens.
     """
-    num_pages, page_size = cache.num_pages, cache.page_size
     t = k.shape[1]
-    pos = batch.positions
     valid = jnp.arange(t)[None, :] < batch.q_lens[:, None]
-    page_idx = jnp.take_along_axis(batch.page_table, jnp.clip(pos // page_size, 0, None), axis=1)
     # Padding tokens target an out-of-range page, and mode="drop" discards those writes.
-    page_idx = jnp.where(valid, page_idx, num_pages)
-    offset = pos % page_size
+    page_idx = jnp.where(valid, batch.write_pages, cache.num_pages)
+    offset = batch.positions % cache.page_size
     # Indexing [layer, :, page_idx, offset] puts the [B, T] index dims first: updates are [B, T, KVH, D].
     new_k = cache.k.at[layer, :, page_idx, offset].set(k.astype(cache.k.dtype), mode="drop")
     new_v = cache.v.at[layer, :, page_idx, offset].set(v.astype(cache.v.dtype), mode="drop")
@@ -95,7 +111,7 @@ def write_kv(cache: KVCache, layer: int | jax.Array, k: jax.Array, v: jax.Array,
 
 
 def _gather_pages(x: jax.Array, layer: int | jax.Array, page_table: jax.Array) -> jax.Array:
-    """Pages ``page_table`` [B, P] of every KV head of one layer: [kv_heads, B, P, page_size * D].
+    """Pages ``page_table`` [N, P] of every KV head of one layer: [kv_heads, N, P, page_size * D].
 
     A gather of whole pages (contiguous ``page_size * head_dim`` rows of the flattened array) with
     in-bounds indices promised: about 25 % faster on XLA:CPU than indexing ``x[layer][:, table]``.
@@ -112,9 +128,9 @@ def reference_paged_attention(
 ) -> jax.Array:
     """Pure-JAX paged attention; runs everywhere and is the numerical reference for kernels.
 
-    Gathers each row's pages per KV head into a contiguous ``[context, head_dim]`` block, then does
-    masked grouped-query attention with a float32 softmax; the scores are computed transposed
-    (``K @ q^T``, context-major) so the gathered keys are used as they lie.
+    Gathers the context pages per KV head into contiguous ``[context, head_dim]`` blocks (per row,
+    or per group of decode rows), then does masked grouped-query attention with a float32 softmax;
+    the scores are computed context-major (``K @ q^T``) so the gathered keys are used as they lie.
 
     Args:
         q: [B, T, heads, head_dim]
@@ -127,20 +143,32 @@ def reference_paged_attention(
     b, t, h, d = q.shape
     kvh = cache.k.shape[1]
     group = h // kvh
-    keys, values = (_gather_pages(x, layer, batch.page_table).reshape(kvh, b, -1, d) for x in (cache.k, cache.v))
-    s = keys.shape[2]
-    # Queries of a row that share a KV head form one [T * group, D] matrix (row-major: t, then g).
-    qm = q.reshape(b, t, kvh, group, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, t * group, d)
-    scores = jnp.einsum("kbsd,bkmd->kbsm", keys, qm, preferred_element_type=jnp.float32) * sm_scale
-    kv_pos = jnp.arange(s)
-    mask = (kv_pos[None, :, None] <= batch.positions[:, None, :]) & (
-        kv_pos[None, :, None] < batch.kv_lens[:, None, None]
-    )  # [B, S, T]
-    mask = jnp.repeat(mask, group, axis=2)  # [B, S, T * group]
+    if batch.grouped:
+        # Group k's queries are rows g*k .. g*k+g-1; a query sees the slots its own row owns.
+        n = batch.group_pages.shape[0]
+        rows = b // n
+        pages = batch.group_pages
+        qm = q.reshape(n, rows, kvh, group, d).transpose(0, 2, 1, 3, 4).reshape(n, kvh, rows * group, d)
+        owner = jnp.arange(rows * group) // group  # [M]: the group-local row of each query
+        mask = batch.slot_rows[:, :, None] == owner[None, None, :]  # [N, S, M]
+    else:
+        # Each row is its own group; a query sees its row's context up to its position (causal).
+        n, rows, pages = b, 1, batch.page_table
+        qm = q.reshape(b, t, kvh, group, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, t * group, d)
+        kv_pos = jnp.arange(pages.shape[1] * cache.page_size)
+        mask = (kv_pos[None, :, None] <= batch.positions[:, None, :]) & (
+            kv_pos[None, :, None] < batch.kv_lens[:, None, None]
+        )  # [B, S, T]
+        mask = jnp.repeat(mask, group, axis=2)  # [B, S, T * group]
+    keys, values = (_gather_pages(x, layer, pages).reshape(kvh, n, -1, d) for x in (cache.k, cache.v))
+    scores = jnp.einsum("knsd,nkmd->knsm", keys, qm, preferred_element_type=jnp.float32) * sm_scale
     scores = jnp.where(mask[None], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=2).astype(values.dtype)
-    out = jnp.einsum("kbsm,kbsd->bkmd", probs, values, preferred_element_type=jnp.float32)
-    out = out.reshape(b, kvh, t, group, d).transpose(0, 2, 1, 3, 4)
+    out = jnp.einsum("knsm,knsd->nkmd", probs, values, preferred_element_type=jnp.float32)
+    if batch.grouped:
+        out = out.reshape(n, kvh, rows, group, d).transpose(0, 2, 1, 3, 4)
+    else:
+        out = out.reshape(b, kvh, t, group, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 

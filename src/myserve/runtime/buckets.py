@@ -1,9 +1,11 @@
 """Static shapes by bucket: rows per call, prefill row width and page-table widths.
 
-Every jitted step runs at one (rows, tokens per row, pages per row) shape from these sets, so the
-number of compilations is fixed and all of them happen at warmup. A decode call is ``[rows, 1]``;
-a prefill call is ``[rows, row_tokens]``: each prefill chunk is cut into rows of ``row_tokens``
-prompt tokens, and all the rows of a step go into as few calls as possible.
+Every jitted step runs at one (rows, tokens per row, page width) shape from these sets, so the
+number of compilations is fixed and all of them happen at warmup. A decode call is ``[rows, 1]``
+with its rows' pages read per group of ``decode_group`` rows; a prefill call is
+``[rows, row_tokens]``: each prefill chunk is cut into rows of ``row_tokens`` prompt tokens, and
+all the rows of a step go into as few calls as possible. Page widths are powers of two by default
+(the attention reads every page of the width, so coarser buckets cost more at run time).
 """
 
 from __future__ import annotations
@@ -37,12 +39,15 @@ class Buckets:
     pages: tuple[int, ...]
     """Page-table widths; the largest covers ``max_model_len``."""
     page_size: int
+    decode_group: int = 1
+    """Decode rows whose pages are read together (grouped layout); 1 = each row its own pages."""
 
     @staticmethod
-    def from_config(cfg: EngineConfig, max_model_len: int, min_rows: int = 1) -> Buckets:
+    def from_config(cfg: EngineConfig, max_model_len: int, min_rows: int = 1, decode_group: int = 1) -> Buckets:
         """Buckets from the config, with defaults derived from the limits where left empty.
 
         ``min_rows``: decode calls are padded to at least this many rows (int8 matmuls are slow below 8).
+        ``decode_group``: rows per group of the grouped decode layout (1 = rows layout).
         """
         max_pages = math.ceil(max_model_len / cfg.page_size)
         rows = cfg.batch_buckets or _powers(1, cfg.max_num_seqs)
@@ -50,13 +55,14 @@ class Buckets:
         max_rows = math.ceil(cfg.max_num_batched_tokens / cfg.prefill_row_tokens)
         prefill_rows = tuple(sorted({b for b in rows if b < max_rows} | {max_rows}))
         batch = tuple(sorted({max(b, min(min_rows, rows[-1])) for b in rows}))
-        pages = tuple(p for p in (cfg.page_buckets or _powers(min(4, max_pages), max_pages, 4)) if p < max_pages)
+        pages = tuple(p for p in (cfg.page_buckets or _powers(min(4, max_pages), max_pages)) if p < max_pages)
         return Buckets(
             batch=tuple(batch),
             prefill_rows=prefill_rows,
             row_tokens=min(cfg.prefill_row_tokens, max_model_len),
             pages=(*pages, max_pages),
             page_size=cfg.page_size,
+            decode_group=decode_group,
         )
 
     @staticmethod
@@ -67,8 +73,19 @@ class Buckets:
             raise ValueError(f"{n} exceeds the largest bucket {options[-1]}")
         return options[i]
 
+    def group_size(self, rows: int) -> int:
+        """Rows per group of a decode call of ``rows`` rows."""
+        return min(self.decode_group, rows)
+
+    def decode_widths(self, rows: int) -> tuple[int, ...]:
+        """Page widths of a decode call of ``rows`` rows: per group, so the row widths times its size."""
+        return tuple(self.group_size(rows) * p for p in self.pages)
+
     def shapes(self) -> list[tuple[int, int, int]]:
-        """Every (rows, tokens per row, pages per row) a step can have: the warmup list."""
-        decode = [(b, 1, p) for p in self.pages for b in self.batch]
+        """Every (rows, tokens per row, page width) a step can have: the warmup list.
+
+        The width is per row for prefill calls and per group of rows for decode calls.
+        """
+        decode = [(b, 1, w) for b in self.batch for w in self.decode_widths(b)]
         prefill = [(r, self.row_tokens, p) for p in self.pages for r in self.prefill_rows]
         return decode + prefill

@@ -28,7 +28,8 @@ from myserve.engine.params import MAX_TOP_LOGPROBS
 from myserve.engine.scheduler import ScheduledBatch, ScheduledChunk
 from myserve.engine.sequence import Sequence as Seq
 from myserve.models.llama import LlamaModel
-from myserve.ops.paged_attention import KVCache, PageBatch
+from myserve.ops.paged_attention import KVCache
+from myserve.runtime.batch_layout import Entry, HostBatch, balance, grouped_batch, row_batch
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.compile_counter import compile_count
 from myserve.runtime.kv_cache import init_kv_cache
@@ -122,6 +123,10 @@ class _Row:
         return self.seq.params.prompt_logprobs is not None and self.start < len(self.seq.prompt_ids) - 1
 
 
+def _entry(row: _Row) -> Entry:
+    return Entry(row.seq.tokens(row.start, row.start + row.num_tokens), row.start, row.seq.pages)
+
+
 def _rows_of(chunk: ScheduledChunk, row_tokens: int) -> list[_Row]:
     """A chunk cut into rows of ``row_tokens`` tokens; only the last row may sample."""
     n = chunk.num_tokens
@@ -182,7 +187,7 @@ class ModelRunner:
             seq.slot = None
 
     # -- steps --------------------------------------------------------------------------------
-    def _sampling_rows(self, chunks: Sequence[_Row], rows: int) -> tuple[SamplingArrays, np.ndarray]:
+    def _sampling_rows(self, chunks: Sequence[_Row | None], rows: int) -> tuple[SamplingArrays, np.ndarray]:
         # Host-side rows, named as the SamplingArrays fields; padding rows stay greedy and inert.
         a = {
             "temperature": np.zeros(rows, np.float32),
@@ -201,6 +206,8 @@ class ModelRunner:
         }
         slots = np.full(rows, self.scratch_slot, np.int32)
         for i, chunk in enumerate(chunks):
+            if chunk is None:
+                continue
             seq, p = chunk.seq, chunk.seq.params
             for name in _PER_ROW_PARAMS:
                 a[name][i] = getattr(p, name)
@@ -221,41 +228,26 @@ class ModelRunner:
         return arrays, slots
 
     def _dispatch(
-        self, chunks: Sequence[_Row], rows: int, tokens_per_row: int, width: int, scored: bool = False
+        self, chunks: Sequence[_Row | None], host: HostBatch, scored: bool = False
     ) -> tuple[SampleOutput, tuple | None]:
-        tokens = np.zeros((rows, tokens_per_row), np.int32)
-        positions = np.zeros((rows, tokens_per_row), np.int32)
-        q_lens = np.zeros(rows, np.int32)
-        kv_lens = np.zeros(rows, np.int32)
-        table = np.zeros((rows, width), np.int32)
-        weight = np.zeros(rows, np.int32)
-        for i, c in enumerate(chunks):
-            tokens[i, : c.num_tokens] = c.seq.tokens(c.start, c.start + c.num_tokens)
-            positions[i] = c.start + np.arange(tokens_per_row)
-            q_lens[i] = c.num_tokens
-            kv_lens[i] = c.start + c.num_tokens
-            table[i, : len(c.seq.pages)] = c.seq.pages
-            weight[i] = 1 if c.samples else 0
-        batch = PageBatch(jnp.asarray(positions), jnp.asarray(q_lens), jnp.asarray(kv_lens), jnp.asarray(table))
+        """Run one call: ``chunks`` are its rows in order (None = padding), ``host`` their layout."""
+        rows = host.tokens.shape[0]
+        tokens, batch = host.device()
         scores = None
         if scored:
-            following = np.zeros((rows, tokens_per_row), np.int32)
+            following = np.zeros(host.tokens.shape, np.int32)
             for i, c in enumerate(chunks):
-                nxt = c.seq.tokens(c.start + 1, c.start + c.num_tokens + 1)
-                following[i, : len(nxt)] = nxt
+                if c is not None:
+                    nxt = c.seq.tokens(c.start + 1, c.start + c.num_tokens + 1)
+                    following[i, : len(nxt)] = nxt
             logits, scores, self.kv_cache = forward_scored(
-                self.model,
-                jnp.asarray(tokens),
-                batch,
-                self.kv_cache,
-                jnp.asarray(following),
-                MAX_TOP_LOGPROBS,
-                self.outer,
+                self.model, tokens, batch, self.kv_cache, jnp.asarray(following), MAX_TOP_LOGPROBS, self.outer
             )
         else:
-            logits, self.kv_cache = forward_last_logits(
-                self.model, jnp.asarray(tokens), batch, self.kv_cache, self.outer
-            )
+            logits, self.kv_cache = forward_last_logits(self.model, tokens, batch, self.kv_cache, self.outer)
+        weight = np.array(
+            [1 if c is not None and c.samples else 0 for c in chunks] + [0] * (rows - len(chunks)), np.int32
+        )
         # Prefill rows are sampled in the smallest batch bucket, so the sampler compiles per bucket.
         sample_rows = Buckets.fit(self.buckets.batch, rows) if rows <= self.buckets.batch[-1] else rows
         if sample_rows != rows:
@@ -266,6 +258,26 @@ class ModelRunner:
             logits, self.counts, self.prompt_mask, jnp.asarray(slots), jnp.asarray(weight), sampling
         )
         return out, scores
+
+    def _decode_layout(
+        self, decodes: Sequence[_Row], rows: int, width: int | None = None
+    ) -> tuple[list[_Row | None], HostBatch]:
+        """The decode call's rows and layout: grouped (balanced groups) unless groups are of one row.
+
+        ``width`` forces the page width (warmup); by default the smallest bucket that fits.
+        """
+        bk, group = self.buckets, self.buckets.group_size(rows)
+        if group == 1:
+            slots: list[_Row | None] = list(decodes)
+            need = max((len(c.seq.pages) for c in decodes), default=1)
+            width = width or Buckets.fit(bk.decode_widths(rows), need)
+            rows_entries = [_entry(c) for c in decodes]
+            return slots, row_batch(rows_entries, rows=rows, tokens_per_row=1, width=width, page_size=self.page_size)
+        order, most = balance([len(c.seq.pages) for c in decodes], rows, group)
+        slots = [None if i is None else decodes[i] for i in order]
+        width = width or Buckets.fit(bk.decode_widths(rows), max(most, 1))
+        entries = [None if c is None else _entry(c) for c in slots]
+        return slots, grouped_batch(entries, group=group, group_width=width, page_size=self.page_size)
 
     def _prefill_calls(self, prefills: Sequence[ScheduledChunk]) -> list[tuple[list[_Row], int, bool]]:
         """The step's prefill chunks as rows, grouped into calls: (rows, page-table width, scored).
@@ -289,30 +301,37 @@ class ModelRunner:
         """Run one scheduler step: sampled tokens, and prompt scores of rows that asked for them."""
         for src, dst in batch.copies:
             self.kv_cache = _copy_page(self.kv_cache, jnp.int32(src), jnp.int32(dst))
-        calls: list[tuple[Sequence[_Row], tuple[SampleOutput, tuple | None]]] = []
+        calls: list[tuple[Sequence[_Row | None], tuple[SampleOutput, tuple | None]]] = []
         if batch.decodes:
             rows = Buckets.fit(self.buckets.batch, len(batch.decodes))
-            width = Buckets.fit(self.buckets.pages, max(len(c.seq.pages) for c in batch.decodes))
-            decodes = [_Row(c.seq, c.start, 1, c.samples) for c in batch.decodes]
-            calls.append((decodes, self._dispatch(decodes, rows, 1, width)))
+            slots, host = self._decode_layout([_Row(c.seq, c.start, 1, c.samples) for c in batch.decodes], rows)
+            calls.append((slots, self._dispatch(slots, host)))
         # Prefill rows run after the decodes, in chunk order: a later row of a chunk reads the K/V
         # its earlier rows wrote in the same call or an earlier one.
         for rows_, width, scored in self._prefill_calls(batch.prefills):
             n = Buckets.fit(self.buckets.prefill_rows, len(rows_))
-            calls.append((rows_, self._dispatch(rows_, n, self.buckets.row_tokens, width, scored)))
+            host = row_batch(
+                [_entry(r) for r in rows_],
+                rows=n,
+                tokens_per_row=self.buckets.row_tokens,
+                width=width,
+                page_size=self.page_size,
+            )
+            calls.append((rows_, self._dispatch(rows_, host, scored)))
         # Every call is dispatched before any result is read, so device work queues back to back.
         results = StepResults()
         for chunks, (out, scores) in calls:
             tokens, logprobs = np.asarray(out.tokens), np.asarray(out.logprobs)
             top_ids, top_lps = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
             for i, c in enumerate(chunks):
-                if c.samples:
+                if c is not None and c.samples:
                     results.sampled[c.seq] = (int(tokens[i]), float(logprobs[i]), top_ids[i], top_lps[i])
             if scores is not None:
                 lp, ids, tlp = (np.asarray(a) for a in scores)
                 for i, c in enumerate(chunks):
-                    n = c.num_tokens
-                    results.prompt_scores.append((c.seq, c.start, lp[i, :n], ids[i, :n], tlp[i, :n]))
+                    if c is not None:
+                        n = c.num_tokens
+                        results.prompt_scores.append((c.seq, c.start, lp[i, :n], ids[i, :n], tlp[i, :n]))
         return results
 
     # -- warmup -------------------------------------------------------------------------------
@@ -321,10 +340,14 @@ class ModelRunner:
         before = compile_count()
         shapes = self.buckets.shapes()
         for i, (rows, t, width) in enumerate(shapes):
-            jax.block_until_ready(self._dispatch([], rows, t, width))
-            if t > 1 and width == self.buckets.pages[0]:
-                # The scoring head (echo with logprobs) depends on (rows, tokens) only, not the width.
-                jax.block_until_ready(self._dispatch([], rows, t, width, scored=True))
+            if t == 1:
+                jax.block_until_ready(self._dispatch([], self._decode_layout([], rows, width)[1]))
+            else:
+                host = row_batch([], rows=rows, tokens_per_row=t, width=width, page_size=self.page_size)
+                jax.block_until_ready(self._dispatch([], host))
+                if width == self.buckets.pages[0]:
+                    # The scoring head (echo with logprobs) depends on (rows, tokens) only, not the width.
+                    jax.block_until_ready(self._dispatch([], host, scored=True))
             if progress is not None:
                 progress(i + 1, len(shapes))
         # The page copy (page 0 onto itself) and the penalty-slot writers (on the scratch slot) too.

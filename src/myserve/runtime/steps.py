@@ -20,11 +20,11 @@ import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from myserve.models.llama import DecoderLayer, LlamaModel, decoder_block
 from myserve.models.spec import ModelSpec
 from myserve.ops.paged_attention import KVCache, PageBatch
+from myserve.runtime.batch_layout import Entry, row_batch
 from myserve.runtime.sampler import token_logprobs
 
 LAYERS_PER_CALL = 6
@@ -155,22 +155,12 @@ def page_batch(
     *,
     tokens_per_row: int,
     pages_per_row: int,
+    page_size: int,
 ) -> PageBatch:
-    """Host-side construction of a ``PageBatch``: row ``b`` has ``q_lens[b]`` new tokens from ``starts[b]``.
-
-    Rows are padded to ``tokens_per_row`` tokens and their page tables to ``pages_per_row`` entries.
-    """
-    b = len(starts)
-    positions = np.zeros((b, tokens_per_row), np.int32)
-    table = np.zeros((b, pages_per_row), np.int32)
-    for i, (start, pages) in enumerate(zip(starts, page_tables, strict=True)):
-        positions[i] = start + np.arange(tokens_per_row)
-        table[i, : len(pages)] = pages
-    q = np.asarray(q_lens, np.int32)
-    kv = np.where(q > 0, np.asarray(starts, np.int32) + q, 0).astype(np.int32)
-    return PageBatch(
-        positions=jnp.asarray(positions),
-        q_lens=jnp.asarray(q),
-        kv_lens=jnp.asarray(kv),
-        page_table=jnp.asarray(table),
+    """Host-side construction of a rows-layout ``PageBatch``: row ``b`` has ``q_lens[b]`` new tokens
+    from ``starts[b]``. Rows are padded to ``tokens_per_row`` tokens and page tables to ``pages_per_row``."""
+    entries = [Entry([0] * n, start, pages) for start, n, pages in zip(starts, q_lens, page_tables, strict=True)]
+    host = row_batch(
+        entries, rows=len(entries), tokens_per_row=tokens_per_row, width=pages_per_row, page_size=page_size
     )
+    return host.device()[1]
