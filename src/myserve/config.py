@@ -105,7 +105,8 @@ class EngineConfig:
     and run as one batched call (only a chunk's last row is padded)."""
     page_buckets: tuple[int, ...] = ()
     """Page-table widths compiled at warmup (attention reads this many pages per sequence);
-    empty = powers of four from 4 pages up to the pages of max_model_len."""
+    empty = powers of two from 4 pages up to the pages of max_model_len (decode calls read them per
+    pair of rows, so twice as many)."""
     enable_prefix_caching: bool = True
     """Reuse KV pages of identical prompt prefixes across requests."""
 
@@ -389,7 +390,7 @@ DEFAULT_CONFIG_NAME = "smollm2-135m-cpu.yaml"
 # and install layout, it is also kept here as data and used whenever the file is not beside the
 # source tree. In a checkout the file wins, so editing it changes the default as a user expects.
 _BUILTIN_DEFAULT: dict[str, dict[str, object]] = {
-    "model": {"dtype": "float32"},
+    "model": {"dtype": "float32", "max_model_len": 2048},
     "engine": {"num_pages": 2048},
     "server": {"served_model_name": "SmolLM2-135M-Instruct"},
 }
