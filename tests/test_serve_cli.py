@@ -15,6 +15,9 @@ import httpx
 import pytest
 from test_server import free_port
 
+from myserve import serve
+from myserve.config import load_config
+
 
 @pytest.mark.slow
 def test_serve_subprocess_curl_and_sigterm_drain() -> None:
@@ -113,3 +116,40 @@ def test_serve_subprocess_curl_and_sigterm_drain() -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_flags_map_to_config_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MYSERVE_API_KEY", "sk-env")
+    args = serve.parse_args(
+        [
+            "--hf-checkpoint", "some/model", "--host", "0.0.0.0", "--port", "9001",
+            "--served-model-name", "m", "--chat-template", "{{ x }}", "--max-model-len", "1024",
+            "--max-num-seqs", "8", "--dtype", "bfloat16", "--tensor-parallel-size", "2",
+            "--log-level", "debug", "--set", "engine.page_size=32", "--set", "server.drain_timeout_s=5",
+        ]
+    )  # fmt: skip
+    c = serve.config_from_args(args)
+    assert (c.model.checkpoint, c.model.chat_template, c.model.max_model_len, c.model.dtype) == (
+        "some/model", "{{ x }}", 1024, "bfloat16"
+    )  # fmt: skip
+    assert (c.engine.max_num_seqs, c.engine.page_size, c.mesh.model) == (8, 32, 2)
+    assert (c.server.host, c.server.port, c.server.served_model_name) == ("0.0.0.0", 9001, "m")
+    assert (c.server.api_key, c.server.log_level, c.server.drain_timeout_s) == ("sk-env", "debug", 5.0)
+    # An explicit flag wins over the environment; no flags at all is the default deployment.
+    assert serve.config_from_args(serve.parse_args(["--api-key", "sk-flag"])).server.api_key == "sk-flag"
+    monkeypatch.delenv("MYSERVE_API_KEY")
+    assert serve.config_from_args(serve.parse_args([])) == load_config(None)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-num-seqs", "0"], "engine.max_num_seqs"),
+        (["--set", "engine.no_such_key=1"], "no_such_key"),
+        (["--port", "70000"], "server.port"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert serve.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and message in err and "\n" not in err

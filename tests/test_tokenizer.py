@@ -91,6 +91,7 @@ def test_gguf_chat_template(gguf_tok: Tokenizer) -> None:
 
 def test_no_torch_import(tmp_path: Path) -> None:
     # transformers imports torch from AutoTokenizer and from its GGUF reader; we use neither.
+    # torch is a test-only dependency: loading and serving must never import it.
     script = f"""
         import sys
         from myserve.bundled import bundled_gguf_path
@@ -99,6 +100,11 @@ def test_no_torch_import(tmp_path: Path) -> None:
         tok.apply_chat_template([{{"role": "user", "content": "hi"}}])
         tok.hf.save_pretrained({str(tmp_path)!r})
         Tokenizer.load({str(tmp_path)!r}).encode("hi")
+        # The whole serving path: config, the bundled model's weights on the mesh, engine, HTTP app.
+        from myserve.config import load_config
+        from myserve.runtime.deployment import Deployment
+        import myserve.engine.service, myserve.serve, myserve.server.app
+        Deployment.load(load_config(None))
         assert "torch" not in sys.modules, "torch was imported"
     """
     subprocess.run([sys.executable, "-c", textwrap.dedent(script)], check=True)

@@ -106,7 +106,7 @@ class EngineConfig:
     page_buckets: tuple[int, ...] = ()
     """Page-table widths compiled at warmup (attention reads this many pages per sequence);
     empty = powers of two from 4 pages up to the pages of max_model_len (decode calls read them per
-    pair of rows, so twice as many)."""
+    pair of rows, so twice as many, plus the midpoint between each two consecutive widths)."""
     enable_prefix_caching: bool = True
     """Reuse KV pages of identical prompt prefixes across requests."""
 

@@ -15,8 +15,12 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from myserve.errors import MyserveError
+
+if TYPE_CHECKING:
+    from myserve.config import Config
 
 logger = logging.getLogger("myserve.serve")
 
@@ -55,18 +59,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The deployment config: the YAML (or the default), then the flags and ``--set`` overrides.
+
+    Flags and ``--set`` overrides are applied together, so their combination is validated once.
+    Raises ``ConfigError`` with a one-line message.
+    """
+    from myserve.config import load_config, parse_overrides, with_overrides
+
+    overrides = {key: getattr(args, flag) for flag, key in _FLAGS.items() if getattr(args, flag) is not None}
+    overrides.update(parse_overrides(args.set))
+    config = load_config(args.config)
+    return with_overrides(config, overrides, source="command line") if overrides else config
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Load, warm up, serve until signalled; returns the exit code."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        from myserve.config import load_config, parse_overrides, with_overrides
-
-        # Flags and --set overrides are applied together, so their combination is validated once.
-        overrides = {key: getattr(args, flag) for flag, key in _FLAGS.items() if getattr(args, flag) is not None}
-        overrides.update(parse_overrides(args.set))
-        config = load_config(args.config)
-        config = with_overrides(config, overrides, source="command line") if overrides else config
+        config = config_from_args(args)
         logging.getLogger().setLevel(config.server.log_level.upper())
 
         from myserve.bundled import BUNDLED_MODEL_NAME

@@ -78,8 +78,17 @@ class Buckets:
         return min(self.decode_group, rows)
 
     def decode_widths(self, rows: int) -> tuple[int, ...]:
-        """Page widths of a decode call of ``rows`` rows: per group, so the row widths times its size."""
-        return tuple(self.group_size(rows) * p for p in self.pages)
+        """Page widths of a decode call of ``rows`` rows: per group, so the row widths times its size.
+
+        Grouped calls also get the midpoint between each two consecutive widths (1.5x steps instead
+        of 2x): their attention reads every slot of the width, and at 32 decodes of 300 tokens
+        (38 pages per pair) a width of 48 instead of 64 made the whole step 17 % faster (395 -> 329 ms).
+        """
+        g = self.group_size(rows)
+        widths = [g * p for p in self.pages]
+        if g > 1:
+            widths += [(a + b) // 2 for a, b in zip(widths, widths[1:], strict=False) if b - a >= 4]
+        return tuple(sorted(set(widths)))
 
     def shapes(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens per row, page width) a step can have: the warmup list.
