@@ -393,3 +393,29 @@ def test_engine_error_mid_stream_sends_error_event(tiny_checkpoints) -> None:
     finally:
         server.stop()
         svc.shutdown()
+
+
+def test_prompt_lists_n_choices_interleaved_and_request_log(live, caplog: pytest.LogCaptureFixture) -> None:
+    h = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "prompt": ["The sky is", "Water is"], "n": 2, "max_tokens": 6, "seed": 3}
+    with caplog.at_level("INFO", logger="myserve"):
+        chunks = []
+        with httpx.stream("POST", f"{live.url}/v1/completions", json={**body, "stream": True}, headers=h) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[len("data: ") :]))
+        plain = httpx.post(f"{live.url}/v1/completions", json={**body, "prompt": [[504, 3619], [5012]]}, headers=h)
+    # Streaming: one id for the response; choices 0..3 (prompt i, choice j -> index 2i+j), each ending once.
+    assert len({c["id"] for c in chunks}) == 1
+    finished = sorted(ch["index"] for c in chunks for ch in c["choices"] if ch["finish_reason"])
+    assert finished == [0, 1, 2, 3]
+    texts = {i: "".join(ch["text"] for c in chunks for ch in c["choices"] if ch["index"] == i) for i in range(4)}
+    assert all(texts.values())
+    # Token-id prompts: same shape of answer, usage counts both prompts and all four choices.
+    out = plain.json()
+    assert sorted(c["index"] for c in out["choices"]) == [0, 1, 2, 3]
+    assert out["usage"]["prompt_tokens"] == 3 and out["usage"]["completion_tokens"] == 4 * 6
+    # One structured line per finished request, with its token counts, TTFT and finish reasons.
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request_id=")]
+    assert len(lines) >= 2
+    assert all(f"completion_tokens={4 * 6}" in line and "ttft_s=" in line and "finish=" in line for line in lines[-2:])

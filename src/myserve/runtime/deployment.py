@@ -59,12 +59,13 @@ class Deployment:
         """Resolve the checkpoint, build the mesh, load weights onto it, load the tokenizer."""
         t0 = time.perf_counter()
         enable_compilation_cache(config.engine.compilation_cache_dir)
+        # The mesh first: a mesh the visible devices cannot hold fails before anything is read.
+        mesh = make_mesh(config.mesh.data, config.mesh.model)
         resolved = resolve_checkpoint(config.model.checkpoint)
         source = open_source(resolved)
         spec = source.spec
         max_len = config.model.max_model_len or spec.max_position_embeddings
         check_max_len(spec, max_len, str(resolved.path))
-        mesh = make_mesh(config.mesh.data, config.mesh.model)
         mapping = axis_mapping(spec, mesh)
         dtype = resolve_dtype(config.model.dtype)
         backend = resolve_backend(config.engine.attention_backend)  # type: ignore[arg-type]
