@@ -144,7 +144,7 @@ def test_with_overrides_returns_a_new_validated_config() -> None:
             "overrides: unknown key 'engine.page_sise' (did you mean 'engine.page_size'?); "
             "known keys: page_size, num_pages, attention_backend, compilation_cache_dir, max_num_seqs, "
             "max_num_batched_tokens, max_waiting, batch_buckets, prefill_row_tokens, page_buckets, "
-            "enable_prefix_caching",
+            "enable_prefix_caching, layers_per_call",
         ),
         (
             "egnine.page_size=32",

@@ -33,43 +33,42 @@ from myserve.runtime.batch_layout import Entry, HostBatch, balance, grouped_batc
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.compile_counter import compile_count
 from myserve.runtime.kv_cache import init_kv_cache
-from myserve.runtime.sampler import SampleOutput, SamplingArrays, sample
-from myserve.runtime.steps import forward_last_logits, forward_scored, outer_part
+from myserve.runtime.sampler import SampleOutput, sample
+from myserve.runtime.sampling_rows import (
+    CHOICE,
+    FLOAT_PARAMS,
+    POSITION,
+    SLOT,
+    TOP_K,
+    WEIGHT,
+    SamplingRows,
+    unpack,
+)
+from myserve.runtime.steps import LAYERS_PER_CALL, LayerGroups, forward_last_logits, forward_scored, outer_part
 
 logger = logging.getLogger(__name__)
 
-MAX_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
-MAX_BANNED = 32  # EOS + stop_token_ids banned while min_tokens is not reached
+_NO_TOP = np.zeros(0, np.int32)  # top logprobs of a row when no row of its call asked for them
 _SLOT_CHUNK = 256  # token ids written into a penalty slot per call
-# SamplingParams fields copied as they are into the same-named SamplingArrays row.
-_PER_ROW_PARAMS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
 
 
-@functools.partial(jax.jit, donate_argnums=1)
+@functools.partial(jax.jit, donate_argnums=1, static_argnums=5)
 def _sample(
-    logits: jax.Array,
-    counts: jax.Array,
-    prompt_mask: jax.Array,
-    slots: jax.Array,
-    sampled_weight: jax.Array,
-    sampling: SamplingArrays,
+    logits: jax.Array, counts: jax.Array, prompt_mask: jax.Array, ints: jax.Array, floats: jax.Array, all_greedy: bool
 ) -> tuple[SampleOutput, jax.Array]:
     """Sample one token per row of ``logits`` [B, V] and count it in the row's penalty slot.
 
     A separate executable from the model step so it is compiled per batch size only, not per
     (batch, tokens, pages) shape: the sampler costs more to compile than the model.
-    ``counts`` [slots, V] int32 and ``prompt_mask`` [slots, V] bool hold penalty state; ``slots``
-    [B] picks each row's; ``sampled_weight`` [B] is 1 where the sampled token is really appended.
+    ``counts`` [slots, V] int32 and ``prompt_mask`` [slots, V] bool hold penalty state; ``ints`` and
+    ``floats`` are the rows' packed ``SamplingRows`` (parameters, penalty slot, whether the sampled
+    token is really appended). ``all_greedy``: the host knows no row samples (two executables per
+    row count, both compiled at warmup).
     """
-    out = sample(logits, sampling, counts[slots], prompt_mask[slots], num_top_logprobs=MAX_TOP_LOGPROBS)
+    sampling, slots, sampled_weight = unpack(ints, floats)
+    out = sample(
+        logits, sampling, counts[slots], prompt_mask[slots], num_top_logprobs=MAX_TOP_LOGPROBS, all_greedy=all_greedy
+    )
     return out, counts.at[slots, out.tokens].add(sampled_weight)
 
 
@@ -149,9 +148,11 @@ class ModelRunner:
         buckets: Buckets,
         max_num_seqs: int,
         eos_ids: Sequence[int] = (),
+        layers_per_call: int = LAYERS_PER_CALL,
     ):
         self.model = model
         self.outer = outer_part(model)
+        self.groups = LayerGroups.of(model, layers_per_call)
         self.spec = model.spec
         self.buckets = buckets
         self.page_size = buckets.page_size
@@ -187,50 +188,36 @@ class ModelRunner:
             seq.slot = None
 
     # -- steps --------------------------------------------------------------------------------
-    def _sampling_rows(self, chunks: Sequence[_Row | None], rows: int) -> tuple[SamplingArrays, np.ndarray]:
-        # Host-side rows, named as the SamplingArrays fields; padding rows stay greedy and inert.
-        a = {
-            "temperature": np.zeros(rows, np.float32),
-            "top_k": np.zeros(rows, np.int32),
-            "top_p": np.ones(rows, np.float32),
-            "min_p": np.zeros(rows, np.float32),
-            "presence_penalty": np.zeros(rows, np.float32),
-            "frequency_penalty": np.zeros(rows, np.float32),
-            "repetition_penalty": np.ones(rows, np.float32),
-            "seed": np.zeros(rows, np.uint32),
-            "choice": np.zeros(rows, np.int32),
-            "position": np.zeros(rows, np.int32),
-            "bias_ids": np.full((rows, MAX_BIAS), -1, np.int32),
-            "bias_values": np.zeros((rows, MAX_BIAS), np.float32),
-            "banned_ids": np.full((rows, MAX_BANNED), -1, np.int32),
-        }
-        slots = np.full(rows, self.scratch_slot, np.int32)
+    def _sampling_rows(self, chunks: Sequence[_Row | None], rows: int) -> SamplingRows:
+        """The packed sampling rows of a call: row ``i`` samples for ``chunks[i]`` (None = padding)."""
+        packed = SamplingRows.empty(rows, self.scratch_slot)
         for i, chunk in enumerate(chunks):
             if chunk is None:
                 continue
             seq, p = chunk.seq, chunk.seq.params
-            for name in _PER_ROW_PARAMS:
-                a[name][i] = getattr(p, name)
-            a["seed"][i] = seq.seed & 0xFFFFFFFF
-            a["choice"][i], a["position"][i] = seq.choice, len(seq.output_ids)
+            packed.floats[i, : len(FLOAT_PARAMS)] = [getattr(p, name) for name in FLOAT_PARAMS]
+            packed.ints[i, TOP_K], packed.ints[i, WEIGHT] = p.top_k, int(chunk.samples)
+            packed.ints[i, CHOICE], packed.ints[i, POSITION] = seq.choice, len(seq.output_ids)
+            packed.set_seed(i, seq.seed)
             if p.logit_bias:
                 ids, values = zip(*p.logit_bias, strict=True)
-                a["bias_ids"][i, : len(ids)], a["bias_values"][i, : len(ids)] = ids, values
+                packed.set_bias(i, ids, values)
             if len(seq.output_ids) < p.min_tokens:
-                stop_ids = (() if p.ignore_eos else self.eos_ids) + p.stop_token_ids
-                a["banned_ids"][i, : len(stop_ids)] = stop_ids[:MAX_BANNED]
+                packed.set_banned(i, (() if p.ignore_eos else self.eos_ids) + p.stop_token_ids)
             if p.uses_penalties:
                 if seq.slot is None:
                     self._assign_slot(seq)
                 assert seq.slot is not None
-                slots[i] = seq.slot
-        arrays = SamplingArrays(**{name: jnp.asarray(value) for name, value in a.items()})
-        return arrays, slots
+                packed.ints[i, SLOT] = seq.slot
+        return packed
 
     def _dispatch(
-        self, chunks: Sequence[_Row | None], host: HostBatch, scored: bool = False
+        self, chunks: Sequence[_Row | None], host: HostBatch, scored: bool = False, all_greedy: bool | None = None
     ) -> tuple[SampleOutput, tuple | None]:
-        """Run one call: ``chunks`` are its rows in order (None = padding), ``host`` their layout."""
+        """Run one call: ``chunks`` are its rows in order (None = padding), ``host`` their layout.
+
+        ``all_greedy`` picks the sampler executable; by default whether every row is greedy.
+        """
         rows = host.tokens.shape[0]
         tokens, batch = host.device()
         scores = None
@@ -241,22 +228,20 @@ class ModelRunner:
                     nxt = c.seq.tokens(c.start + 1, c.start + c.num_tokens + 1)
                     following[i, : len(nxt)] = nxt
             logits, scores, self.kv_cache = forward_scored(
-                self.model, tokens, batch, self.kv_cache, jnp.asarray(following), MAX_TOP_LOGPROBS, self.outer
+                self.model, tokens, batch, self.kv_cache, following, MAX_TOP_LOGPROBS, self.outer, self.groups
             )
         else:
-            logits, self.kv_cache = forward_last_logits(self.model, tokens, batch, self.kv_cache, self.outer)
-        weight = np.array(
-            [1 if c is not None and c.samples else 0 for c in chunks] + [0] * (rows - len(chunks)), np.int32
-        )
+            logits, self.kv_cache = forward_last_logits(
+                self.model, tokens, batch, self.kv_cache, self.outer, self.groups
+            )
         # Prefill rows are sampled in the smallest batch bucket, so the sampler compiles per bucket.
         sample_rows = Buckets.fit(self.buckets.batch, rows) if rows <= self.buckets.batch[-1] else rows
         if sample_rows != rows:
             logits = jnp.pad(logits, ((0, sample_rows - rows), (0, 0)))
-            weight = np.pad(weight, (0, sample_rows - rows))
-        sampling, slots = self._sampling_rows(chunks, sample_rows)
-        out, self.counts = _sample(
-            logits, self.counts, self.prompt_mask, jnp.asarray(slots), jnp.asarray(weight), sampling
-        )
+        packed = self._sampling_rows(chunks, sample_rows)
+        if all_greedy is None:
+            all_greedy = all(c is None or c.seq.params.temperature <= 0 for c in chunks)
+        out, self.counts = _sample(logits, self.counts, self.prompt_mask, packed.ints, packed.floats, all_greedy)
         return out, scores
 
     def _decode_layout(
@@ -321,11 +306,14 @@ class ModelRunner:
         # Every call is dispatched before any result is read, so device work queues back to back.
         results = StepResults()
         for chunks, (out, scores) in calls:
-            tokens, logprobs = np.asarray(out.tokens), np.asarray(out.logprobs)
-            top_ids, top_lps = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+            # One transfer for the call's results; the top-20 arrays only when a row asked for them.
+            tops = any(c is not None and c.samples and c.seq.params.logprobs for c in chunks)
+            fetched = jax.device_get((out.tokens, out.logprobs) + ((out.top_ids, out.top_logprobs) if tops else ()))
+            tokens, logprobs = fetched[0], fetched[1]
             for i, c in enumerate(chunks):
                 if c is not None and c.samples:
-                    results.sampled[c.seq] = (int(tokens[i]), float(logprobs[i]), top_ids[i], top_lps[i])
+                    top_ids, top_lps = (fetched[2][i], fetched[3][i]) if tops else (_NO_TOP, _NO_TOP)
+                    results.sampled[c.seq] = (int(tokens[i]), float(logprobs[i]), top_ids, top_lps)
             if scores is not None:
                 lp, ids, tlp = (np.asarray(a) for a in scores)
                 for i, c in enumerate(chunks):
@@ -339,15 +327,20 @@ class ModelRunner:
         """Compile every bucket shape (rows of padding only: the cache is not touched); returns compiles."""
         before = compile_count()
         shapes = self.buckets.shapes()
+        sampled_rows: set[int] = set()  # row counts whose sampling (not greedy) executable is built
         for i, (rows, t, width) in enumerate(shapes):
+            # Each shape once greedy; the first of each row count also with the sampling executable.
+            modes = (True,) if rows in sampled_rows else (True, False)
+            sampled_rows.add(rows)
             if t == 1:
-                jax.block_until_ready(self._dispatch([], self._decode_layout([], rows, width)[1]))
+                host = self._decode_layout([], rows, width)[1]
             else:
                 host = row_batch([], rows=rows, tokens_per_row=t, width=width, page_size=self.page_size)
-                jax.block_until_ready(self._dispatch([], host))
-                if width == self.buckets.pages[0]:
-                    # The scoring head (echo with logprobs) depends on (rows, tokens) only, not the width.
-                    jax.block_until_ready(self._dispatch([], host, scored=True))
+            for all_greedy in modes:
+                jax.block_until_ready(self._dispatch([], host, all_greedy=all_greedy))
+            if t != 1 and width == self.buckets.pages[0]:
+                # The scoring head (echo with logprobs) depends on (rows, tokens) only, not the width.
+                jax.block_until_ready(self._dispatch([], host, scored=True))
             if progress is not None:
                 progress(i + 1, len(shapes))
         # The page copy (page 0 onto itself) and the penalty-slot writers (on the scratch slot) too.

@@ -245,12 +245,14 @@ def sample(
     *,
     num_top_logprobs: int,
     candidates: int = CANDIDATES,
+    all_greedy: bool = False,
 ) -> SampleOutput:
     """Sample one token per row.
 
     logits f32 [B, V] (raw model output); output_counts i32 [B, V]: tokens generated so far;
     prompt_mask bool [B, V]: tokens in the prompt. ``num_top_logprobs`` (static) sets K of
-    ``top_ids``/``top_logprobs``; ``candidates`` (static) is the top-k/top-p prefilter size.
+    ``top_ids``/``top_logprobs``; ``candidates`` (static) is the top-k/top-p prefilter size;
+    ``all_greedy`` (static) promises every row has ``temperature <= 0`` (argmax only, no noise).
     """
     logits = logits.astype(jnp.float32)
     processed = process_logits(logits, params, output_counts, prompt_mask)
@@ -263,8 +265,10 @@ def sample(
         drawn = _gumbel_max(jnp.where(scaled >= thr[:, None], scaled, -jnp.inf), _row_keys(params))
         return jnp.where(greedy_rows, jnp.argmax(processed, axis=-1), drawn)
 
-    # Greedy is the common serving case: an all-greedy batch skips thresholds and noise.
-    tokens = lax.cond(jnp.all(greedy_rows), lambda: jnp.argmax(processed, axis=-1).astype(jnp.int32), draw)
+    # Greedy is the common serving case: an all-greedy batch skips thresholds and noise. The caller
+    # says so (a static flag, known on the host) rather than a lax.cond on the rows: on a GPU a
+    # conditional copies its predicate to the host, which stalls dispatch until the model step ends.
+    tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32) if all_greedy else draw().astype(jnp.int32)
     chosen, top_ids, top_logprobs = token_logprobs(logits, tokens, num_top_logprobs)
     return SampleOutput(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
 

@@ -1,0 +1,78 @@
+"""Per-row sampling parameters, packed on the host into two matrices: one transfer each per call.
+
+Thirteen small arrays (plus penalty slots and sampled-row weights) moved one by one cost ~0.1 ms
+each on a GPU, more than a 1B model's decode step computes; the host fills one int32 and one float32
+matrix instead, and ``unpack`` slices them back into ``SamplingArrays`` inside the jitted sampler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from myserve.runtime.sampler import SamplingArrays
+
+MAX_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
+MAX_BANNED = 32  # EOS + stop_token_ids banned while min_tokens is not reached
+
+# Columns of the float matrix (then MAX_BIAS bias values) and of the int matrix (then MAX_BIAS bias
+# ids and MAX_BANNED banned ids). Float columns are SamplingParams fields copied as they are.
+FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_FLOAT_DEFAULTS = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)  # greedy, nothing filtered, no penalty
+INT_FIELDS = ("top_k", "seed", "choice", "position", "slot", "weight")
+_NF, _NI = len(FLOAT_PARAMS), len(INT_FIELDS)
+TOP_K, SEED, CHOICE, POSITION, SLOT, WEIGHT = range(_NI)
+
+
+@dataclasses.dataclass
+class SamplingRows:
+    """The host side: ``rows`` rows, padding rows greedy and inert (weight 0, the scratch slot)."""
+
+    ints: np.ndarray
+    """[B, 6 + MAX_BIAS + MAX_BANNED] int32: INT_FIELDS (seed as its uint32 bits), bias ids, banned ids."""
+    floats: np.ndarray
+    """[B, 6 + MAX_BIAS] float32: FLOAT_PARAMS, bias values."""
+
+    @staticmethod
+    def empty(rows: int, scratch_slot: int) -> SamplingRows:
+        """``rows`` padding rows."""
+        ints = np.zeros((rows, _NI + MAX_BIAS + MAX_BANNED), np.int32)
+        ints[:, _NI:] = -1
+        ints[:, SLOT] = scratch_slot
+        floats = np.zeros((rows, _NF + MAX_BIAS), np.float32)
+        floats[:, :_NF] = _FLOAT_DEFAULTS
+        return SamplingRows(ints, floats)
+
+    def set_seed(self, row: int, seed: int) -> None:
+        """Store a seed (taken modulo 2**32) as the int32 with the same bits."""
+        self.ints[row, SEED] = np.array(seed & 0xFFFFFFFF, np.uint32).view(np.int32)
+
+    def set_bias(self, row: int, ids: tuple[int, ...], values: tuple[float, ...]) -> None:
+        """The row's logit_bias entries (at most MAX_BIAS)."""
+        self.ints[row, _NI : _NI + len(ids)] = ids
+        self.floats[row, _NF : _NF + len(values)] = values
+
+    def set_banned(self, row: int, ids: tuple[int, ...]) -> None:
+        """Token ids forced to -inf in this step (at most MAX_BANNED are kept)."""
+        ids = ids[:MAX_BANNED]
+        start = _NI + MAX_BIAS
+        self.ints[row, start : start + len(ids)] = ids
+
+
+def unpack(ints: jax.Array, floats: jax.Array) -> tuple[SamplingArrays, jax.Array, jax.Array]:
+    """Inside the jit: (SamplingArrays, penalty slot [B], sampled-row weight [B]) from the two matrices."""
+    f = {name: floats[:, i] for i, name in enumerate(FLOAT_PARAMS)}
+    arrays = SamplingArrays(
+        **f,
+        top_k=ints[:, TOP_K],
+        seed=jax.lax.bitcast_convert_type(ints[:, SEED], jnp.uint32),
+        choice=ints[:, CHOICE],
+        position=ints[:, POSITION],
+        bias_ids=ints[:, _NI : _NI + MAX_BIAS],
+        bias_values=floats[:, _NF:],
+        banned_ids=ints[:, _NI + MAX_BIAS :],
+    )
+    return arrays, ints[:, SLOT], ints[:, WEIGHT]
