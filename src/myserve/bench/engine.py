@@ -15,9 +15,12 @@ import argparse
 import json
 import logging
 import platform
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from myserve.engine.params import SamplingParams
@@ -95,37 +98,54 @@ def bench_single_decode(service, prompt: list[int], max_tokens: int) -> dict:
     return {"ttft_s": first - t0, "decode_tokens_per_s": (n - 1) / (end - first)}
 
 
-def bench_transformers(prompts: list[list[int]], max_tokens: int, pad_id: int) -> dict:
-    """One static batch through transformers ``generate`` on the same GGUF, float32, CPU."""
+def bench_transformers(
+    checkpoint: str | None, prompts: list[list[int]], max_tokens: int, pad_id: int, device: str, dtype: str
+) -> dict:
+    """One static batch through transformers ``generate`` on the same checkpoint, device and dtype.
+
+    ``checkpoint`` is what myserve served: None (the bundled GGUF), a ``.gguf`` file or an HF directory.
+    """
     import torch
     import transformers
 
     from myserve.bundled import bundled_gguf_path
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    path = bundled_gguf_path()
-    model: Any = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    model.eval()
+    path = bundled_gguf_path() if checkpoint is None else Path(checkpoint)
+    kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype)}
+    if path.suffix == ".gguf":
+        source, kwargs["gguf_file"] = str(path.parent), path.name
+    else:
+        source = str(path)
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    model = model.to(device).eval()
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):  # left padding, as decoder-only generation needs
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
-    with torch.no_grad():
+    ids, mask = ids.to(device), mask.to(device)
+
+    def run(new_tokens: int) -> tuple[int, float]:
+        if device != "cpu":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = model.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=pad_id,
-        )
-        elapsed = time.perf_counter() - t0
-    generated = (out.shape[1] - width) * len(prompts)
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+        if device != "cpu":
+            torch.cuda.synchronize()
+        return (out.shape[1] - width) * len(prompts), time.perf_counter() - t0
+
+    if device != "cpu":
+        run(4)  # CUDA kernels and cuBLAS handles out of the measurement
+    generated, elapsed = run(max_tokens)
     return {
         "requests": len(prompts),
         "generated_tokens": generated,
@@ -134,22 +154,65 @@ def bench_transformers(prompts: list[list[int]], max_tokens: int, pad_id: int) -
     }
 
 
+def weight_bytes(model) -> int:
+    """Bytes of every weight array of the model: what one decode step must read at least once."""
+    import jax
+
+    return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(model) if hasattr(leaf, "nbytes"))
+
+
+def device_bandwidth(gib: float = 2.0) -> float:
+    """Measured device memory bandwidth in bytes/s: a large on-device copy, bytes read plus written."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((int(gib * (1 << 30)) // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0001)
+    jax.block_until_ready(copy(x))
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(copy(x))
+        times.append(time.perf_counter() - t0)
+    return 2 * x.nbytes / sorted(times)[len(times) // 2]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point."""
     parser = argparse.ArgumentParser(prog="python -m myserve.bench.engine", description=__doc__)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument(
+        "--random",
+        default=None,
+        metavar="SHAPE",
+        help="serve a random-weight checkpoint of this shape (e.g. llama-3.2-1b; needs torch) built in a temp dir",
+    )
+    parser.add_argument("--tokenizer", default=None, help="tokenizer for --random (default: the bundled one)")
+    parser.add_argument("--hf-device", default=None, help="torch device of the transformers run (default: the JAX one)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--output", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    import jax
+
     from myserve.config import load_config
     from myserve.engine.service import GenerationService
     from myserve.runtime.deployment import Deployment
 
-    config = load_config(None, args.set)
+    overrides = list(args.set)
+    hf_device = args.hf_device or ("cpu" if jax.default_backend() == "cpu" else "cuda")
+    tmp = tempfile.TemporaryDirectory()
+    if args.random:
+        from myserve.bundled import bundled_gguf_path
+        from myserve.testing import make_random_checkpoint
+
+        directory = make_random_checkpoint(args.random, Path(tmp.name) / args.random, device=hf_device)
+        tokenizer = args.tokenizer or str(bundled_gguf_path())
+        overrides = [f"model.checkpoint={directory}", f"model.tokenizer={tokenizer}", *overrides]
+    config = load_config(None, overrides)
     dep = Deployment.load(config)
     service = GenerationService.from_deployment(dep)
     t0 = time.perf_counter()
@@ -157,22 +220,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     warmup_s = time.perf_counter() - t0
     prompts = chat_prompts(dep.tokenizer, args.concurrency)
     bench_myserve(service, prompts[:2], 4)  # first-request effects out of the measurement
-    results = {
+    device = jax.devices()[0]
+    results: dict[str, Any] = {
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor(),
             "python": platform.python_version(),
+            "jax": jax.__version__,
+            "device": f"{device.platform} {device.device_kind}",
         },
-        "config": args.set,
+        "argv": list(argv) if argv is not None else sys.argv[1:],
+        "dtype": dep.dtype.name,
         "warmup_s": warmup_s,
         "single": bench_single_decode(service, prompts[0], args.max_tokens),
         "myserve": bench_myserve(service, prompts, args.max_tokens),
         "stats": service.stats().__dict__,
     }
     service.shutdown()
+    if device.platform != "cpu":
+        # The memory-bandwidth roofline of decode: every step reads all weights once (KV reads ignored).
+        weights = weight_bytes(dep.model)
+        bandwidth = device_bandwidth()
+        results["roofline"] = {
+            "weight_bytes": weights,
+            "bandwidth_bytes_per_s": bandwidth,
+            "single_tokens_per_s": bandwidth / weights,
+            "concurrent_tokens_per_s": args.concurrency * bandwidth / weights,
+        }
+    pad_id = dep.tokenizer.eos_token_ids[0]
+    del service, dep  # device memory back before transformers loads its copy
     if not args.skip_transformers:
-        results["transformers"] = bench_transformers(prompts, args.max_tokens, dep.tokenizer.eos_token_ids[0])
-        results["ratio"] = results["myserve"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
+        checkpoint = config.model.checkpoint
+        hf_dtype = results["dtype"]
+        tf = {
+            "batch": bench_transformers(checkpoint, prompts, args.max_tokens, pad_id, hf_device, hf_dtype),
+            "single": bench_transformers(checkpoint, prompts[:1], args.max_tokens, pad_id, hf_device, hf_dtype),
+        }
+        results["transformers"] = tf
+        results["ratio"] = results["myserve"]["tokens_per_s"] / tf["batch"]["tokens_per_s"]
+        results["single_ratio"] = results["single"]["decode_tokens_per_s"] / tf["single"]["tokens_per_s"]
+    tmp.cleanup()
     print(json.dumps(results, indent=2))
     if args.output:
         with open(args.output, "w") as f:
