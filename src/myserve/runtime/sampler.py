@@ -170,8 +170,11 @@ def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
     XLA lowers top_k to sort + slice and only turns that back into TopK when the slice is
     materialised; fused into its consumers it stays a full sort (~700 ms). The barrier prevents it.
+    One barrier per output: XLA's SPMD partitioner fails on a barrier over top_k's tuple when the
+    logits are sharded over the vocabulary (tensor parallelism).
     """
-    return lax.optimization_barrier(lax.top_k(x, k))
+    values, indices = lax.top_k(x, k)
+    return lax.optimization_barrier(values), lax.optimization_barrier(indices)
 
 
 def _sort_descending(row: jax.Array) -> jax.Array:

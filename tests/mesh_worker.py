@@ -1,0 +1,69 @@
+"""Run in a subprocess with 8 fake CPU devices: greedy tokens of 8 concurrent requests through a
+GenerationService on each mesh, printed as JSON.
+
+Usage: python tests/mesh_worker.py CHECKPOINT_OR_BUNDLED MESH [MESH ...]  (MESH: "2x2" = data x model)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+from myserve.engine.params import SamplingParams  # noqa: E402
+from myserve.testing import start_service  # noqa: E402
+
+# A small engine: few shapes to compile per mesh.
+ENGINE = (
+    "model.max_model_len=128",
+    "engine.page_size=8",
+    "engine.num_pages=128",
+    "engine.max_num_seqs=8",
+    "engine.max_num_batched_tokens=64",
+    "engine.batch_buckets=[8]",
+    "engine.prefill_row_tokens=16",
+    "engine.page_buckets=[4,16]",
+)
+PROMPTS = [[(7 * i + 3 * j) % 200 + 10 for j in range(3 + 5 * i)] for i in range(8)]
+
+
+def tokens_on(checkpoint: str | None, data: int, model: int) -> dict:
+    from pathlib import Path
+
+    path = Path(checkpoint) if checkpoint else None
+    service = start_service(path, *ENGINE, f"mesh.data={data}", f"mesh.model={model}")
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        outputs: list[list[int]] = [[] for _ in PROMPTS]
+        streams = [service.submit(p, params) for p in PROMPTS]  # all queued before any finishes
+
+        def drain(i: int) -> None:
+            for out in streams[i]:
+                outputs[i].extend(out.token_ids)
+
+        threads = [threading.Thread(target=drain, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stats = service.stats()
+        return {"tokens": outputs, "max_decode_batch": stats.max_decode_batch, "compiles": stats.compile_count}
+    finally:
+        service.shutdown()
+
+
+def main() -> None:
+    checkpoint = None if sys.argv[1] == "bundled" else sys.argv[1]
+    result = {}
+    for mesh in sys.argv[2:]:
+        data, model = (int(x) for x in mesh.split("x"))
+        result[mesh] = tokens_on(checkpoint, data, model)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

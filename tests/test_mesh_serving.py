@@ -1,0 +1,42 @@
+"""Serving on a device mesh gives the same greedy tokens as one device (8 fake CPU devices, in a
+subprocess): 8 concurrent requests through a GenerationService on meshes (data x model) 1x1, 1x2,
+1x4 and 2x2, for the tiny random Llama and Qwen3 and for SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("mesh_worker.py")
+MESHES = ("1x1", "1x2", "1x4", "2x2")
+
+
+def served_tokens(checkpoint: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), checkpoint, *MESHES], capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def check_identical(result: dict) -> None:
+    one_device = result["1x1"]
+    assert all(len(t) == 8 for t in one_device["tokens"])
+    for mesh in MESHES:
+        assert result[mesh]["tokens"] == one_device["tokens"], mesh
+        # The 8 requests really shared decode steps on every mesh.
+        assert result[mesh]["max_decode_batch"] == 8, mesh
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_tiny_models_serve_identically_on_every_mesh(arch: str, tiny_checkpoints) -> None:
+    check_identical(served_tokens(str(tiny_checkpoints[arch])))
+
+
+@pytest.mark.slow
+def test_smollm2_serves_identically_on_every_mesh() -> None:
+    check_identical(served_tokens("bundled"))
