@@ -73,7 +73,7 @@ def test_preemption_keeps_outputs_and_frees_every_page(tiny_checkpoints, prompts
         stats = svc.stats()
         assert stats.num_preemptions > 0
         assert got == expected
-        assert all(svc.allocator.refcount(p) == 0 for p in range(48))
+        assert all(svc.replicas[0].allocator.refcount(p) == 0 for p in range(48))
         assert stats.pages_used == 0 and stats.running == 0 and stats.waiting == 0
     finally:
         svc.shutdown()
@@ -251,7 +251,7 @@ def test_engine_crash_fails_requests_instead_of_hanging(tiny_checkpoints, prompt
         def boom(batch):
             raise RuntimeError("injected device failure")
 
-        svc.runner.execute = boom  # type: ignore[method-assign]
+        svc.replicas[0].runner.dispatch = boom  # type: ignore[method-assign]
         streams = [svc.submit(p, GREEDY) for p in prompts[:4]]
         finals = [[o for o in s if o.final][0] for s in streams]
         assert all(f.error and "injected device failure" in f.error for f in finals)

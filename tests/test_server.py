@@ -370,15 +370,16 @@ def test_disconnect_without_streaming_aborts(live, service) -> None:
 def test_engine_error_mid_stream_sends_error_event(tiny_checkpoints) -> None:
     svc = start_service(tiny_checkpoints["llama3"], *TINY_ENGINE, "engine.num_pages=64")
     server = LiveServer(create_app(svc, served_model_name="tiny"))
-    real_execute, calls = svc.runner.execute, []
+    runner = svc.replicas[0].runner
+    real_dispatch, calls = runner.dispatch, []
 
     def failing_later(batch):
         calls.append(1)
         if len(calls) > 3:
             raise RuntimeError("injected device failure")
-        return real_execute(batch)
+        return real_dispatch(batch)
 
-    svc.runner.execute = failing_later  # type: ignore[method-assign]
+    runner.dispatch = failing_later  # type: ignore[method-assign]
     try:
         body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 50, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:

@@ -184,10 +184,27 @@ class MeshConfig:
     """Size of the 'data' mesh axis (batch is sharded over it), >= 1."""
     model: int = 1
     """Size of the 'model' mesh axis (weights and KV heads are sharded over it), >= 1."""
+    num_processes: int | None = 1
+    """Processes (hosts) serving together; 1 = this one; null = detected by jax.distributed
+    (TPU pod slices, SLURM). Also MYSERVE_NUM_PROCESSES."""
+    coordinator_address: str | None = None
+    """host:port of process 0's coordination service, for num_processes > 1 (also MYSERVE_COORDINATOR_ADDRESS)."""
+    process_id: int | None = None
+    """This process's index, 0 = the leader that serves HTTP (also MYSERVE_PROCESS_ID)."""
+    heartbeat_timeout_s: int = 30
+    """Seconds without the leader's heartbeat after which the other processes stop (multi-host)."""
 
     def __post_init__(self) -> None:
         _check(self.data >= 1, f"mesh.data must be >= 1, got {self.data}")
         _check(self.model >= 1, f"mesh.model must be >= 1, got {self.model}")
+        n = self.num_processes
+        _check(n is None or n >= 1, f"mesh.num_processes must be >= 1 or null, got {n}")
+        _check_not_empty("mesh.coordinator_address", self.coordinator_address)
+        pid = self.process_id
+        _check(pid is None or pid >= 0, f"mesh.process_id must be >= 0, got {pid}")
+        if n is not None and pid is not None:
+            _check(pid < n, f"mesh.process_id ({pid}) must be < mesh.num_processes ({n})")
+        _check(self.heartbeat_timeout_s >= 1, f"mesh.heartbeat_timeout_s must be >= 1, got {self.heartbeat_timeout_s}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

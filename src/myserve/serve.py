@@ -32,6 +32,7 @@ _FLAGS = {
     "dtype": "model.dtype",
     "max_num_seqs": "engine.max_num_seqs",
     "tensor_parallel_size": "mesh.model",
+    "data_parallel_size": "mesh.data",
     "host": "server.host",
     "port": "server.port",
     "served_model_name": "server.served_model_name",
@@ -54,6 +55,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--tensor-parallel-size", type=int)
+    p.add_argument("--data-parallel-size", type=int, help="data-parallel replicas (mesh.data)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key")
     return p.parse_args(argv)
@@ -83,10 +85,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         from myserve.bundled import BUNDLED_MODEL_NAME
         from myserve.engine.service import GenerationService
+        from myserve.runtime import multihost
         from myserve.runtime.deployment import Deployment
         from myserve.server.app import create_app
 
+        multihost.initialize(config.mesh)  # before anything touches a JAX backend
         dep = Deployment.load(config)
+        if not multihost.is_leader():
+            return _follow(dep)
         service = GenerationService.from_deployment(dep)
     except MyserveError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -133,8 +139,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     threading.Thread(target=warm, name="myserve-warmup", daemon=True).start()
     server.run()
-    service.shutdown()
+    service.shutdown()  # on a multi-host mesh this also ends the followers' loops
+    _end_distributed()
     return 0
+
+
+def _follow(dep) -> int:
+    """A process other than 0 of a multi-host deployment: run the leader's steps until it stops."""
+    import jax
+
+    from myserve.engine.replica import make_executors
+    from myserve.runtime import multihost
+
+    executors = make_executors(dep)
+    logger.info("process %d: following process 0's steps", jax.process_index())
+    applied = multihost.follow(executors)
+    logger.info("process %d: the leader stopped after %d steps; exiting", jax.process_index(), applied)
+    _end_distributed()
+    return 0
+
+
+def _end_distributed() -> None:
+    import jax
+
+    if jax.process_count() > 1:
+        jax.distributed.shutdown()
 
 
 if __name__ == "__main__":

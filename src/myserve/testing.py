@@ -87,13 +87,19 @@ def make_random_checkpoint(shape: str, directory: Path, *, dtype: str = "bfloat1
     return directory
 
 
-def make_tiny_checkpoint(arch: str, directory: Path, *, seed: int = 0, dtype: str = "float32") -> Path:
-    """Save a tiny random model of ``arch`` (a key of TINY_ARCHES) with transformers; return the dir."""
+def make_tiny_checkpoint(
+    arch: str, directory: Path, *, seed: int = 0, dtype: str = "float32", vocab_size: int | None = None
+) -> Path:
+    """Save a tiny random model of ``arch`` (a key of TINY_ARCHES) with transformers; return the dir.
+
+    ``vocab_size`` overrides the tiny 256 (e.g. SmolLM2's 49152, so chat-templated prompts fit).
+    """
     import torch
     import transformers
 
     cls_name, extra = TINY_ARCHES[arch]
-    config = getattr(transformers, cls_name)(**{**TINY_COMMON, **extra})
+    sizes = {} if vocab_size is None else {"vocab_size": vocab_size}
+    config = getattr(transformers, cls_name)(**{**TINY_COMMON, **extra, **sizes})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     # Random init uses std 0.02, which makes every logit ~0; larger weights make parity meaningful.

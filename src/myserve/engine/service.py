@@ -17,6 +17,8 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
+import jax
+
 from myserve.engine.detokenizer import IncrementalDetokenizer
 from myserve.engine.outputs import (
     ContextLengthExceeded,
@@ -27,19 +29,16 @@ from myserve.engine.outputs import (
     TokenLogprob,
     Usage,
 )
-from myserve.engine.pages import PageAllocator
 from myserve.engine.params import InvalidParams, SamplingParams
-from myserve.engine.scheduler import Scheduler
+from myserve.engine.replica import Replica, engine_buckets, make_executors, make_replica
 from myserve.engine.sequence import Sequence as Seq
 from myserve.engine.stop import StopChecker
 from myserve.engine.stream import RequestStream
-from myserve.models.quant import MIN_ROWS
-from myserve.runtime.batch_layout import DECODE_GROUP
-from myserve.runtime.buckets import Buckets
 from myserve.runtime.compile_counter import compile_count
 from myserve.runtime.deployment import Deployment
-from myserve.runtime.runner import ModelRunner
-from myserve.runtime.steps import LAYERS_PER_CALL
+from myserve.runtime.executor import Executor
+from myserve.runtime.multihost import BroadcastingDevice, stop_followers
+from myserve.runtime.runner import Device
 from myserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -57,44 +56,33 @@ class _Request:
         self.detok: dict[Seq, IncrementalDetokenizer] = {}
         self.stops: dict[Seq, StopChecker] = {}
         self.unfinished = params.n
-
-
-def _default_layers_per_call(dep: Deployment) -> int:
-    """LAYERS_PER_CALL on CPU, where compiling dominates; the whole model per call on accelerators,
-    where a 1B model's decode step computes in about a millisecond and every dispatch shows."""
-    platform = dep.mesh.devices.flat[0].platform
-    return LAYERS_PER_CALL if platform == "cpu" else dep.spec.num_layers
+        self.replica: Replica  # set at admission
 
 
 class GenerationService:
-    """Continuous batching over the paged KV cache, driven by one background thread."""
+    """Continuous batching over the paged KV cache, driven by one background thread.
+
+    The device work is done by one ``Replica`` per data-parallel row of the mesh (usually one).
+    """
 
     def __init__(
         self,
-        runner: ModelRunner,
+        replicas: Sequence[Replica],
         tokenizer: Tokenizer,
         *,
+        vocab_size: int,
         num_pages: int,
         max_model_len: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
         max_waiting: int = 1024,
-        enable_prefix_caching: bool = True,
+        on_shutdown: Callable[[], None] | None = None,
     ):
-        self.runner = runner
+        self.replicas = list(replicas)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.vocab_size = runner.spec.vocab_size
-        self.page_size = runner.page_size
+        self.vocab_size = vocab_size
         self.num_pages = num_pages
         self.max_waiting = max_waiting
-        self.allocator = PageAllocator(num_pages, runner.page_size, enable_prefix_cache=enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.allocator,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_prefill_chunk=max_num_batched_tokens,
-        )
+        self._on_shutdown = on_shutdown
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._pending = 0  # submitted but not yet admitted to the scheduler (bounded by max_waiting)
         self._pending_lock = threading.Lock()
@@ -110,25 +98,21 @@ class GenerationService:
         self._ids = itertools.count()
 
     @staticmethod
-    def from_deployment(dep: Deployment) -> GenerationService:
-        """A service (not yet started) for a loaded deployment, sized by its engine config."""
+    def from_deployment(dep: Deployment, executors: Sequence[Executor] | None = None) -> GenerationService:
+        """A service (not yet started) for a loaded deployment, sized by its engine config.
+
+        On a multi-host mesh this is the leader's service: every replica's ops are broadcast to
+        the other processes first (which run ``multihost.follow`` on their own executors).
+        """
         cfg = dep.config.engine
-        min_rows = MIN_ROWS if dep.config.model.quantization == "int8" else 1
-        # The TPU kernel reads the rows layout; the reference attention reads balanced row groups.
-        group = DECODE_GROUP if dep.model.attention_backend == "reference" else 1
-        buckets = Buckets.from_config(cfg, dep.max_model_len, min_rows, group)
-        runner = ModelRunner(
-            dep.model,
-            dep.mesh,
-            dep.mapping,
-            num_pages=cfg.num_pages,
-            buckets=buckets,
-            max_num_seqs=cfg.max_num_seqs,
-            eos_ids=dep.tokenizer.eos_token_ids,
-            layers_per_call=cfg.layers_per_call or _default_layers_per_call(dep),
-        )
+        buckets = engine_buckets(dep)
+        executors = make_executors(dep) if executors is None else executors
+        leader = jax.process_count() > 1
+        devices: list[Device] = [BroadcastingDevice(e, i) if leader else e for i, e in enumerate(executors)]
         logger.info(
-            "engine: %d pages x %d tokens, max_num_seqs=%d, buckets batch=%s prefill rows=%s x %d tokens pages=%s",
+            "engine: %d replica(s) of %d pages x %d tokens, max_num_seqs=%d, buckets batch=%s prefill rows=%s x %d "
+            "tokens pages=%s",
+            len(executors),
             cfg.num_pages,
             cfg.page_size,
             cfg.max_num_seqs,
@@ -138,14 +122,13 @@ class GenerationService:
             buckets.pages,
         )
         return GenerationService(
-            runner,
+            [make_replica(dep, device, buckets) for device in devices],
             dep.tokenizer,
+            vocab_size=dep.spec.vocab_size,
             num_pages=cfg.num_pages,
             max_model_len=dep.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_waiting=cfg.max_waiting,
-            enable_prefix_caching=cfg.enable_prefix_caching,
+            on_shutdown=stop_followers if leader else None,
         )
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -154,16 +137,28 @@ class GenerationService:
 
         ``progress(done, total)`` is called per compiled shape; by default a tqdm bar shows it.
         """
-        if warmup and not self.runner.warmed_up:
+        runners = [r.runner for r in self.replicas if not r.runner.warmed_up]
+        if warmup and runners:
             t0 = time.perf_counter()
+            per_runner = len(runners[0].buckets.shapes())
+            total = per_runner * len(runners)
+            bar = None
             if progress is None:
                 from tqdm import tqdm
 
-                bar = tqdm(total=len(self.runner.buckets.shapes()), desc="warmup (compiling buckets)", unit="shape")
-                compiles = self.runner.warmup(lambda done, total: bar.update(done - bar.n))
+                bar = tqdm(total=total, desc="warmup (compiling buckets)", unit="shape")
+            compiles = 0
+            for k, runner in enumerate(runners):
+
+                def report(done: int, _: int, k: int = k) -> None:
+                    if bar is not None:
+                        bar.update(k * per_runner + done - bar.n)
+                    elif progress is not None:
+                        progress(k * per_runner + done, total)
+
+                compiles += runner.warmup(report)
+            if bar is not None:
                 bar.close()
-            else:
-                compiles = self.runner.warmup(progress)
             logger.info("warmup: %d executables built in %.1fs", compiles, time.perf_counter() - t0)
         self._thread = threading.Thread(target=self._loop, name="myserve-engine", daemon=True)
         self._thread.start()
@@ -175,6 +170,9 @@ class GenerationService:
         self._inbox.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self._on_shutdown is not None and not (self._thread is not None and self._thread.is_alive()):
+            self._on_shutdown()
+            self._on_shutdown = None
 
     # -- front (any thread) -------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
@@ -184,7 +182,7 @@ class GenerationService:
         prompt = [int(t) for t in prompt_ids]
         self._validate(prompt, params)
         with self._pending_lock:
-            if self._pending + len(self.scheduler.waiting) >= self.max_waiting:
+            if self._pending + self._num_waiting() >= self.max_waiting:
                 raise Overloaded(f"the waiting queue is full ({self.max_waiting} requests)")
             self._pending += 1
         request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
@@ -216,19 +214,25 @@ class GenerationService:
                 "Please reduce the length of the messages or completion."
             )
 
+    def _num_waiting(self) -> int:
+        return sum(len(r.scheduler.waiting) for r in self.replicas)
+
     def stats(self) -> EngineStats:
-        """Counters for metrics (read without locking: each is a single int read)."""
+        """Counters for metrics, summed over replicas (read without locking: each is a single int read)."""
+        allocators = [r.allocator for r in self.replicas]
+        queries = sum(a.prefix_queries for a in allocators)
+        hits = sum(a.prefix_hits for a in allocators)
         return EngineStats(
-            waiting=len(self.scheduler.waiting) + self._pending,
-            running=len(self.scheduler.running),
-            pages_used=self.allocator.num_used,
-            pages_free=self.allocator.num_free,
-            pages_total=self.num_pages,
-            prefix_cache_hit_rate=self.allocator.hit_rate,
-            prefix_cache_hit_tokens=self.allocator.prefix_hits,
+            waiting=self._num_waiting() + self._pending,
+            running=sum(len(r.scheduler.running) for r in self.replicas),
+            pages_used=sum(a.num_used for a in allocators),
+            pages_free=sum(a.num_free for a in allocators),
+            pages_total=self.num_pages * len(self.replicas),
+            prefix_cache_hit_rate=hits / queries if queries else 0.0,
+            prefix_cache_hit_tokens=hits,
             prompt_tokens_computed=self._prompt_computed,
             compile_count=compile_count(),
-            num_preemptions=self.scheduler.num_preemptions,
+            num_preemptions=sum(r.scheduler.num_preemptions for r in self.replicas),
             steps=self._steps,
             max_decode_batch=self._max_decode_batch,
             generated_tokens=self._generated,
@@ -238,10 +242,10 @@ class GenerationService:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain_inbox(block=not self.scheduler.has_work())
+                self._drain_inbox(block=not self._has_work())
                 if self._stop.is_set():
                     break
-                if self.scheduler.has_work():
+                if self._has_work():
                     self._step()
         except BaseException as e:  # the engine must never die silently: fail every request
             logger.exception("engine thread crashed")
@@ -260,6 +264,9 @@ class GenerationService:
             return
         for req in list(self._requests.values()):
             self._finish_request(req, "abort")
+
+    def _has_work(self) -> bool:
+        return any(r.scheduler.has_work() for r in self.replicas)
 
     def _drain_inbox(self, *, block: bool) -> None:
         try:
@@ -286,6 +293,8 @@ class GenerationService:
             return
         max_len = min(self.max_model_len, len(req.prompt_ids) + (req.params.max_tokens or self.max_model_len))
         self._requests[req.request_id] = req
+        # All choices of a request on one replica: they share its prompt pages.
+        req.replica = min(self.replicas, key=lambda r: r.load)
         for choice in range(req.params.n):
             parent = req.seqs[0] if req.seqs else None
             seq = Seq(req.request_id, choice, req.prompt_ids, req.params, max_len, parent=parent)
@@ -294,31 +303,36 @@ class GenerationService:
                 self.tokenizer, req.prompt_ids, skip_special_tokens=req.params.skip_special_tokens
             )
             req.stops[seq] = StopChecker(req.params.stop)
-            self.scheduler.add(seq)
+            req.replica.scheduler.add(seq)
 
     def _step(self) -> None:
-        batch = self.scheduler.schedule()
-        for seq in batch.preempted:
-            self.runner.release(seq)
-        if batch.empty:
-            return
-        results = self.runner.execute(batch)
-        self.scheduler.after_step(batch)
-        self._steps += 1
-        if batch.decodes:
+        # Every replica's step is dispatched before any result is read: they compute together.
+        dispatched = []
+        for rep in self.replicas:
+            if not rep.scheduler.has_work():
+                continue
+            batch = rep.scheduler.schedule()
+            for seq in batch.preempted:
+                rep.runner.release(seq)
+            if not batch.empty:
+                dispatched.append((rep, batch, rep.runner.dispatch(batch)))
+        for rep, batch, pending in dispatched:
+            results = rep.runner.collect(pending)
+            rep.scheduler.after_step(batch)
+            self._steps += 1
             self._max_decode_batch = max(self._max_decode_batch, len(batch.decodes))
-        self._prompt_computed += sum(c.num_tokens for c in batch.prefills)
-        for seq, start, lps, ids, tlps in results.prompt_scores:
-            self._record_prompt_scores(seq, start, lps, ids, tlps)
-        for seq, (token, logprob, top_ids, top_lps) in results.sampled.items():
-            req = self._requests.get(seq.request_id)
-            if req is None or seq.finish_reason is not None:
-                continue
-            if seq.params.max_tokens == 0:  # only the prompt was wanted (scored): done without a token
-                req.stream.put(self._prompt_output(req, seq, finish="length"))
-                self._finish_seq(req, seq, "length")
-                continue
-            self._append(req, seq, token, logprob, top_ids, top_lps)
+            self._prompt_computed += sum(c.num_tokens for c in batch.prefills)
+            for seq, start, lps, ids, tlps in results.prompt_scores:
+                self._record_prompt_scores(seq, start, lps, ids, tlps)
+            for seq, (token, logprob, top_ids, top_lps) in results.sampled.items():
+                req = self._requests.get(seq.request_id)
+                if req is None or seq.finish_reason is not None:
+                    continue
+                if seq.params.max_tokens == 0:  # only the prompt was wanted (scored): done without a token
+                    req.stream.put(self._prompt_output(req, seq, finish="length"))
+                    self._finish_seq(req, seq, "length")
+                    continue
+                self._append(req, seq, token, logprob, top_ids, top_lps)
 
     def _record_prompt_scores(self, seq: Seq, start: int, lps, ids, tlps) -> None:
         """Keep the logprob of each prompt token (after the first) computed by a scored chunk."""
@@ -373,8 +387,8 @@ class GenerationService:
 
     def _finish_seq(self, req: _Request, seq: Seq, reason: str) -> None:
         seq.finish_reason = reason
-        self.scheduler.finish(seq)
-        self.runner.release(seq)
+        req.replica.scheduler.finish(seq)
+        req.replica.runner.release(seq)
         req.unfinished -= 1
         if req.unfinished == 0:
             self._close(req)
@@ -393,8 +407,8 @@ class GenerationService:
         for seq in req.seqs:
             if seq.finish_reason is None:
                 seq.finish_reason = reason
-                self.scheduler.finish(seq)
-                self.runner.release(seq)
+                req.replica.scheduler.finish(seq)
+                req.replica.runner.release(seq)
                 req.stream.put(RequestOutput(req.request_id, seq.choice, finish_reason=reason))
         req.unfinished = 0
         self._close(req)

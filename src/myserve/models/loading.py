@@ -131,7 +131,7 @@ class SafetensorsSource:
         if file is None:
             raise CheckpointError(f"checkpoint has no tensor {hf_name}")
         # framework="flax" reads bf16 too (numpy cannot); pin it to the host CPU device.
-        with jax.default_device(jax.devices("cpu")[0]):
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
             try:
                 return np.asarray(self._open(file).get_tensor(hf_name))
             except (self._error, OSError, ValueError) as e:

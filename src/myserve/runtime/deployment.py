@@ -17,7 +17,7 @@ from myserve.models.llama import LlamaModel
 from myserve.models.loading import load_model, open_source, resolve_checkpoint
 from myserve.models.spec import ModelSpec, check_max_len
 from myserve.ops.paged_attention import resolve_backend
-from myserve.runtime.mesh import axis_mapping, make_mesh
+from myserve.runtime.mesh import axis_mapping, make_mesh, replica_meshes
 from myserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -47,12 +47,23 @@ class Deployment:
 
     config: Config
     spec: ModelSpec
-    model: LlamaModel
+    models: tuple[LlamaModel, ...]
+    """The weights once per data-parallel replica, each on its row of the mesh (``replica_meshes``)."""
     tokenizer: Tokenizer
     mesh: Mesh
     mapping: Mapping[str, str]
     dtype: jnp.dtype
     max_model_len: int
+
+    @property
+    def model(self) -> LlamaModel:
+        """The first replica's weights (the only ones when ``mesh.data == 1``)."""
+        return self.models[0]
+
+    @property
+    def meshes(self) -> list[Mesh]:
+        """The (1, model) mesh of each data-parallel replica."""
+        return replica_meshes(self.mesh)
 
     @staticmethod
     def load(config: Config) -> Deployment:
@@ -69,7 +80,10 @@ class Deployment:
         mapping = axis_mapping(spec, mesh)
         dtype = resolve_dtype(config.model.dtype)
         backend = resolve_backend(config.engine.attention_backend)  # type: ignore[arg-type]
-        model = load_model(source, mesh, mapping, dtype, backend, config.model.quantization)
+        # Each data-parallel replica reads its own copy onto its devices (per tensor, never whole).
+        models = tuple(
+            load_model(source, m, mapping, dtype, backend, config.model.quantization) for m in replica_meshes(mesh)
+        )
         tokenizer = Tokenizer.load(config.model.tokenizer or resolved.path, chat_template=config.model.chat_template)
         logger.info(
             "loaded %s (%s, %d layers) as %s%s on mesh %s, attention=%s, in %.1fs",
@@ -82,4 +96,4 @@ class Deployment:
             backend,
             time.perf_counter() - t0,
         )
-        return Deployment(config, spec, model, tokenizer, mesh, mapping, dtype, max_len)
+        return Deployment(config, spec, models, tokenizer, mesh, mapping, dtype, max_len)

@@ -1,39 +1,30 @@
-"""ModelRunner: owns the params, the paged KV cache and the penalty state on the mesh; runs steps.
+"""ModelRunner: turns scheduler steps into device ops, and the ops' results into tokens.
 
-A step runs a padded batch of rows through the model (``runtime/steps.py``: jitted embedding, one
-jitted call per layer with the cache donated and updated in place, jitted head), then ``_sample``
-draws one token per row on device. A scheduler step becomes
-at most one decode call (all single-token rows, ``[B, 1]``) plus one call per prefill chunk
-(``[1, T]``); every call's shape is a bucket from ``Buckets``, and ``warmup`` compiles all of them.
-
-Penalty state: sequences that use presence/frequency/repetition penalties get a device *slot*
-holding counts of their generated tokens and a mask of their prompt tokens, ``[slots, vocab]``.
-Rows without penalties point at a scratch slot. The step adds each sampled token to its row's
-counts, so the state never crosses back to the host.
+A step runs padded batches of rows through the model (``runtime/steps.py``: jitted embedding,
+decoder layers in groups, head), then the sampler draws one token per row on device. A scheduler
+step becomes at most one decode call (all single-token rows, ``[B, 1]``) plus prefill calls of rows
+of ``prefill_row_tokens`` tokens; every call's shape is a bucket from ``Buckets``, and ``warmup``
+compiles all of them. The runner is host-only: it plans a step as ops (``runtime/executor.py``) and
+hands them to its ``Device``, an ``Executor`` on this process's mesh or, on a multi-host mesh, one
+that broadcasts them to the other processes first.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
-from myserve.engine.params import MAX_TOP_LOGPROBS
 from myserve.engine.scheduler import ScheduledBatch, ScheduledChunk
 from myserve.engine.sequence import Sequence as Seq
-from myserve.models.llama import LlamaModel
-from myserve.ops.paged_attention import KVCache
 from myserve.runtime.batch_layout import Entry, HostBatch, balance, grouped_batch, row_batch
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.compile_counter import compile_count
-from myserve.runtime.kv_cache import init_kv_cache
-from myserve.runtime.sampler import SampleOutput, sample
+from myserve.runtime.executor import SLOT_CHUNK, CallOutput, ClearSlot, CopyPage, ModelCall, Op, WriteSlot, fetch
 from myserve.runtime.sampling_rows import (
     CHOICE,
     FLOAT_PARAMS,
@@ -42,58 +33,26 @@ from myserve.runtime.sampling_rows import (
     TOP_K,
     WEIGHT,
     SamplingRows,
-    unpack,
 )
-from myserve.runtime.steps import LAYERS_PER_CALL, LayerGroups, forward_last_logits, forward_scored, outer_part
 
 logger = logging.getLogger(__name__)
 
 _NO_TOP = np.zeros(0, np.int32)  # top logprobs of a row when no row of its call asked for them
-_SLOT_CHUNK = 256  # token ids written into a penalty slot per call
 
 
-@functools.partial(jax.jit, donate_argnums=1, static_argnums=5)
-def _sample(
-    logits: jax.Array, counts: jax.Array, prompt_mask: jax.Array, ints: jax.Array, floats: jax.Array, all_greedy: bool
-) -> tuple[SampleOutput, jax.Array]:
-    """Sample one token per row of ``logits`` [B, V] and count it in the row's penalty slot.
+class Device(Protocol):
+    """Where a runner's ops run: ``Executor`` or a multi-host broadcaster in front of one."""
 
-    A separate executable from the model step so it is compiled per batch size only, not per
-    (batch, tokens, pages) shape: the sampler costs more to compile than the model.
-    ``counts`` [slots, V] int32 and ``prompt_mask`` [slots, V] bool hold penalty state; ``ints`` and
-    ``floats`` are the rows' packed ``SamplingRows`` (parameters, penalty slot, whether the sampled
-    token is really appended). ``all_greedy``: the host knows no row samples (two executables per
-    row count, both compiled at warmup).
-    """
-    sampling, slots, sampled_weight = unpack(ints, floats)
-    out = sample(
-        logits, sampling, counts[slots], prompt_mask[slots], num_top_logprobs=MAX_TOP_LOGPROBS, all_greedy=all_greedy
-    )
-    return out, counts.at[slots, out.tokens].add(sampled_weight)
+    def run(self, ops: Sequence[Op]) -> list[CallOutput]:
+        """Apply ``ops`` in order; the outputs of the model calls among them."""
+        ...
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _copy_page(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    """Copy one page's K/V in every layer and head (copy-on-write for shared prompts)."""
-    return KVCache(
-        kv_cache.k.at[:, :, dst].set(kv_cache.k[:, :, src]), kv_cache.v.at[:, :, dst].set(kv_cache.v[:, :, src])
-    )
+@dataclasses.dataclass
+class PendingStep:
+    """A dispatched step: each model call's rows (None = padding) and its device outputs."""
 
-
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _write_slot(
-    counts: jax.Array, prompt_mask: jax.Array, slot: jax.Array, ids: jax.Array, n: jax.Array, to_prompt: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Record ``ids[:n]`` in a penalty slot: into its prompt mask, or counted as generated tokens."""
-    valid = jnp.arange(ids.shape[0]) < n
-    prompt_mask = prompt_mask.at[slot, ids].max(valid & to_prompt)
-    counts = counts.at[slot, ids].add((valid & ~to_prompt).astype(counts.dtype))
-    return counts, prompt_mask
-
-
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _clear_slot(counts: jax.Array, prompt_mask: jax.Array, slot: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return counts.at[slot].set(0), prompt_mask.at[slot].set(False)
+    calls: list[tuple[Sequence[_Row | None], CallOutput]]
 
 
 @dataclasses.dataclass
@@ -136,50 +95,31 @@ def _rows_of(chunk: ScheduledChunk, row_tokens: int) -> list[_Row]:
 
 
 class ModelRunner:
-    """Device side of the engine: params, KV cache, penalty slots, bucketed jitted steps."""
+    """Host side of the device work: penalty slots, bucketed call layouts, ops, result reading."""
 
-    def __init__(
-        self,
-        model: LlamaModel,
-        mesh: Mesh,
-        mapping,
-        *,
-        num_pages: int,
-        buckets: Buckets,
-        max_num_seqs: int,
-        eos_ids: Sequence[int] = (),
-        layers_per_call: int = LAYERS_PER_CALL,
-    ):
-        self.model = model
-        self.outer = outer_part(model)
-        self.groups = LayerGroups.of(model, layers_per_call)
-        self.spec = model.spec
+    def __init__(self, device: Device, *, buckets: Buckets, max_num_seqs: int, eos_ids: Sequence[int] = ()):
+        self.device = device
         self.buckets = buckets
         self.page_size = buckets.page_size
         self.eos_ids = tuple(eos_ids)
-        dtype = model.embed.array.dtype
-        self.kv_cache = init_kv_cache(self.spec, num_pages, self.page_size, dtype, mesh, mapping)
-        vocab = self.spec.vocab_size
         self.scratch_slot = max_num_seqs
-        self.counts = jnp.zeros((max_num_seqs + 1, vocab), jnp.int32)
-        self.prompt_mask = jnp.zeros((max_num_seqs + 1, vocab), jnp.bool_)
+        """The penalty slot of rows without penalties (the executor has ``max_num_seqs + 1`` slots)."""
         self._free_slots = list(range(max_num_seqs))
         self.warmed_up = False
 
     # -- penalty slots ------------------------------------------------------------------------
-    def _assign_slot(self, seq: Seq) -> None:
-        """Give a penalty-using sequence a slot filled from its prompt and generated tokens."""
+    def _assign_slot(self, seq: Seq) -> list[Op]:
+        """Give a penalty-using sequence a slot; the ops filling it from its prompt and outputs."""
         slot = self._free_slots.pop()
         seq.slot = slot
-        self.counts, self.prompt_mask = _clear_slot(self.counts, self.prompt_mask, jnp.int32(slot))
+        ops: list[Op] = [ClearSlot(slot)]
         for ids, to_prompt in ((seq.prompt_ids, True), (seq.output_ids, False)):
-            for start in range(0, len(ids), _SLOT_CHUNK):
-                part = ids[start : start + _SLOT_CHUNK]
-                padded = np.zeros(_SLOT_CHUNK, np.int32)
+            for start in range(0, len(ids), SLOT_CHUNK):
+                part = ids[start : start + SLOT_CHUNK]
+                padded = np.zeros(SLOT_CHUNK, np.int32)
                 padded[: len(part)] = part
-                self.counts, self.prompt_mask = _write_slot(
-                    self.counts, self.prompt_mask, jnp.int32(slot), padded, jnp.int32(len(part)), jnp.bool_(to_prompt)
-                )
+                ops.append(WriteSlot(slot, padded, len(part), to_prompt))
+        return ops
 
     def release(self, seq: Seq) -> None:
         """Free a finished or preempted sequence's penalty slot."""
@@ -188,8 +128,11 @@ class ModelRunner:
             seq.slot = None
 
     # -- steps --------------------------------------------------------------------------------
-    def _sampling_rows(self, chunks: Sequence[_Row | None], rows: int) -> SamplingRows:
-        """The packed sampling rows of a call: row ``i`` samples for ``chunks[i]`` (None = padding)."""
+    def _sampling_rows(self, chunks: Sequence[_Row | None], rows: int, ops: list[Op]) -> SamplingRows:
+        """The packed sampling rows of a call: row ``i`` samples for ``chunks[i]`` (None = padding).
+
+        Ops filling newly assigned penalty slots are appended to ``ops``.
+        """
         packed = SamplingRows.empty(rows, self.scratch_slot)
         for i, chunk in enumerate(chunks):
             if chunk is None:
@@ -206,43 +149,38 @@ class ModelRunner:
                 packed.set_banned(i, (() if p.ignore_eos else self.eos_ids) + p.stop_token_ids)
             if p.uses_penalties:
                 if seq.slot is None:
-                    self._assign_slot(seq)
+                    ops.extend(self._assign_slot(seq))
                 assert seq.slot is not None
                 packed.ints[i, SLOT] = seq.slot
         return packed
 
-    def _dispatch(
-        self, chunks: Sequence[_Row | None], host: HostBatch, scored: bool = False, all_greedy: bool | None = None
-    ) -> tuple[SampleOutput, tuple | None]:
-        """Run one call: ``chunks`` are its rows in order (None = padding), ``host`` their layout.
+    def _call(
+        self,
+        chunks: Sequence[_Row | None],
+        host: HostBatch,
+        ops: list[Op],
+        scored: bool = False,
+        all_greedy: bool | None = None,
+    ) -> None:
+        """Append the ops of one call: ``chunks`` are its rows in order (None = padding), ``host`` their layout.
 
         ``all_greedy`` picks the sampler executable; by default whether every row is greedy.
         """
         rows = host.tokens.shape[0]
-        tokens, batch = host.device()
-        scores = None
+        following = None
         if scored:
             following = np.zeros(host.tokens.shape, np.int32)
             for i, c in enumerate(chunks):
                 if c is not None:
                     nxt = c.seq.tokens(c.start + 1, c.start + c.num_tokens + 1)
                     following[i, : len(nxt)] = nxt
-            logits, scores, self.kv_cache = forward_scored(
-                self.model, tokens, batch, self.kv_cache, following, MAX_TOP_LOGPROBS, self.outer, self.groups
-            )
-        else:
-            logits, self.kv_cache = forward_last_logits(
-                self.model, tokens, batch, self.kv_cache, self.outer, self.groups
-            )
         # Prefill rows are sampled in the smallest batch bucket, so the sampler compiles per bucket.
         sample_rows = Buckets.fit(self.buckets.batch, rows) if rows <= self.buckets.batch[-1] else rows
-        if sample_rows != rows:
-            logits = jnp.pad(logits, ((0, sample_rows - rows), (0, 0)))
-        packed = self._sampling_rows(chunks, sample_rows)
+        packed = self._sampling_rows(chunks, sample_rows, ops)
         if all_greedy is None:
             all_greedy = all(c is None or c.seq.params.temperature <= 0 for c in chunks)
-        out, self.counts = _sample(logits, self.counts, self.prompt_mask, packed.ints, packed.floats, all_greedy)
-        return out, scores
+        flat, shapes = host.pack()
+        ops.append(ModelCall(flat, shapes, packed.ints, packed.floats, all_greedy, following))
 
     def _decode_layout(
         self, decodes: Sequence[_Row], rows: int, width: int | None = None
@@ -282,15 +220,15 @@ class ModelRunner:
             for i in range(0, len(rows), most)
         ]
 
-    def execute(self, batch: ScheduledBatch) -> StepResults:
-        """Run one scheduler step: sampled tokens, and prompt scores of rows that asked for them."""
-        for src, dst in batch.copies:
-            self.kv_cache = _copy_page(self.kv_cache, jnp.int32(src), jnp.int32(dst))
-        calls: list[tuple[Sequence[_Row | None], tuple[SampleOutput, tuple | None]]] = []
+    def dispatch(self, batch: ScheduledBatch) -> PendingStep:
+        """Plan one scheduler step as ops and hand them to the device (not awaited)."""
+        ops: list[Op] = [CopyPage(src, dst) for src, dst in batch.copies]
+        calls: list[Sequence[_Row | None]] = []
         if batch.decodes:
             rows = Buckets.fit(self.buckets.batch, len(batch.decodes))
             slots, host = self._decode_layout([_Row(c.seq, c.start, 1, c.samples) for c in batch.decodes], rows)
-            calls.append((slots, self._dispatch(slots, host)))
+            self._call(slots, host, ops)
+            calls.append(slots)
         # Prefill rows run after the decodes, in chunk order: a later row of a chunk reads the K/V
         # its earlier rows wrote in the same call or an earlier one.
         for rows_, width, scored in self._prefill_calls(batch.prefills):
@@ -302,25 +240,33 @@ class ModelRunner:
                 width=width,
                 page_size=self.page_size,
             )
-            calls.append((rows_, self._dispatch(rows_, host, scored)))
-        # Every call is dispatched before any result is read, so device work queues back to back.
+            self._call(rows_, host, ops, scored)
+            calls.append(rows_)
+        return PendingStep(list(zip(calls, self.device.run(ops), strict=True)))
+
+    def collect(self, pending: PendingStep) -> StepResults:
+        """Wait for a dispatched step: sampled tokens, and prompt scores of rows that asked for them."""
         results = StepResults()
-        for chunks, (out, scores) in calls:
+        for chunks, (out, scores) in pending.calls:
             # One transfer for the call's results; the top-20 arrays only when a row asked for them.
             tops = any(c is not None and c.samples and c.seq.params.logprobs for c in chunks)
-            fetched = jax.device_get((out.tokens, out.logprobs) + ((out.top_ids, out.top_logprobs) if tops else ()))
+            fetched = fetch([out.tokens, out.logprobs] + ([out.top_ids, out.top_logprobs] if tops else []))
             tokens, logprobs = fetched[0], fetched[1]
             for i, c in enumerate(chunks):
                 if c is not None and c.samples:
                     top_ids, top_lps = (fetched[2][i], fetched[3][i]) if tops else (_NO_TOP, _NO_TOP)
                     results.sampled[c.seq] = (int(tokens[i]), float(logprobs[i]), top_ids, top_lps)
             if scores is not None:
-                lp, ids, tlp = (np.asarray(a) for a in scores)
+                lp, ids, tlp = fetch(scores)
                 for i, c in enumerate(chunks):
                     if c is not None:
                         n = c.num_tokens
                         results.prompt_scores.append((c.seq, c.start, lp[i, :n], ids[i, :n], tlp[i, :n]))
         return results
+
+    def execute(self, batch: ScheduledBatch) -> StepResults:
+        """Run one scheduler step and wait for its results."""
+        return self.collect(self.dispatch(batch))
 
     # -- warmup -------------------------------------------------------------------------------
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> int:
@@ -329,27 +275,25 @@ class ModelRunner:
         shapes = self.buckets.shapes()
         sampled_rows: set[int] = set()  # row counts whose sampling (not greedy) executable is built
         for i, (rows, t, width) in enumerate(shapes):
-            # Each shape once greedy; the first of each row count also with the sampling executable.
-            modes = (True,) if rows in sampled_rows else (True, False)
-            sampled_rows.add(rows)
+            ops: list[Op] = []
             if t == 1:
                 host = self._decode_layout([], rows, width)[1]
             else:
                 host = row_batch([], rows=rows, tokens_per_row=t, width=width, page_size=self.page_size)
-            for all_greedy in modes:
-                jax.block_until_ready(self._dispatch([], host, all_greedy=all_greedy))
+            # Each shape once greedy; the first of each row count also with the sampling executable.
+            self._call([], host, ops, all_greedy=True)
+            if rows not in sampled_rows:
+                sampled_rows.add(rows)
+                self._call([], host, ops, all_greedy=False)
             if t != 1 and width == self.buckets.pages[0]:
                 # The scoring head (echo with logprobs) depends on (rows, tokens) only, not the width.
-                jax.block_until_ready(self._dispatch([], host, scored=True))
+                self._call([], host, ops, scored=True)
+            jax.block_until_ready(self.device.run(ops))
             if progress is not None:
                 progress(i + 1, len(shapes))
         # The page copy (page 0 onto itself) and the penalty-slot writers (on the scratch slot) too.
-        self.kv_cache = _copy_page(self.kv_cache, jnp.int32(0), jnp.int32(0))
-        self.counts, self.prompt_mask = _clear_slot(self.counts, self.prompt_mask, jnp.int32(self.scratch_slot))
-        zeros = np.zeros(_SLOT_CHUNK, np.int32)
-        self.counts, self.prompt_mask = _write_slot(
-            self.counts, self.prompt_mask, jnp.int32(self.scratch_slot), zeros, jnp.int32(0), jnp.bool_(True)
-        )
-        jax.block_until_ready(self.counts)
+        zeros = np.zeros(SLOT_CHUNK, np.int32)
+        slot = self.scratch_slot
+        self.device.run([CopyPage(0, 0), ClearSlot(slot), WriteSlot(slot, zeros, 0, True)])
         self.warmed_up = True
         return compile_count() - before

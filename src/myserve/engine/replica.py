@@ -1,0 +1,93 @@
+"""Data-parallel replicas: each row of the mesh serves its own share of the requests.
+
+A replica is the model on one (1, model) slice of the mesh with its own KV pages, page allocator,
+scheduler and runner. The service's one engine thread assigns each request to the least loaded
+replica and, every iteration, dispatches each replica's step before reading any result, so the
+replicas compute at the same time on their own devices.
+
+Why replicas rather than one jitted step with the batch sharded over ``data``: a decode row gathers
+its pages from the cache by host-computed page ids; with the rows sharded over ``data`` and the
+pages too, XLA's SPMD partitioner cannot know that a row's pages are on its own shard and gathers
+the whole cache across the data axis every layer (measured in ``docs/design/inference.md``).
+Replicas keep every step's gathers local, need no collectives between data shards, and reuse the
+single-replica engine unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from myserve.engine.pages import PageAllocator
+from myserve.engine.scheduler import Scheduler
+from myserve.models.quant import MIN_ROWS
+from myserve.runtime.batch_layout import DECODE_GROUP
+from myserve.runtime.buckets import Buckets
+from myserve.runtime.deployment import Deployment
+from myserve.runtime.executor import Executor
+from myserve.runtime.runner import Device, ModelRunner
+from myserve.runtime.steps import LAYERS_PER_CALL
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Replica:
+    """One data-parallel copy of the engine's device side and of its page bookkeeping."""
+
+    allocator: PageAllocator
+    scheduler: Scheduler
+    runner: ModelRunner
+
+    @property
+    def load(self) -> int:
+        """Sequences it holds (running or waiting): new requests go to the least loaded replica."""
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+
+def engine_buckets(dep: Deployment) -> Buckets:
+    """The deployment's shape buckets: decode rows grouped for the reference attention."""
+    cfg = dep.config.engine
+    min_rows = MIN_ROWS if dep.config.model.quantization == "int8" else 1
+    # The TPU kernel reads the rows layout; the reference attention reads balanced row groups.
+    group = DECODE_GROUP if dep.model.attention_backend == "reference" else 1
+    return Buckets.from_config(cfg, dep.max_model_len, min_rows, group)
+
+
+def layers_per_call(dep: Deployment) -> int:
+    """``engine.layers_per_call``, by default LAYERS_PER_CALL on CPU (compiling dominates) and the
+    whole model on accelerators (a 1B model's decode step is ~1 ms of device time: dispatches show)."""
+    if dep.config.engine.layers_per_call:
+        return dep.config.engine.layers_per_call
+    return LAYERS_PER_CALL if dep.mesh.devices.flat[0].platform == "cpu" else dep.spec.num_layers
+
+
+def make_executors(dep: Deployment) -> list[Executor]:
+    """One executor per replica: its weights, KV cache and penalty state on its slice of the mesh."""
+    cfg = dep.config.engine
+    return [
+        Executor(
+            model,
+            mesh,
+            dep.mapping,
+            num_pages=cfg.num_pages,
+            page_size=cfg.page_size,
+            num_slots=cfg.max_num_seqs + 1,
+            layers_per_call=layers_per_call(dep),
+        )
+        for model, mesh in zip(dep.models, dep.meshes, strict=True)
+    ]
+
+
+def make_replica(dep: Deployment, device: Device, buckets: Buckets) -> Replica:
+    """A replica whose runner sends its ops to ``device``."""
+    cfg = dep.config.engine
+    allocator = PageAllocator(cfg.num_pages, cfg.page_size, enable_prefix_cache=cfg.enable_prefix_caching)
+    scheduler = Scheduler(
+        allocator,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_prefill_chunk=cfg.max_num_batched_tokens,
+    )
+    runner = ModelRunner(device, buckets=buckets, max_num_seqs=cfg.max_num_seqs, eos_ids=dep.tokenizer.eos_token_ids)
+    return Replica(allocator, scheduler, runner)

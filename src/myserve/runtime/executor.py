@@ -1,0 +1,201 @@
+"""The device side of the engine: the ops a step is made of, and the executor that applies them.
+
+Everything the device does is described by plain data — which pages to copy, which penalty slots to
+fill, and each model call's packed host arrays — built by the host (``runtime/runner.py``). That
+keeps the jitted functions few and explicit, and lets a multi-host deployment replay a step on
+every process: the leader broadcasts the step's ops and every process applies the same ones
+(``runtime/multihost.py``).
+
+Penalty state: sequences that use presence/frequency/repetition penalties get a device *slot*
+holding counts of their generated tokens and a mask of their prompt tokens, ``[slots, vocab]``.
+Rows without penalties point at a scratch slot. The sampler adds each sampled token to its row's
+counts, so the state never crosses back to the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from myserve.engine.params import MAX_TOP_LOGPROBS
+from myserve.models.llama import LlamaModel
+from myserve.ops.paged_attention import KVCache
+from myserve.runtime.batch_layout import upload
+from myserve.runtime.kv_cache import init_kv_cache
+from myserve.runtime.mesh import replicated
+from myserve.runtime.sampler import SampleOutput, sample
+from myserve.runtime.sampling_rows import unpack
+from myserve.runtime.steps import LAYERS_PER_CALL, LayerGroups, forward_last_logits, forward_scored, outer_part
+
+SLOT_CHUNK = 256
+"""Token ids written into a penalty slot per ``WriteSlot``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyPage:
+    """Copy one page's K/V in every layer and head (copy-on-write of a shared prompt's last page)."""
+
+    src: int
+    dst: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ClearSlot:
+    """Reset a penalty slot."""
+
+    slot: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteSlot:
+    """Record ``ids[:n]`` (int32 [SLOT_CHUNK]) in a penalty slot: prompt tokens, or generated ones."""
+
+    slot: int
+    ids: np.ndarray
+    n: int
+    to_prompt: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCall:
+    """One call of the model over padded rows, then the sampler on each row's last logits."""
+
+    batch: np.ndarray
+    """int32, the rows' tokens and attention metadata packed by ``HostBatch.pack``."""
+    shapes: tuple[tuple[int, ...], ...]
+    """Shapes of the packed arrays (tokens first)."""
+    ints: np.ndarray
+    """``SamplingRows.ints`` [S, ...]; S >= rows (the logits are padded to S rows)."""
+    floats: np.ndarray
+    """``SamplingRows.floats`` [S, ...]."""
+    all_greedy: bool
+    """No row samples: the greedy sampler executable."""
+    following: np.ndarray | None = None
+    """int32 [rows, tokens]: each prompt position's next token, for rows scored for prompt logprobs."""
+
+
+Op = CopyPage | ClearSlot | WriteSlot | ModelCall
+CallOutput = tuple[SampleOutput, tuple[jax.Array, jax.Array, jax.Array] | None]
+"""A model call's device results: the sampled rows, and (logprob, top ids, top logprobs) of scored rows."""
+
+
+@functools.partial(jax.jit, donate_argnums=1, static_argnums=5)
+def _sample(
+    logits: jax.Array, counts: jax.Array, prompt_mask: jax.Array, ints: jax.Array, floats: jax.Array, all_greedy: bool
+) -> tuple[SampleOutput, jax.Array]:
+    """Sample one token per row of ``logits`` [B, V] and count it in the row's penalty slot.
+
+    A separate executable from the model step so it is compiled per batch size only, not per
+    (batch, tokens, pages) shape: the sampler costs more to compile than the model.
+    ``counts`` [slots, V] int32 and ``prompt_mask`` [slots, V] bool hold penalty state; ``ints`` and
+    ``floats`` are the rows' packed ``SamplingRows`` (parameters, penalty slot, whether the sampled
+    token is really appended). ``all_greedy``: the host knows no row samples (two executables per
+    row count, both compiled at warmup).
+    """
+    sampling, slots, sampled_weight = unpack(ints, floats)
+    out = sample(
+        logits, sampling, counts[slots], prompt_mask[slots], num_top_logprobs=MAX_TOP_LOGPROBS, all_greedy=all_greedy
+    )
+    return out, counts.at[slots, out.tokens].add(sampled_weight)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _pad_rows(logits: jax.Array, rows: int) -> jax.Array:
+    return jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0)))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _copy_page(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    return KVCache(
+        kv_cache.k.at[:, :, dst].set(kv_cache.k[:, :, src]), kv_cache.v.at[:, :, dst].set(kv_cache.v[:, :, src])
+    )
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _write_slot(
+    counts: jax.Array, prompt_mask: jax.Array, slot: jax.Array, ids: jax.Array, n: jax.Array, to_prompt: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    valid = jnp.arange(ids.shape[0]) < n
+    prompt_mask = prompt_mask.at[slot, ids].max(valid & to_prompt)
+    counts = counts.at[slot, ids].add((valid & ~to_prompt).astype(counts.dtype))
+    return counts, prompt_mask
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _clear_slot(counts: jax.Array, prompt_mask: jax.Array, slot: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return counts.at[slot].set(0), prompt_mask.at[slot].set(False)
+
+
+class Executor:
+    """Owns the params, the paged KV cache and the penalty state on a mesh; applies ops to them."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        mesh: Mesh,
+        mapping: Mapping[str, str],
+        *,
+        num_pages: int,
+        page_size: int,
+        num_slots: int,
+        layers_per_call: int = LAYERS_PER_CALL,
+    ):
+        self.model = model
+        self.mesh = mesh
+        self.outer = outer_part(model)
+        self.groups = LayerGroups.of(model, layers_per_call)
+        self.kv_cache = init_kv_cache(model.spec, num_pages, page_size, model.embed.array.dtype, mesh, mapping)
+        # Penalty state is small next to the cache: replicated, so every row's slot is local.
+        zeros = functools.partial(jax.device_put, device=replicated(mesh))
+        self.counts = zeros(np.zeros((num_slots, model.spec.vocab_size), np.int32))
+        self.prompt_mask = zeros(np.zeros((num_slots, model.spec.vocab_size), np.bool_))
+
+    def run(self, ops: Sequence[Op]) -> list[CallOutput]:
+        """Apply ``ops`` in order (dispatched, not awaited); the outputs of its model calls, in order."""
+        outputs = []
+        for op in ops:
+            if isinstance(op, ModelCall):
+                outputs.append(self._call(op))
+            elif isinstance(op, CopyPage):
+                self.kv_cache = _copy_page(self.kv_cache, np.int32(op.src), np.int32(op.dst))
+            elif isinstance(op, ClearSlot):
+                self.counts, self.prompt_mask = _clear_slot(self.counts, self.prompt_mask, np.int32(op.slot))
+            else:
+                self.counts, self.prompt_mask = _write_slot(
+                    self.counts, self.prompt_mask, np.int32(op.slot), op.ids, np.int32(op.n), np.bool_(op.to_prompt)
+                )
+        return outputs
+
+    def _call(self, op: ModelCall) -> CallOutput:
+        tokens, batch = upload(op.batch, op.shapes)
+        scores = None
+        if op.following is not None:
+            logits, scores, self.kv_cache = forward_scored(
+                self.model, tokens, batch, self.kv_cache, op.following, MAX_TOP_LOGPROBS, self.outer, self.groups
+            )
+        else:
+            logits, self.kv_cache = forward_last_logits(
+                self.model, tokens, batch, self.kv_cache, self.outer, self.groups
+            )
+        # Prefill rows are sampled in a batch bucket, so the sampler compiles per bucket only.
+        if op.ints.shape[0] != logits.shape[0]:
+            logits = _pad_rows(logits, op.ints.shape[0])
+        out, self.counts = _sample(logits, self.counts, self.prompt_mask, op.ints, op.floats, op.all_greedy)
+        return out, scores
+
+
+def fetch(arrays: Sequence[jax.Array]) -> list[np.ndarray]:
+    """Device arrays to numpy, all transfers started before any is awaited.
+
+    On a multi-host mesh an output spans devices of other processes; every result here is
+    replicated, so the local copy is the whole value.
+    """
+    if all(a.is_fully_addressable for a in arrays):
+        return list(jax.device_get(list(arrays)))
+    return [np.asarray(a.addressable_data(0)) for a in arrays]
