@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 
@@ -31,6 +32,21 @@ ENGINE = (
 PROMPTS = [[(7 * i + 3 * j) % 200 + 10 for j in range(3 + 5 * i)] for i in range(8)]
 
 
+def decode_collectives(service) -> list[str]:
+    """Collective ops (kind and shape) in the compiled decoder-layer call of an 8-row decode step."""
+    from myserve.runtime import steps
+
+    runner = service.replicas[0].runner
+    executor = runner.device
+    tokens, batch = runner._decode_layout([], 8, 8)[1].device()
+    x = steps._embed(executor.outer, tokens)
+    start, treedef, leaves = executor.groups.groups[0]
+    args = (executor.model.spec, executor.model.attention_backend, treedef, executor.groups.cache_sharding)
+    hlo = steps._blocks.lower(*args, leaves, x, batch, executor.kv_cache, start).compile().as_text()
+    kinds = "all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter"
+    return [f"{k} {shape}" for shape, k in re.findall(rf"= (\S+\[[^\]]*\])\S* ({kinds})[-a-z]*\(", hlo)]
+
+
 def tokens_on(checkpoint: str | None, data: int, model: int) -> dict:
     from pathlib import Path
 
@@ -51,7 +67,15 @@ def tokens_on(checkpoint: str | None, data: int, model: int) -> dict:
         for t in threads:
             t.join()
         stats = service.stats()
-        return {"tokens": outputs, "max_decode_batch": stats.max_decode_batch, "compiles": stats.compile_count}
+        executor = service.replicas[0].runner.device
+        return {
+            "tokens": outputs,
+            "max_decode_batch": stats.max_decode_batch,
+            "compiles": stats.compile_count,
+            "cache_spec": str(executor.kv_cache.k.sharding.spec),
+            "cache_kept": executor.kv_cache.k.sharding.is_equivalent_to(executor.cache_sharding, 5),
+            "decode_collectives": decode_collectives(service),
+        }
     finally:
         service.shutdown()
 

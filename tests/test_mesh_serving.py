@@ -32,13 +32,23 @@ def check_identical(result: dict) -> None:
         # The 8 requests really shared decode steps: all in one call, or 4 per data-parallel replica.
         data = int(mesh.split("x")[0])
         assert result[mesh]["max_decode_batch"] == 8 // data, mesh
+        # No step reshards the cache: it keeps its sharding, and the only collectives of a decode
+        # step's layers are the tensor-parallel all-reduces of [rows, 1, hidden] activations.
+        assert result[mesh]["cache_kept"], (mesh, result[mesh]["cache_spec"])
+        assert all(c.startswith("all-reduce f32[8,1,") for c in result[mesh]["decode_collectives"]), mesh
+    assert result["1x2"]["decode_collectives"], "model=2 must really split the layers"
 
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
 def test_tiny_models_serve_identically_on_every_mesh(arch: str, tiny_checkpoints) -> None:
-    check_identical(served_tokens(str(tiny_checkpoints[arch])))
+    # Both tiny models have 2 KV heads: the cache shards on model=2, is replicated on model=4.
+    result = served_tokens(str(tiny_checkpoints[arch]))
+    check_identical(result)
+    assert "'model'" in result["1x2"]["cache_spec"] and "'model'" not in result["1x4"]["cache_spec"]
 
 
 @pytest.mark.slow
 def test_smollm2_serves_identically_on_every_mesh() -> None:
-    check_identical(served_tokens("bundled"))
+    result = served_tokens("bundled")
+    check_identical(result)
+    assert all("'model'" not in r["cache_spec"] for r in result.values())  # 3 KV heads: replicated

@@ -24,7 +24,7 @@ llama3 rotary scaling, tied embeddings.
 
 from __future__ import annotations
 
-from typing import TypeAlias
+from typing import Literal, TypeAlias, cast
 
 import equinox as eqx
 import haliax as hax
@@ -162,11 +162,13 @@ def decoder_block(
     batch: PageBatch,
     cache: KVCache,
     layer_idx: int | jax.Array,
+    heads_sharded: bool = False,
 ) -> tuple[NamedArray, KVCache]:
     """One pre-norm transformer block on hidden states (batch, position, embed); writes its K/V.
 
     A free function of the layer's weights (not of the whole model), so the runtime can jit it
-    once and call it for every layer with that layer's arrays and index.
+    once and call it for every layer with that layer's arrays and index. ``heads_sharded``: the
+    KV cache's heads are split over devices (the attention then gathers pages per head shard).
     """
     ax, eps = ModelAxes.of(spec), spec.rms_norm_eps
     h = rms_norm(x, layer.attn_norm, ax.Embed, eps)
@@ -183,7 +185,8 @@ def decoder_block(
     # The paged op works on raw arrays in a fixed layout, like the kernels it can dispatch to.
     q, k = apply_rope(q, batch.positions, inv_freq), apply_rope(k, batch.positions, inv_freq)
     cache = write_kv(cache, layer_idx, k, v, batch)
-    out = paged_attention(q, cache, layer_idx, batch, backend=attention_backend)  # type: ignore[arg-type]
+    backend = cast(Literal["reference", "pallas"], attention_backend)
+    out = paged_attention(q, cache, layer_idx, batch, backend=backend, heads_sharded=heads_sharded)
     out_axes = (h.resolve_axis(BATCH), h.resolve_axis(POS), ax.KVHeads, ax.QPerKV, ax.HeadSize)
     o = linear(hax.named(out.reshape(b, t, kvh, g, d), out_axes), layer.o_proj, (ax.KVHeads, ax.QPerKV, ax.HeadSize))
     x = x + _add(o, layer.o_bias)

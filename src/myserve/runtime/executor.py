@@ -21,17 +21,24 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from myserve.engine.params import MAX_TOP_LOGPROBS
 from myserve.models.llama import LlamaModel
 from myserve.ops.paged_attention import KVCache
 from myserve.runtime.batch_layout import upload
 from myserve.runtime.kv_cache import init_kv_cache
-from myserve.runtime.mesh import replicated
+from myserve.runtime.mesh import kv_cache_sharding, replicated
 from myserve.runtime.sampler import SampleOutput, sample
 from myserve.runtime.sampling_rows import unpack
-from myserve.runtime.steps import LAYERS_PER_CALL, LayerGroups, forward_last_logits, forward_scored, outer_part
+from myserve.runtime.steps import (
+    LAYERS_PER_CALL,
+    LayerGroups,
+    constrain_cache,
+    forward_last_logits,
+    forward_scored,
+    outer_part,
+)
 
 SLOT_CHUNK = 256
 """Token ids written into a penalty slot per ``WriteSlot``."""
@@ -110,11 +117,12 @@ def _pad_rows(logits: jax.Array, rows: int) -> jax.Array:
     return jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0)))
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _copy_page(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    return KVCache(
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
+def _copy_page(kv_cache: KVCache, src: jax.Array, dst: jax.Array, sharding: NamedSharding) -> KVCache:
+    copied = KVCache(
         kv_cache.k.at[:, :, dst].set(kv_cache.k[:, :, src]), kv_cache.v.at[:, :, dst].set(kv_cache.v[:, :, src])
     )
+    return constrain_cache(copied, sharding)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -149,7 +157,8 @@ class Executor:
         self.model = model
         self.mesh = mesh
         self.outer = outer_part(model)
-        self.groups = LayerGroups.of(model, layers_per_call)
+        self.cache_sharding = kv_cache_sharding(mapping, mesh)
+        self.groups = LayerGroups.of(model, layers_per_call, self.cache_sharding)
         self.kv_cache = init_kv_cache(model.spec, num_pages, page_size, model.embed.array.dtype, mesh, mapping)
         # Penalty state is small next to the cache: replicated, so every row's slot is local.
         zeros = functools.partial(jax.device_put, device=replicated(mesh))
@@ -163,7 +172,7 @@ class Executor:
             if isinstance(op, ModelCall):
                 outputs.append(self._call(op))
             elif isinstance(op, CopyPage):
-                self.kv_cache = _copy_page(self.kv_cache, np.int32(op.src), np.int32(op.dst))
+                self.kv_cache = _copy_page(self.kv_cache, np.int32(op.src), np.int32(op.dst), self.cache_sharding)
             elif isinstance(op, ClearSlot):
                 self.counts, self.prompt_mask = _clear_slot(self.counts, self.prompt_mask, np.int32(op.slot))
             else:

@@ -21,6 +21,7 @@ import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from jax.typing import ArrayLike
 
 from myserve.models.llama import DecoderLayer, LlamaModel, decoder_block
@@ -33,11 +34,12 @@ LAYERS_PER_CALL = 6
 """Decoder layers unrolled into one jitted call (see the module docstring)."""
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=6)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=7)
 def _blocks(
     spec: ModelSpec,
     backend: str,
     treedef: jax.tree_util.PyTreeDef,
+    cache_sharding: NamedSharding | None,
     leaves: tuple[jax.Array, ...],
     x: hax.NamedArray,
     batch: PageBatch,
@@ -45,9 +47,17 @@ def _blocks(
     first_layer: jax.Array,
 ) -> tuple[hax.NamedArray, KVCache]:
     layers: tuple[DecoderLayer, ...] = jax.tree_util.tree_unflatten(treedef, leaves)
+    sharded = cache_sharding is not None and cache_sharding.spec[1:2] not in ((), (None,))
     for j, layer in enumerate(layers):
-        x, cache = decoder_block(spec, backend, layer, x, batch, cache, first_layer + j)
-    return x, cache
+        x, cache = decoder_block(spec, backend, layer, x, batch, cache, first_layer + j, sharded)
+    return x, constrain_cache(cache, cache_sharding)
+
+
+def constrain_cache(cache: KVCache, sharding: NamedSharding | None) -> KVCache:
+    """Inside a jit: the updated cache leaves with the sharding it came in with (no step reshards it)."""
+    if sharding is None:
+        return cache
+    return KVCache(*(jax.lax.with_sharding_constraint(a, sharding) for a in (cache.k, cache.v)))
 
 
 @jax.jit
@@ -110,15 +120,19 @@ class LayerGroups:
 
     groups: tuple[tuple[jax.Array, jax.tree_util.PyTreeDef, tuple[jax.Array, ...]], ...]
     """(index of the group's first layer, treedef of its layers, their leaves) per group."""
+    cache_sharding: NamedSharding | None = None
+    """The KV cache's sharding, kept explicitly on every group's output (None: left to XLA)."""
 
     @staticmethod
-    def of(model: LlamaModel, per_call: int = LAYERS_PER_CALL) -> LayerGroups:
+    def of(
+        model: LlamaModel, per_call: int = LAYERS_PER_CALL, cache_sharding: NamedSharding | None = None
+    ) -> LayerGroups:
         """The groups of ``model``, about ``per_call`` layers each (see ``layer_groups``)."""
         groups = []
         for start, stop in layer_groups(len(model.layers), per_call):
             leaves, treedef = jax.tree_util.tree_flatten(model.layers[start:stop])
             groups.append((jnp.int32(start), treedef, tuple(leaves)))
-        return LayerGroups(tuple(groups))
+        return LayerGroups(tuple(groups), cache_sharding)
 
 
 def run_layers(
@@ -128,8 +142,11 @@ def run_layers(
 
     ``groups`` is ``LayerGroups.of(model)``, passed by callers that step often.
     """
-    for start, treedef, leaves in (groups or LayerGroups.of(model)).groups:
-        x, cache = _blocks(model.spec, model.attention_backend, treedef, leaves, x, batch, cache, start)
+    groups = groups or LayerGroups.of(model)
+    for start, treedef, leaves in groups.groups:
+        x, cache = _blocks(
+            model.spec, model.attention_backend, treedef, groups.cache_sharding, leaves, x, batch, cache, start
+        )
     return x, cache
 
 
