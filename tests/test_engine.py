@@ -247,12 +247,15 @@ def test_engine_crash_fails_requests_instead_of_hanging(tiny_checkpoints, prompt
 
     svc = start_service(tiny_checkpoints["llama3"], *ENGINE, "engine.num_pages=64")
     try:
+        all_submitted = threading.Event()
 
         def boom(batch):
+            all_submitted.wait(10)  # the engine dies only once every request is queued
             raise RuntimeError("injected device failure")
 
         svc.replicas[0].runner.dispatch = boom  # type: ignore[method-assign]
         streams = [svc.submit(p, GREEDY) for p in prompts[:4]]
+        all_submitted.set()
         finals = [[o for o in s if o.final][0] for s in streams]
         assert all(f.error and "injected device failure" in f.error for f in finals)
         with pytest.raises(EngineDead):
