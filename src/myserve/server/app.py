@@ -7,24 +7,20 @@ response or streams them as server-sent events. A client that disconnects aborts
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import json
-import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from myserve.engine.outputs import ContextLengthExceeded, EngineDead, Overloaded, RequestOutput
+from myserve.engine.outputs import ContextLengthExceeded, EngineDead, Overloaded
 from myserve.engine.params import InvalidParams, SamplingParams
 from myserve.engine.service import GenerationService
 from myserve.engine.stream import RequestStream
 from myserve.server.errors import APIError, install_error_handlers
-from myserve.server.formatting import LogprobFormatter, usage_json
+from myserve.server.formatting import LogprobFormatter
 from myserve.server.metrics import Metrics
 from myserve.server.protocol import (
     ChatCompletionRequest,
@@ -32,20 +28,10 @@ from myserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from myserve.server.responses import CompletionResponse, ServerState
 from myserve.tokenizer import ChatTemplateError
 
-logger = logging.getLogger("myserve.requests")
-
-SYSTEM_FINGERPRINT = "myserve-0.1.0"
 _OPEN_PATHS = ("/health", "/healthz", "/metrics", "/docs", "/openapi.json", "/redoc")
-
-
-class ServerState:
-    """Mutable server-wide state: draining flag for graceful shutdown."""
-
-    def __init__(self) -> None:
-        self.draining = False
-        self.in_flight = 0
 
 
 def create_app(
@@ -189,30 +175,6 @@ def create_app(
             raise
         return streams
 
-    async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of several streams as they come, tagged with their prompt index."""
-        queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
-
-        async def pump(i: int, stream: RequestStream) -> None:
-            async for out in stream:
-                await queue.put((i, out))
-            await queue.put((i, None))
-
-        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-        try:
-            remaining = len(streams)
-            while remaining:
-                i, out = await queue.get()
-                if out is None:
-                    remaining -= 1
-                else:
-                    yield i, out
-        finally:
-            for t in tasks:
-                t.cancel()
-            for s in streams:
-                s.close()  # aborts whatever has not finished (client gone, or an error)
-
     async def run(
         request: Request,
         kind: str,
@@ -223,208 +185,27 @@ def create_app(
         echo_texts: list[str] | None = None,
     ) -> Response:
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        created = int(time.time())
         t0 = time.perf_counter()
         streams = submit_all(prompts, params, request_id)
-        n = params.n
-        obj = "chat.completion" if kind == "chat" else "text_completion"
-        log = _RequestLog(request_id, sum(len(p) for p in prompts), t0)
-        state.in_flight += 1
-
-        def finish_metrics(status: str, usage: Any) -> None:
-            state.in_flight -= 1
-            metrics.requests.labels(kind, status).inc()
-            metrics.e2e.observe(time.perf_counter() - t0)
-            if usage is not None:
-                metrics.prompt_tokens.inc(usage.prompt_tokens)
-                metrics.generation_tokens.inc(usage.completion_tokens)
-            log.done(status, usage)
-
+        response = CompletionResponse(
+            kind=kind,
+            request_id=request_id,
+            streams=streams,
+            prompts=prompts,
+            params=params,
+            echo_texts=echo_texts,
+            model=served_model_name,
+            fmt=fmt,
+            metrics=metrics,
+            state=state,
+            t0=t0,
+            include_usage=include_usage,
+        )
         if not stream:
-            choices: dict[int, dict[str, Any]] = {}
-            usages = []
-            watcher = asyncio.ensure_future(_wait_disconnect(request))
-            collect = asyncio.ensure_future(_collect(merged(streams)))
-            done, _ = await asyncio.wait({watcher, collect}, return_when=asyncio.FIRST_COMPLETED)
-            if collect not in done:
-                collect.cancel()
-                for s in streams:
-                    s.close()
-                finish_metrics("disconnected", None)
-                return Response(status_code=499)
-            watcher.cancel()
-            for i, out in collect.result():
-                log.saw(out)
-                if out.final:
-                    usages.append(out.usage)
-                    if out.error:
-                        finish_metrics("error", None)
-                        raise APIError(500, out.error, code="engine_error")
-                    continue
-                c = choices.setdefault(
-                    i * n + out.choice, {"text": "", "logprobs": [], "finish": None, "first": None, "prompt": None}
-                )
-                if out.prompt_logprobs is not None:
-                    c["prompt"] = out.prompt_logprobs
-                if c["first"] is None and out.token_ids:
-                    c["first"] = time.perf_counter()
-                c["text"] += out.text
-                c["logprobs"].extend(out.logprobs or ())
-                c["finish"] = out.finish_reason or c["finish"]
-            usage = _sum_usage(usages)
-            body_choices = []
-            for index in sorted(choices):
-                c = choices[index]
-                if kind == "chat":
-                    body_choices.append(
-                        {
-                            "index": index,
-                            "message": {"role": "assistant", "content": c["text"]},
-                            "logprobs": fmt.chat(c["logprobs"]) if params.logprobs is not None else None,
-                            "finish_reason": c["finish"],
-                        }
-                    )
-                else:
-                    prefix = echo_texts[index // n] if echo_texts else ""
-                    logprobs_json = None
-                    if params.logprobs is not None:
-                        items = fmt.prompt_items(prompts[index // n], c["prompt"]) if c["prompt"] else []
-                        generated = [(e.token_id, e.logprob, e.top) for e in c["logprobs"]]
-                        logprobs_json = fmt.completion_items(items + generated, 0 if items else len(prefix))
-                    body_choices.append(
-                        {
-                            "index": index,
-                            "text": prefix + c["text"],
-                            "logprobs": logprobs_json,
-                            "finish_reason": c["finish"],
-                        }
-                    )
-            firsts = [c["first"] for c in choices.values() if c["first"] is not None]
-            if firsts:
-                metrics.ttft.observe(min(firsts) - t0)
-            finish_metrics("ok", usage)
-            return JSONResponse(
-                {
-                    "id": request_id,
-                    "object": obj,
-                    "created": created,
-                    "model": served_model_name,
-                    "system_fingerprint": SYSTEM_FINGERPRINT,
-                    "choices": body_choices,
-                    "usage": usage_json(usage),
-                }
-            )
-
-        async def events() -> AsyncIterator[str]:
-            chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-            base = {
-                "id": request_id,
-                "object": chunk_obj,
-                "created": created,
-                "model": served_model_name,
-                "system_fingerprint": SYSTEM_FINGERPRINT,
-            }
-            usages, started, last_token_t, status = [], set(), None, "ok"
-            offsets: dict[int, int] = {}
-            try:
-                if kind == "chat":
-                    for index in range(len(prompts) * n):
-                        started.add(index)
-                        yield _sse(
-                            {
-                                **base,
-                                "choices": [
-                                    {
-                                        "index": index,
-                                        "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None,
-                                        "finish_reason": None,
-                                    }
-                                ],
-                            }
-                        )
-                elif echo_texts and params.logprobs is None:  # with logprobs: sent with the prompt's scores
-                    for index in range(len(prompts) * n):
-                        offsets[index] = len(echo_texts[index // n])
-                        yield _sse(
-                            {
-                                **base,
-                                "choices": [
-                                    {
-                                        "index": index,
-                                        "text": echo_texts[index // n],
-                                        "logprobs": None,
-                                        "finish_reason": None,
-                                    }
-                                ],
-                            }
-                        )
-                async for i, out in merged(streams):
-                    log.saw(out)
-                    if out.final:
-                        usages.append(out.usage)
-                        if out.error:
-                            status = "error"
-                            yield _sse(
-                                {
-                                    "error": {
-                                        "message": out.error,
-                                        "type": "internal_server_error",
-                                        "param": None,
-                                        "code": "engine_error",
-                                    }
-                                }
-                            )
-                            return
-                        continue
-                    index = i * n + out.choice
-                    if out.prompt_logprobs is not None and echo_texts:
-                        echo = echo_texts[i]
-                        offsets[index] = len(echo)
-                        items = fmt.prompt_items(prompts[i], out.prompt_logprobs)
-                        lp_json = fmt.completion_items(items) if params.logprobs is not None else None
-                        yield _sse(
-                            {
-                                **base,
-                                "choices": [{"index": index, "text": echo, "logprobs": lp_json, "finish_reason": None}],
-                            }
-                        )
-                    if out.token_ids:
-                        now = time.perf_counter()
-                        if last_token_t is None:
-                            metrics.ttft.observe(now - t0)
-                        else:
-                            metrics.itl.observe(now - last_token_t)
-                        last_token_t = now
-                    lp = list(out.logprobs or ())
-                    if kind == "chat":
-                        choice = {
-                            "index": index,
-                            "delta": {"content": out.text} if out.text else {},
-                            "logprobs": fmt.chat(lp) if params.logprobs is not None and lp else None,
-                            "finish_reason": out.finish_reason,
-                        }
-                    else:
-                        start = offsets.get(index, 0)
-                        offsets[index] = start + len(out.text)
-                        choice = {
-                            "index": index,
-                            "text": out.text,
-                            "logprobs": fmt.completion(lp, start) if params.logprobs is not None and lp else None,
-                            "finish_reason": out.finish_reason,
-                        }
-                    if out.text or out.finish_reason or choice["logprobs"]:
-                        yield _sse({**base, "choices": [choice]})
-                if include_usage:
-                    yield _sse({**base, "choices": [], "usage": usage_json(_sum_usage(usages))})
-                yield "data: [DONE]\n\n"
-            except asyncio.CancelledError:
-                status = "disconnected"
-                raise
-            finally:
-                finish_metrics(status, _sum_usage(usages) if len(usages) == len(prompts) else None)
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return await response.json(request)
+        return StreamingResponse(
+            response.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
@@ -465,21 +246,6 @@ def create_app(
     return app
 
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def _sum_usage(usages: list) -> Any:
-    from myserve.engine.outputs import Usage
-
-    present = [u for u in usages if u is not None]
-    return Usage(
-        prompt_tokens=sum(u.prompt_tokens for u in present),
-        completion_tokens=sum(u.completion_tokens for u in present),
-        cached_tokens=sum(u.cached_tokens for u in present),
-    )
-
-
 def _completion_prompts(prompt: Any, encode: Any) -> list[list[int]]:
     """OpenAI's four prompt forms as token-id lists."""
     if isinstance(prompt, str):
@@ -493,44 +259,3 @@ def _completion_prompts(prompt: Any, encode: Any) -> list[list[int]]:
     if all(isinstance(p, list) for p in prompt):
         return [list(p) for p in prompt]
     raise APIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
-
-
-async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
-    return [item async for item in outputs]
-
-
-async def _wait_disconnect(request: Request) -> None:
-    """Returns when the client goes away (the ASGI server sends http.disconnect)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-class _RequestLog:
-    """One structured log line per finished request: id, tokens, TTFT, total time, finish reasons."""
-
-    def __init__(self, request_id: str, prompt_tokens: int, t0: float):
-        self.request_id, self.prompt_tokens, self.t0 = request_id, prompt_tokens, t0
-        self.first_token: float | None = None
-        self.finish_reasons: list[str] = []
-
-    def saw(self, out: RequestOutput) -> None:
-        """Note a delta: the first token's time, and each choice's finish reason."""
-        if out.token_ids and self.first_token is None:
-            self.first_token = time.perf_counter()
-        if out.finish_reason:
-            self.finish_reasons.append(out.finish_reason)
-
-    def done(self, status: str, usage: Any) -> None:
-        ttft = f"{self.first_token - self.t0:.3f}" if self.first_token is not None else "-"
-        logger.info(
-            "request_id=%s status=%s prompt_tokens=%d completion_tokens=%s ttft_s=%s total_s=%.3f finish=%s",
-            self.request_id,
-            status,
-            self.prompt_tokens,
-            usage.completion_tokens if usage is not None else "-",
-            ttft,
-            time.perf_counter() - self.t0,
-            ",".join(self.finish_reasons) or ("abort" if status == "disconnected" else "-"),
-        )

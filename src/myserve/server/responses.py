@@ -1,0 +1,313 @@
+"""One completions or chat response: the engine's outputs collected into JSON or streamed as SSE.
+
+A request becomes one engine stream per prompt (completions accept several); their outputs are
+merged as they come and each choice is tagged ``index = prompt_index * n + choice``. Non-streaming
+responses watch for the client's disconnect while they wait; streaming ones end when the client
+goes away. Either way, closing the streams aborts whatever has not finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from myserve.engine.outputs import RequestOutput, Usage
+from myserve.engine.params import SamplingParams
+from myserve.engine.stream import RequestStream
+from myserve.server.errors import APIError
+from myserve.server.formatting import LogprobFormatter, usage_json
+from myserve.server.metrics import Metrics
+
+logger = logging.getLogger("myserve.requests")
+
+SYSTEM_FINGERPRINT = "myserve-0.1.0"
+
+
+class ServerState:
+    """Mutable server-wide state: draining flag for graceful shutdown, requests in flight."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.in_flight = 0
+
+
+class CompletionResponse:
+    """The answer to one submitted completions (``kind="completion"``) or chat request."""
+
+    def __init__(
+        self,
+        *,
+        kind: str,
+        request_id: str,
+        streams: list[RequestStream],
+        prompts: list[list[int]],
+        params: SamplingParams,
+        echo_texts: list[str] | None,
+        model: str,
+        fmt: LogprobFormatter,
+        metrics: Metrics,
+        state: ServerState,
+        t0: float,
+        include_usage: bool = False,
+    ):
+        self.kind, self.request_id, self.streams, self.prompts = kind, request_id, streams, prompts
+        self.params, self.n, self.echo_texts, self.fmt = params, params.n, echo_texts, fmt
+        self.metrics, self.state, self.t0 = metrics, state, t0
+        self.include_usage = include_usage
+        """Streaming: send a usage chunk (empty choices) before ``[DONE]`` (``stream_options.include_usage``)."""
+        self.created = int(time.time())
+        self.model = model
+        self.log = _RequestLog(request_id, sum(len(p) for p in prompts), t0)
+        state.in_flight += 1
+
+    def _envelope(self, obj: str) -> dict[str, Any]:
+        """The fields every body and chunk of this response shares."""
+        return {
+            "id": self.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+        }
+
+    def _finished(self, status: str, usage: Usage | None) -> None:
+        self.state.in_flight -= 1
+        self.metrics.requests.labels(self.kind, status).inc()
+        self.metrics.e2e.observe(time.perf_counter() - self.t0)
+        if usage is not None:
+            self.metrics.prompt_tokens.inc(usage.prompt_tokens)
+            self.metrics.generation_tokens.inc(usage.completion_tokens)
+        self.log.done(status, usage)
+
+    # -- one JSON body ------------------------------------------------------------------------
+    async def json(self, request: Request) -> Response:
+        """Wait for every choice (or the client's disconnect: 499, requests aborted); the JSON body."""
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        collect = asyncio.ensure_future(_collect(merged(self.streams)))
+        done, _ = await asyncio.wait({watcher, collect}, return_when=asyncio.FIRST_COMPLETED)
+        if collect not in done:
+            collect.cancel()
+            for s in self.streams:
+                s.close()
+            self._finished("disconnected", None)
+            return Response(status_code=499)
+        watcher.cancel()
+        choices: dict[int, dict[str, Any]] = {}
+        usages = []
+        for i, out in collect.result():
+            self.log.saw(out)
+            if out.final:
+                usages.append(out.usage)
+                if out.error:
+                    self._finished("error", None)
+                    raise APIError(500, out.error, code="engine_error")
+                continue
+            c = choices.setdefault(
+                i * self.n + out.choice, {"text": "", "logprobs": [], "finish": None, "first": None, "prompt": None}
+            )
+            if out.prompt_logprobs is not None:
+                c["prompt"] = out.prompt_logprobs
+            if c["first"] is None and out.token_ids:
+                c["first"] = time.perf_counter()
+            c["text"] += out.text
+            c["logprobs"].extend(out.logprobs or ())
+            c["finish"] = out.finish_reason or c["finish"]
+        usage = sum_usage(usages)
+        body_choices = [self._json_choice(index, choices[index]) for index in sorted(choices)]
+        firsts = [c["first"] for c in choices.values() if c["first"] is not None]
+        if firsts:
+            self.metrics.ttft.observe(min(firsts) - self.t0)
+        self._finished("ok", usage)
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return JSONResponse({**self._envelope(obj), "choices": body_choices, "usage": usage_json(usage)})
+
+    def _json_choice(self, index: int, c: dict[str, Any]) -> dict[str, Any]:
+        logprobs_on = self.params.logprobs is not None
+        if self.kind == "chat":
+            return {
+                "index": index,
+                "message": {"role": "assistant", "content": c["text"]},
+                "logprobs": self.fmt.chat(c["logprobs"]) if logprobs_on else None,
+                "finish_reason": c["finish"],
+            }
+        prefix = self.echo_texts[index // self.n] if self.echo_texts else ""
+        logprobs_json = None
+        if logprobs_on:
+            items = self.fmt.prompt_items(self.prompts[index // self.n], c["prompt"]) if c["prompt"] else []
+            generated = [(e.token_id, e.logprob, e.top) for e in c["logprobs"]]
+            logprobs_json = self.fmt.completion_items(items + generated, 0 if items else len(prefix))
+        return {"index": index, "text": prefix + c["text"], "logprobs": logprobs_json, "finish_reason": c["finish"]}
+
+    # -- server-sent events -------------------------------------------------------------------
+    async def events(self) -> AsyncIterator[str]:
+        """SSE chunks: chat role deltas (or completion echoes), content deltas with finish reasons,
+        an optional usage chunk, ``[DONE]``; an engine error sends an error event and ends the stream."""
+        base = self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion")
+        usages: list[Usage | None] = []
+        last_token_t: float | None = None
+        status = "ok"
+        offsets: dict[int, int] = {}  # completions: text offset of each choice, for logprobs
+        try:
+            for chunk in self._opening_chunks(offsets):
+                yield _sse({**base, "choices": [chunk]})
+            async for i, out in merged(self.streams):
+                self.log.saw(out)
+                if out.final:
+                    usages.append(out.usage)
+                    if out.error:
+                        status = "error"
+                        error = {"message": out.error, "type": "internal_server_error", "param": None}
+                        yield _sse({"error": {**error, "code": "engine_error"}})
+                        return
+                    continue
+                index = i * self.n + out.choice
+                if out.prompt_logprobs is not None and self.echo_texts:
+                    yield _sse({**base, "choices": [self._scored_echo(i, index, out, offsets)]})
+                if out.token_ids:
+                    now = time.perf_counter()
+                    if last_token_t is None:
+                        self.metrics.ttft.observe(now - self.t0)
+                    else:
+                        self.metrics.itl.observe(now - last_token_t)
+                    last_token_t = now
+                choice = self._delta(index, out, offsets)
+                if out.text or out.finish_reason or choice["logprobs"]:
+                    yield _sse({**base, "choices": [choice]})
+            if self.include_usage:
+                yield _sse({**base, "choices": [], "usage": usage_json(sum_usage(usages))})
+            yield "data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            status = "disconnected"
+            raise
+        finally:
+            self._finished(status, sum_usage(usages) if len(usages) == len(self.prompts) else None)
+
+    def _opening_chunks(self, offsets: dict[int, int]) -> list[dict[str, Any]]:
+        """Chat: each choice's ``role`` delta. Completions with echo (no logprobs): each prompt's text."""
+        indices = range(len(self.prompts) * self.n)
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": ""}
+            return [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None} for i in indices]
+        if self.echo_texts and self.params.logprobs is None:  # with logprobs: sent with the prompt's scores
+            for i in indices:
+                offsets[i] = len(self.echo_texts[i // self.n])
+            return [
+                {"index": i, "text": self.echo_texts[i // self.n], "logprobs": None, "finish_reason": None}
+                for i in indices
+            ]
+        return []
+
+    def _scored_echo(self, prompt: int, index: int, out: RequestOutput, offsets: dict[int, int]) -> dict[str, Any]:
+        """Completions echo with prompt logprobs: the prompt's text and scores, once per choice."""
+        assert self.echo_texts is not None and out.prompt_logprobs is not None
+        echo = self.echo_texts[prompt]
+        offsets[index] = len(echo)
+        items = self.fmt.prompt_items(self.prompts[prompt], out.prompt_logprobs)
+        lp_json = self.fmt.completion_items(items) if self.params.logprobs is not None else None
+        return {"index": index, "text": echo, "logprobs": lp_json, "finish_reason": None}
+
+    def _delta(self, index: int, out: RequestOutput, offsets: dict[int, int]) -> dict[str, Any]:
+        lp = list(out.logprobs or ())
+        with_logprobs = self.params.logprobs is not None and bool(lp)
+        if self.kind == "chat":
+            return {
+                "index": index,
+                "delta": {"content": out.text} if out.text else {},
+                "logprobs": self.fmt.chat(lp) if with_logprobs else None,
+                "finish_reason": out.finish_reason,
+            }
+        start = offsets.get(index, 0)
+        offsets[index] = start + len(out.text)
+        return {
+            "index": index,
+            "text": out.text,
+            "logprobs": self.fmt.completion(lp, start) if with_logprobs else None,
+            "finish_reason": out.finish_reason,
+        }
+
+
+async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with their prompt index; closes them at the end."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        async for out in stream:
+            await queue.put((i, out))
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, out = await queue.get()
+            if out is None:
+                remaining -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.close()  # aborts whatever has not finished (client gone, or an error)
+
+
+def sum_usage(usages: Sequence[Usage | None]) -> Usage:
+    """The usage of several prompts' requests together."""
+    present = [u for u in usages if u is not None]
+    return Usage(
+        prompt_tokens=sum(u.prompt_tokens for u in present),
+        completion_tokens=sum(u.completion_tokens for u in present),
+        cached_tokens=sum(u.cached_tokens for u in present),
+    )
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
+    return [item async for item in outputs]
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the ASGI server sends http.disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _RequestLog:
+    """One structured log line per finished request: id, tokens, TTFT, total time, finish reasons."""
+
+    def __init__(self, request_id: str, prompt_tokens: int, t0: float):
+        self.request_id, self.prompt_tokens, self.t0 = request_id, prompt_tokens, t0
+        self.first_token: float | None = None
+        self.finish_reasons: list[str] = []
+
+    def saw(self, out: RequestOutput) -> None:
+        """Note a delta: the first token's time, and each choice's finish reason."""
+        if out.token_ids and self.first_token is None:
+            self.first_token = time.perf_counter()
+        if out.finish_reason:
+            self.finish_reasons.append(out.finish_reason)
+
+    def done(self, status: str, usage: Usage | None) -> None:
+        ttft = f"{self.first_token - self.t0:.3f}" if self.first_token is not None else "-"
+        logger.info(
+            "request_id=%s status=%s prompt_tokens=%d completion_tokens=%s ttft_s=%s total_s=%.3f finish=%s",
+            self.request_id,
+            status,
+            self.prompt_tokens,
+            usage.completion_tokens if usage is not None else "-",
+            ttft,
+            time.perf_counter() - self.t0,
+            ",".join(self.finish_reasons) or ("abort" if status == "disconnected" else "-"),
+        )
