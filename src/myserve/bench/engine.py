@@ -45,6 +45,13 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
     ]
 
 
+def builtin_chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    """The first ``n`` built-in prompts of ``python -m myserve.bench`` as chat-templated token ids."""
+    from myserve.bench.prompts import builtin_prompts
+
+    return [tokenizer.apply_chat_template(p.payload("chat")["messages"]) for p in builtin_prompts(n)]
+
+
 def bench_myserve(service, prompts: list[list[int]], max_tokens: int) -> dict:
     """Submit all prompts at once; wall time until every request finished, and TTFTs.
 
@@ -98,13 +105,8 @@ def bench_single_decode(service, prompt: list[int], max_tokens: int) -> dict:
     return {"ttft_s": first - t0, "decode_tokens_per_s": (n - 1) / (end - first)}
 
 
-def bench_transformers(
-    checkpoint: str | None, prompts: list[list[int]], max_tokens: int, pad_id: int, device: str, dtype: str
-) -> dict:
-    """One static batch through transformers ``generate`` on the same checkpoint, device and dtype.
-
-    ``checkpoint`` is what myserve served: None (the bundled GGUF), a ``.gguf`` file or an HF directory.
-    """
+def load_transformers(checkpoint: str | None, device: str, dtype: str) -> Any:
+    """transformers' own load of what myserve served: None (the bundled GGUF), a ``.gguf`` or an HF dir."""
     import torch
     import transformers
 
@@ -117,7 +119,14 @@ def bench_transformers(
     else:
         source = str(path)
     model: Any = transformers.AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    model = model.to(device).eval()
+    return model.to(device).eval()
+
+
+def bench_transformers(model: Any, prompts: list[list[int]], max_tokens: int, pad_id: int) -> dict:
+    """One static batch of ``prompts`` (left-padded) through ``generate``, exactly ``max_tokens`` each."""
+    import torch
+
+    device = model.device
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -127,7 +136,7 @@ def bench_transformers(
     ids, mask = ids.to(device), mask.to(device)
 
     def run(new_tokens: int) -> tuple[int, float]:
-        if device != "cpu":
+        if device.type != "cpu":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -139,11 +148,11 @@ def bench_transformers(
                 do_sample=False,
                 pad_token_id=pad_id,
             )
-        if device != "cpu":
+        if device.type != "cpu":
             torch.cuda.synchronize()
         return (out.shape[1] - width) * len(prompts), time.perf_counter() - t0
 
-    if device != "cpu":
+    if device.type != "cpu":
         run(4)  # CUDA kernels and cuBLAS handles out of the measurement
     generated, elapsed = run(max_tokens)
     return {
@@ -192,6 +201,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None, help="tokenizer for --random (default: the bundled one)")
     parser.add_argument("--hf-device", default=None, help="torch device of the transformers run (default: the JAX one)")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument(
+        "--floor-batches",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[],
+        metavar="1,8,32,64",
+        help="also time transformers generate with static batches of these sizes (the serving floor)",
+    )
     parser.add_argument("--output", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -247,18 +263,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             "single_tokens_per_s": bandwidth / weights,
             "concurrent_tokens_per_s": args.concurrency * bandwidth / weights,
         }
-    pad_id = dep.tokenizer.eos_token_ids[0]
+    tokenizer, pad_id = dep.tokenizer, dep.tokenizer.eos_token_ids[0]
     del service, dep  # device memory back before transformers loads its copy
     if not args.skip_transformers:
-        checkpoint = config.model.checkpoint
-        hf_dtype = results["dtype"]
+        hf = load_transformers(config.model.checkpoint, hf_device, results["dtype"])
         tf = {
-            "batch": bench_transformers(checkpoint, prompts, args.max_tokens, pad_id, hf_device, hf_dtype),
-            "single": bench_transformers(checkpoint, prompts[:1], args.max_tokens, pad_id, hf_device, hf_dtype),
+            "batch": bench_transformers(hf, prompts, args.max_tokens, pad_id),
+            "single": bench_transformers(hf, prompts[:1], args.max_tokens, pad_id),
         }
         results["transformers"] = tf
         results["ratio"] = results["myserve"]["tokens_per_s"] / tf["batch"]["tokens_per_s"]
         results["single_ratio"] = results["single"]["decode_tokens_per_s"] / tf["single"]["tokens_per_s"]
+        # The floor a static-batch server would reach at each concurrency, on the HTTP load
+        # generator's built-in chat prompts (``python -m myserve.bench``), padded to the longest.
+        results["transformers_floor"] = {
+            b: bench_transformers(hf, builtin_chat_prompts(tokenizer, b), args.max_tokens, pad_id)["tokens_per_s"]
+            for b in args.floor_batches
+        }
     tmp.cleanup()
     print(json.dumps(results, indent=2))
     if args.output:
