@@ -11,6 +11,7 @@ import pytest
 from myserve import serve
 from myserve.config import load_config
 from myserve.errors import ConfigError
+from myserve.ops.paged_attention import pallas_fit
 from myserve.runtime.deployment import Deployment
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "config"
@@ -41,6 +42,9 @@ def test_deployment_validates_and_fits_its_devices(name: str) -> None:
     # The cache holds several max-length sequences, and a step can fill the largest decode batch.
     assert c.engine.num_pages * c.engine.page_size >= 4 * c.model.max_model_len
     assert c.engine.max_num_batched_tokens >= c.engine.max_num_seqs
+    # On its TPU or GPU, attention "auto" picks the Pallas kernel only if the shapes fit it.
+    heads = {"llama-3.1-8b-tpu-v5e-8.yaml": 32, "llama-3.1-8b-h100.yaml": 32, "qwen3-32b-tpu-v6e-8.yaml": 64}[name]
+    assert pallas_fit(heads, kv_heads, head_dim, c.engine.page_size) is None
 
 
 @pytest.mark.parametrize("name", [n for n, d in DEPLOYMENTS.items() if d[5] > 1])

@@ -133,3 +133,18 @@ def test_grouped_decode_layout_equals_rows_layout() -> None:
     for slot, i in enumerate(order):
         if i is not None:
             np.testing.assert_allclose(got[slot], want[i], atol=1e-5)
+
+
+def test_backend_switch_checks_that_the_kernel_fits() -> None:
+    from myserve.ops.paged_attention import pallas_fit, resolve_backend
+
+    # The kernel's own validator plus its TPU tiling; the reasons name the misfit.
+    assert pallas_fit(32, 8, 128, 16) is None  # Llama-3.1-8B
+    assert pallas_fit(9, 3, 64, 16) == "head_dim 64 is not a multiple of 128"  # SmolLM2: reference
+    assert pallas_fit(32, 8, 128, 4) == "page_size 4 is not a multiple of 8"
+    assert "divisible" in (pallas_fit(32, 6, 128, 16) or "")
+    shapes = dict(num_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+    assert resolve_backend("auto", **shapes) == "reference"  # this CPU: no TPU, the reference
+    assert resolve_backend("reference", **shapes) == "reference"
+    with pytest.raises(ValueError, match="needs a TPU"):
+        resolve_backend("pallas", **shapes)

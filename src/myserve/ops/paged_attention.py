@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -225,15 +225,55 @@ def _pallas_paged_attention(
     return unpacked.reshape(b, t, h, d)
 
 
-def resolve_backend(backend: AttentionBackend) -> Literal["reference", "pallas"]:
-    """Pick the attention implementation: the Pallas ragged kernel on TPU if it imports, else reference."""
+def pallas_fit(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int) -> str | None:
+    """Why the ragged paged attention kernel cannot serve these shapes, or None if it can.
+
+    The kernel's own ``static_validate_inputs`` on abstract shapes, plus the TPU tiling it needs:
+    ``head_dim`` is the lane dimension of its blocks (a multiple of 128) and a page must hold a
+    whole sublane tile of tokens (``page_size`` a multiple of 8).
+    """
+    if head_dim % 128:
+        return f"head_dim {head_dim} is not a multiple of 128"
+    if page_size % 8:
+        return f"page_size {page_size} is not a multiple of 8"
+    try:
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import static_validate_inputs
+    except ImportError as e:
+        return f"the kernel does not import ({e})"
+    seqs, pages_per_seq, tokens = 8, 4, 64
+    shape: Any = jax.ShapeDtypeStruct  # the validator reads only shapes and dtypes
+    try:
+        static_validate_inputs(
+            shape((tokens, num_heads, head_dim), jnp.bfloat16),
+            shape((64, page_size, 2 * num_kv_heads, head_dim), jnp.bfloat16),
+            shape((seqs,), jnp.int32),
+            shape((seqs, pages_per_seq), jnp.int32),
+            shape((seqs + 1,), jnp.int32),
+            shape((1,), jnp.int32),
+        )
+    except (ValueError, AssertionError) as e:
+        return str(e) or "the kernel rejects the shapes"
+    return None
+
+
+def resolve_backend(
+    backend: AttentionBackend, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int
+) -> Literal["reference", "pallas"]:
+    """Pick the attention implementation: the Pallas ragged kernel on TPU when it imports and the
+    model's shapes fit it (``pallas_fit``), else the reference. ``reference`` forces the reference."""
     if backend == "reference":
         return "reference"
     on_tpu = jax.default_backend() == "tpu"
     if backend == "pallas" and not on_tpu:
         raise ValueError("attention_backend 'pallas' needs a TPU; use 'auto' or 'reference'")
-    if on_tpu and _tpu_kernel() is not None:
+    if not on_tpu:
+        return "reference"
+    misfit = pallas_fit(num_heads, num_kv_heads, head_dim, page_size)
+    if misfit is None and _tpu_kernel() is not None:
         return "pallas"
+    if backend == "pallas":
+        raise ValueError(f"attention_backend 'pallas' cannot serve this model: {misfit}")
+    logger.warning("Pallas ragged paged attention not used (%s); using the reference", misfit)
     return "reference"
 
 

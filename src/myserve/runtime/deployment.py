@@ -79,7 +79,13 @@ class Deployment:
         check_max_len(spec, max_len, str(resolved.path))
         mapping = axis_mapping(spec, mesh)
         dtype = resolve_dtype(config.model.dtype)
-        backend = resolve_backend(config.engine.attention_backend)  # type: ignore[arg-type]
+        backend = resolve_backend(
+            config.engine.attention_backend,  # type: ignore[arg-type]
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            page_size=config.engine.page_size,
+        )
         # Each data-parallel replica reads its own copy onto its devices (per tensor, never whole).
         models = tuple(
             load_model(source, m, mapping, dtype, backend, config.model.quantization) for m in replica_meshes(mesh)
