@@ -136,6 +136,7 @@ def test_grouped_decode_layout_equals_rows_layout() -> None:
 
 
 def test_backend_switch_checks_that_the_kernel_fits() -> None:
+    from myserve.errors import ConfigError
     from myserve.ops.paged_attention import pallas_fit, resolve_backend
 
     # The kernel's own validator plus its TPU tiling; the reasons name the misfit.
@@ -146,5 +147,5 @@ def test_backend_switch_checks_that_the_kernel_fits() -> None:
     shapes = dict(num_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
     assert resolve_backend("auto", **shapes) == "reference"  # this CPU: no TPU, the reference
     assert resolve_backend("reference", **shapes) == "reference"
-    with pytest.raises(ValueError, match="needs a TPU"):
+    with pytest.raises(ConfigError, match="needs a TPU"):
         resolve_backend("pallas", **shapes)

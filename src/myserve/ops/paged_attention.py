@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from myserve.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 AttentionBackend = Literal["auto", "reference", "pallas"]
@@ -265,14 +267,14 @@ def resolve_backend(
         return "reference"
     on_tpu = jax.default_backend() == "tpu"
     if backend == "pallas" and not on_tpu:
-        raise ValueError("attention_backend 'pallas' needs a TPU; use 'auto' or 'reference'")
+        raise ConfigError("engine.attention_backend 'pallas' needs a TPU; use 'auto' or 'reference'")
     if not on_tpu:
         return "reference"
     misfit = pallas_fit(num_heads, num_kv_heads, head_dim, page_size)
     if misfit is None and _tpu_kernel() is not None:
         return "pallas"
     if backend == "pallas":
-        raise ValueError(f"attention_backend 'pallas' cannot serve this model: {misfit}")
+        raise ConfigError(f"engine.attention_backend 'pallas' cannot serve this model: {misfit}")
     logger.warning("Pallas ragged paged attention not used (%s); using the reference", misfit)
     return "reference"
 
