@@ -28,7 +28,6 @@ LOGICAL_AXIS_RULES: Mapping[str, str] = {
     "kv_heads": MODEL,
     "mlp": MODEL,
     "vocab": MODEL,
-    "batch": DATA,
 }
 
 

@@ -264,10 +264,6 @@ class ModelRunner:
                         results.prompt_scores.append((c.seq, c.start, lp[i, :n], ids[i, :n], tlp[i, :n]))
         return results
 
-    def execute(self, batch: ScheduledBatch) -> StepResults:
-        """Run one scheduler step and wait for its results."""
-        return self.collect(self.dispatch(batch))
-
     # -- warmup -------------------------------------------------------------------------------
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Compile every bucket shape (rows of padding only: the cache is not touched); returns compiles."""
