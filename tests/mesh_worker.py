@@ -38,7 +38,7 @@ def decode_collectives(service) -> list[str]:
 
     runner = service.replicas[0].runner
     executor = runner.device
-    tokens, batch = runner._decode_layout([], 8, 8)[1].device()
+    tokens, batch = runner._decode_layout([], 8, 8)[1]([None] * 8).device()
     x = steps._embed(executor.outer, tokens)
     start, treedef, leaves = executor.groups.groups[0]
     args = (executor.model.spec, executor.model.attention_backend, treedef, executor.groups.cache_sharding)

@@ -109,6 +109,11 @@ class EngineConfig:
     pair of rows, so twice as many, plus the midpoint between each two consecutive widths)."""
     enable_prefix_caching: bool = True
     """Reuse KV pages of identical prompt prefixes across requests."""
+    decode_steps: int = 1
+    """Decode steps run per dispatch when a step is decodes only and nothing waits for admission:
+    each step's sampled tokens feed the next on the device, EOS and stop_token_ids end a row there,
+    and the host reads the tokens once per dispatch (streams then get up to this many tokens at a
+    time). 1 = one step per dispatch."""
     layers_per_call: int | None = None
     """Decoder layers per jitted call; null = 6 on CPU (a shape compiles in ~2 s instead of ~9 s
     for the whole model) and every layer on TPU/GPU (one dispatch per step: steps are short there)."""
@@ -127,6 +132,7 @@ class EngineConfig:
             f"({self.max_num_seqs})",
         )
         _check(self.max_waiting >= 1, f"engine.max_waiting must be >= 1, got {self.max_waiting}")
+        _check(self.decode_steps >= 1, f"engine.decode_steps must be >= 1, got {self.decode_steps}")
         lpc = self.layers_per_call
         _check(lpc is None or lpc >= 1, f"engine.layers_per_call must be >= 1 or null, got {lpc}")
         _check(

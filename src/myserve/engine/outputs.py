@@ -90,3 +90,5 @@ class EngineStats:
     max_decode_batch: int
     """Largest number of sequences one decode call has carried."""
     generated_tokens: int
+    chained_decode_steps: int = 0
+    """Decode steps run chained behind another in the same dispatch (``engine.decode_steps`` > 1)."""

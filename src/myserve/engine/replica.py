@@ -88,6 +88,13 @@ def make_replica(dep: Deployment, device: Device, buckets: Buckets) -> Replica:
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_prefill_chunk=cfg.max_num_batched_tokens,
+        decode_steps=cfg.decode_steps,
     )
-    runner = ModelRunner(device, buckets=buckets, max_num_seqs=cfg.max_num_seqs, eos_ids=dep.tokenizer.eos_token_ids)
+    runner = ModelRunner(
+        device,
+        buckets=buckets,
+        max_num_seqs=cfg.max_num_seqs,
+        eos_ids=dep.tokenizer.eos_token_ids,
+        decode_steps=cfg.decode_steps,
+    )
     return Replica(allocator, scheduler, runner)

@@ -10,6 +10,12 @@ A sequence needs pages for every token it computes. When the pool runs dry while
 sequence, the most recently admitted running sequence is preempted: its pages are released and it
 goes back to the front of the waiting queue to be recomputed later. Nothing is dropped, and a lone
 sequence always fits because the service refuses requests longer than the whole pool.
+
+Multi-step decode (``decode_steps`` > 1): a step of decodes only, with no admission possible, lets each
+decode run up to ``decode_steps`` consecutive steps in one dispatch (``ScheduledChunk.steps``),
+capped by its ``max_len``; pages for all of them are allocated up front, and only when they are
+free (never by preempting). The tokens those steps sample are unknown to the host until the
+dispatch is read, so ``after_step`` is called again once they are appended.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ class ScheduledChunk:
     seq: Sequence
     start: int
     num_tokens: int
+    steps: int = 1
+    """Consecutive decode steps run in one dispatch (decode chunks only): each computes the token
+    the previous one sampled, so the chunk computes positions ``start .. start + steps - 1``."""
 
     @property
     def samples(self) -> bool:
@@ -73,12 +82,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_prefill_chunk: int,
+        decode_steps: int = 1,
     ):
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk
+        self.decode_steps = decode_steps
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -168,7 +179,24 @@ class Scheduler:
         # Single tokens run in the decode call, unless they are prompt tokens to be scored.
         decodes = [c for c in chunks.values() if c.num_tokens == 1 and not scores_prompt(c)]
         prefills = [c for c in chunks.values() if c.num_tokens > 1 or scores_prompt(c)]
+        admissible = self.waiting and len(self.running) < self.max_num_seqs
+        if self.decode_steps > 1 and decodes and not (prefills or preempted or copies or admissible):
+            decodes = self._multi_step(decodes)
         return ScheduledBatch(decodes, prefills, preempted, copies)
+
+    def _multi_step(self, decodes: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """The decodes with ``steps`` > 1 where their length allows and pages for them are free.
+
+        A sequence never runs past ``max_len`` (which includes ``max_tokens``); ending earlier on
+        EOS or a stop is found on the device or by the host, and the extra tokens are dropped.
+        """
+        steps = [min(self.decode_steps, c.seq.max_len - c.seq.num_tokens) for c in decodes]
+        need = [self._pages_needed(c.seq, n) for c, n in zip(decodes, steps, strict=True)]
+        if not self.allocator.can_allocate(sum(need)):
+            return decodes
+        for c, n in zip(decodes, need, strict=True):
+            c.seq.pages.extend(self.allocator.allocate(n))
+        return [ScheduledChunk(c.seq, c.start, 1, n) for c, n in zip(decodes, steps, strict=True)]
 
     def _admit_sibling(self, seq: Sequence, parent: Sequence, copies: list[tuple[int, int]]) -> int:
         """Admit a later choice on its first choice's prompt pages; it computes only the last prompt token.
@@ -214,11 +242,17 @@ class Scheduler:
         return first
 
     def after_step(self, batch: ScheduledBatch) -> None:
-        """Advance computed counts and offer newly full pages to the prefix cache."""
+        """Advance computed counts and offer newly full pages to the prefix cache.
+
+        Only positions whose tokens the host knows count as computed (page hashes need them): a
+        multi-step decode's later positions count once its sampled tokens are appended, so the
+        service calls this again then. Calling it twice is harmless.
+        """
         for chunk in (*batch.decodes, *batch.prefills):
             seq = chunk.seq
             if seq.status is not SeqStatus.RUNNING:
-                continue  # aborted while the step ran
-            seq.num_computed = chunk.start + chunk.num_tokens
+                continue  # finished or aborted while the step ran
+            end = chunk.start + chunk.num_tokens + chunk.steps - 1
+            seq.num_computed = max(seq.num_computed, min(end, seq.num_tokens))
             for page, page_hash in seq.update_page_hashes(self.page_size):
                 self.allocator.cache_page(page, page_hash)

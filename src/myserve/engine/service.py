@@ -94,6 +94,7 @@ class GenerationService:
         self._steps = 0
         self._max_decode_batch = 0
         self._generated = 0
+        self._chained = 0
         self._prompt_computed = 0
         self._ids = itertools.count()
 
@@ -236,6 +237,7 @@ class GenerationService:
             steps=self._steps,
             max_decode_batch=self._max_decode_batch,
             generated_tokens=self._generated,
+            chained_decode_steps=self._chained,
         )
 
     # -- engine thread ------------------------------------------------------------------------
@@ -321,10 +323,11 @@ class GenerationService:
             rep.scheduler.after_step(batch)
             self._steps += 1
             self._max_decode_batch = max(self._max_decode_batch, len(batch.decodes))
+            self._chained += max((c.steps - 1 for c in batch.decodes), default=0)
             self._prompt_computed += sum(c.num_tokens for c in batch.prefills)
             for seq, start, lps, ids, tlps in results.prompt_scores:
                 self._record_prompt_scores(seq, start, lps, ids, tlps)
-            for seq, (token, logprob, top_ids, top_lps) in results.sampled.items():
+            for seq, samples in results.sampled.items():
                 req = self._requests.get(seq.request_id)
                 if req is None or seq.finish_reason is not None:
                     continue
@@ -332,7 +335,13 @@ class GenerationService:
                     req.stream.put(self._prompt_output(req, seq, finish="length"))
                     self._finish_seq(req, seq, "length")
                     continue
-                self._append(req, seq, token, logprob, top_ids, top_lps)
+                # A multi-step decode's samples after its sequence ended (EOS, stop) are dropped.
+                for token, logprob, top_ids, top_lps in samples:
+                    if seq.finish_reason is not None:
+                        break
+                    self._append(req, seq, token, logprob, top_ids, top_lps)
+            if any(c.steps > 1 for c in batch.decodes):
+                rep.scheduler.after_step(batch)  # the positions of the tokens just appended
 
     def _record_prompt_scores(self, seq: Seq, start: int, lps, ids, tlps) -> None:
         """Keep the logprob of each prompt token (after the first) computed by a scored chunk."""

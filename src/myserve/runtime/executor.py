@@ -43,6 +43,9 @@ from myserve.runtime.steps import (
 SLOT_CHUNK = 256
 """Token ids written into a penalty slot per ``WriteSlot``."""
 
+MAX_STOP_IDS = 32
+"""Ids that end a row of a multi-step decode on the device: EOS ids and up to 16 stop_token_ids."""
+
 
 @dataclasses.dataclass(frozen=True)
 class CopyPage:
@@ -85,6 +88,10 @@ class ModelCall:
     """No row samples: the greedy sampler executable."""
     following: np.ndarray | None = None
     """int32 [rows, tokens]: each prompt position's next token, for rows scored for prompt logprobs."""
+    chained: np.ndarray | None = None
+    """A later step of a multi-step decode: int32 [rows, MAX_STOP_IDS] ids that end each row (-1:
+    none). The call's tokens are the previous call's sampled tokens, and a row that sampled one of
+    its stop ids in the previous call (or did not run in it) does not run: its K/V write is dropped."""
 
 
 Op = CopyPage | ClearSlot | WriteSlot | ModelCall
@@ -110,6 +117,22 @@ def _sample(
         logits, sampling, counts[slots], prompt_mask[slots], num_top_logprobs=MAX_TOP_LOGPROBS, all_greedy=all_greedy
     )
     return out, counts.at[slots, out.tokens].add(sampled_weight)
+
+
+@jax.jit
+def _chain(
+    prev_tokens: jax.Array, prev_q_lens: jax.Array, stop_ids: jax.Array, q_lens: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """A chained decode call's tokens [B, 1] and q_lens from the previous call's results.
+
+    ``prev_q_lens`` [B] are the previous call's (after its own masking), so a row stays stopped.
+    A stopped row still samples (its row is in the batch) and counts the sample in its penalty
+    slot, which is harmless: the host ends that sequence, and a slot is cleared when reassigned.
+    """
+    rows = q_lens.shape[0]
+    tokens = prev_tokens[:rows]
+    runs = (prev_q_lens > 0) & ~(tokens[:, None] == stop_ids).any(axis=1)
+    return jnp.where(runs, tokens, 0)[:, None], jnp.where(runs, q_lens, 0)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -161,16 +184,19 @@ class Executor:
         self.groups = LayerGroups.of(model, layers_per_call, self.cache_sharding)
         self.kv_cache = init_kv_cache(model.spec, num_pages, page_size, model.embed.array.dtype, mesh, mapping)
         # Penalty state is small next to the cache: replicated, so every row's slot is local.
-        zeros = functools.partial(jax.device_put, device=replicated(mesh))
+        self.replicated = replicated(mesh)
+        zeros = functools.partial(jax.device_put, device=self.replicated)
         self.counts = zeros(np.zeros((num_slots, model.spec.vocab_size), np.int32))
         self.prompt_mask = zeros(np.zeros((num_slots, model.spec.vocab_size), np.bool_))
 
     def run(self, ops: Sequence[Op]) -> list[CallOutput]:
         """Apply ``ops`` in order (dispatched, not awaited); the outputs of its model calls, in order."""
-        outputs = []
+        outputs: list[CallOutput] = []
+        previous: tuple[jax.Array, jax.Array] | None = None  # the last call's (sampled tokens, q_lens)
         for op in ops:
             if isinstance(op, ModelCall):
-                outputs.append(self._call(op))
+                out, previous = self._call(op, previous)
+                outputs.append(out)
             elif isinstance(op, CopyPage):
                 self.kv_cache = _copy_page(self.kv_cache, np.int32(op.src), np.int32(op.dst), self.cache_sharding)
             elif isinstance(op, ClearSlot):
@@ -181,8 +207,12 @@ class Executor:
                 )
         return outputs
 
-    def _call(self, op: ModelCall) -> CallOutput:
-        tokens, batch = upload(op.batch, op.shapes)
+    def _call(self, op: ModelCall, previous: tuple[jax.Array, jax.Array] | None) -> tuple[CallOutput, tuple]:
+        tokens, batch = upload(op.batch, op.shapes, self.replicated)
+        if op.chained is not None:
+            assert previous is not None, "a chained call follows the call it continues"
+            tokens, q_lens = _chain(*previous, op.chained, batch.q_lens)
+            batch = dataclasses.replace(batch, q_lens=q_lens)
         scores = None
         if op.following is not None:
             logits, scores, self.kv_cache = forward_scored(
@@ -196,7 +226,7 @@ class Executor:
         if op.ints.shape[0] != logits.shape[0]:
             logits = _pad_rows(logits, op.ints.shape[0])
         out, self.counts = _sample(logits, self.counts, self.prompt_mask, op.ints, op.floats, op.all_greedy)
-        return out, scores
+        return (out, scores), (out.tokens, batch.q_lens)
 
 
 def fetch(arrays: Sequence[jax.Array]) -> list[np.ndarray]:

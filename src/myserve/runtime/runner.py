@@ -4,7 +4,10 @@ A step runs padded batches of rows through the model (``runtime/steps.py``: jitt
 decoder layers in groups, head), then the sampler draws one token per row on device. A scheduler
 step becomes at most one decode call (all single-token rows, ``[B, 1]``) plus prefill calls of rows
 of ``prefill_row_tokens`` tokens; every call's shape is a bucket from ``Buckets``, and ``warmup``
-compiles all of them. The runner is host-only: it plans a step as ops (``runtime/executor.py``) and
+compiles all of them. With ``decode_steps`` > 1, a decode call the scheduler gave several steps
+becomes a chain of calls in one dispatch: every call after the first takes its tokens from the
+previous call's samples on the device (``ModelCall.chained``), and the host reads all of them at
+once. The runner is host-only: it plans a step as ops (``runtime/executor.py``) and
 hands them to its ``Device``, an ``Executor`` on this process's mesh or, on a multi-host mesh, one
 that broadcasts them to the other processes first.
 """
@@ -24,7 +27,17 @@ from myserve.engine.sequence import Sequence as Seq
 from myserve.runtime.batch_layout import Entry, HostBatch, balance, grouped_batch, row_batch
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.compile_counter import compile_count
-from myserve.runtime.executor import SLOT_CHUNK, CallOutput, ClearSlot, CopyPage, ModelCall, Op, WriteSlot, fetch
+from myserve.runtime.executor import (
+    MAX_STOP_IDS,
+    SLOT_CHUNK,
+    CallOutput,
+    ClearSlot,
+    CopyPage,
+    ModelCall,
+    Op,
+    WriteSlot,
+    fetch,
+)
 from myserve.runtime.sampling_rows import (
     CHOICE,
     FLOAT_PARAMS,
@@ -59,8 +72,10 @@ class PendingStep:
 class StepResults:
     """What one step produced, per sequence."""
 
-    sampled: dict[Seq, tuple[int, float, np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
-    """Sequences whose chunk ended their known tokens: (token, logprob, top ids, top logprobs)."""
+    sampled: dict[Seq, list[tuple[int, float, np.ndarray, np.ndarray]]] = dataclasses.field(default_factory=dict)
+    """Sequences whose chunk ended their known tokens: (token, logprob, top ids, top logprobs) of
+    each step they ran, in order (several for a multi-step decode; those after an EOS or stop are
+    garbage the caller drops)."""
     prompt_scores: list[tuple[Seq, int, np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
     """Scored prompt rows: (sequence, start, logprob of each position's next token [n], top ids, top logprobs)."""
 
@@ -74,6 +89,14 @@ class _Row:
     num_tokens: int
     samples: bool
     """The row ends its chunk and the chunk ends the sequence's known tokens: its logits give a token."""
+    steps: int = 1
+    """Decode steps of the row in this dispatch (see ``ScheduledChunk.steps``)."""
+    ahead: int = 0
+    """Which of them this is: the row's tokens are ``ahead`` positions past the known ones."""
+
+    def step(self, i: int) -> _Row | None:
+        """The row in step ``i`` of a multi-step decode; None once its steps are done."""
+        return dataclasses.replace(self, start=self.start + i, ahead=i) if i < self.steps else None
 
     @property
     def scored(self) -> bool:
@@ -82,7 +105,9 @@ class _Row:
 
 
 def _entry(row: _Row) -> Entry:
-    return Entry(row.seq.tokens(row.start, row.start + row.num_tokens), row.start, row.seq.pages)
+    # A later step of a multi-step decode: its token is sampled on the device (any id here).
+    tokens = [0] if row.ahead else row.seq.tokens(row.start, row.start + row.num_tokens)
+    return Entry(tokens, row.start, row.seq.pages)
 
 
 def _rows_of(chunk: ScheduledChunk, row_tokens: int) -> list[_Row]:
@@ -97,11 +122,20 @@ def _rows_of(chunk: ScheduledChunk, row_tokens: int) -> list[_Row]:
 class ModelRunner:
     """Host side of the device work: penalty slots, bucketed call layouts, ops, result reading."""
 
-    def __init__(self, device: Device, *, buckets: Buckets, max_num_seqs: int, eos_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        device: Device,
+        *,
+        buckets: Buckets,
+        max_num_seqs: int,
+        eos_ids: Sequence[int] = (),
+        decode_steps: int = 1,
+    ):
         self.device = device
         self.buckets = buckets
         self.page_size = buckets.page_size
         self.eos_ids = tuple(eos_ids)
+        self.decode_steps = decode_steps
         self.scratch_slot = max_num_seqs
         """The penalty slot of rows without penalties (the executor has ``max_num_seqs + 1`` slots)."""
         self._free_slots = list(range(max_num_seqs))
@@ -140,12 +174,13 @@ class ModelRunner:
             seq, p = chunk.seq, chunk.seq.params
             packed.floats[i, : len(FLOAT_PARAMS)] = [getattr(p, name) for name in FLOAT_PARAMS]
             packed.ints[i, TOP_K], packed.ints[i, WEIGHT] = p.top_k, int(chunk.samples)
-            packed.ints[i, CHOICE], packed.ints[i, POSITION] = seq.choice, len(seq.output_ids)
+            generated = len(seq.output_ids) + chunk.ahead
+            packed.ints[i, CHOICE], packed.ints[i, POSITION] = seq.choice, generated
             packed.set_seed(i, seq.seed)
             if p.logit_bias:
                 ids, values = zip(*p.logit_bias, strict=True)
                 packed.set_bias(i, ids, values)
-            if len(seq.output_ids) < p.min_tokens:
+            if generated < p.min_tokens:
                 packed.set_banned(i, (() if p.ignore_eos else self.eos_ids) + p.stop_token_ids)
             if p.uses_penalties:
                 if seq.slot is None:
@@ -161,10 +196,12 @@ class ModelRunner:
         ops: list[Op],
         scored: bool = False,
         all_greedy: bool | None = None,
+        chained: np.ndarray | None = None,
     ) -> None:
         """Append the ops of one call: ``chunks`` are its rows in order (None = padding), ``host`` their layout.
 
         ``all_greedy`` picks the sampler executable; by default whether every row is greedy.
+        ``chained``: a later step of a multi-step decode, with each row's stop ids (see ``ModelCall``).
         """
         rows = host.tokens.shape[0]
         following = None
@@ -180,27 +217,42 @@ class ModelRunner:
         if all_greedy is None:
             all_greedy = all(c is None or c.seq.params.temperature <= 0 for c in chunks)
         flat, shapes = host.pack()
-        ops.append(ModelCall(flat, shapes, packed.ints, packed.floats, all_greedy, following))
+        ops.append(ModelCall(flat, shapes, packed.ints, packed.floats, all_greedy, following, chained))
 
     def _decode_layout(
         self, decodes: Sequence[_Row], rows: int, width: int | None = None
-    ) -> tuple[list[_Row | None], HostBatch]:
-        """The decode call's rows and layout: grouped (balanced groups) unless groups are of one row.
+    ) -> tuple[list[_Row | None], Callable[[Sequence[_Row | None]], HostBatch]]:
+        """The decode call's row order, and the layout of rows in that order: grouped (balanced
+        groups) unless groups are of one row. Every step of a multi-step decode uses the same order
+        and width, so a row's sampled token is at the same index in the next call.
 
         ``width`` forces the page width (warmup); by default the smallest bucket that fits.
         """
-        bk, group = self.buckets, self.buckets.group_size(rows)
+        bk, group, size = self.buckets, self.buckets.group_size(rows), self.page_size
         if group == 1:
             slots: list[_Row | None] = list(decodes)
             need = max((len(c.seq.pages) for c in decodes), default=1)
-            width = width or Buckets.fit(bk.decode_widths(rows), need)
-            rows_entries = [_entry(c) for c in decodes]
-            return slots, row_batch(rows_entries, rows=rows, tokens_per_row=1, width=width, page_size=self.page_size)
+            w = width or Buckets.fit(bk.decode_widths(rows), need)
+            return slots, lambda rs: row_batch(
+                [None if r is None else _entry(r) for r in rs], rows=rows, tokens_per_row=1, width=w, page_size=size
+            )
         order, most = balance([len(c.seq.pages) for c in decodes], rows, group)
         slots = [None if i is None else decodes[i] for i in order]
-        width = width or Buckets.fit(bk.decode_widths(rows), max(most, 1))
-        entries = [None if c is None else _entry(c) for c in slots]
-        return slots, grouped_batch(entries, group=group, group_width=width, page_size=self.page_size)
+        w = width or Buckets.fit(bk.decode_widths(rows), max(most, 1))
+        return slots, lambda rs: grouped_batch(
+            [None if r is None else _entry(r) for r in rs], group=group, group_width=w, page_size=size
+        )
+
+    def _stop_ids(self, slots: Sequence[_Row | None]) -> np.ndarray:
+        """[rows, MAX_STOP_IDS] int32 ids that end each row on the device (-1: none): its
+        stop_token_ids, and EOS unless it ignores EOS."""
+        stops = np.full((len(slots), MAX_STOP_IDS), -1, np.int32)
+        for i, r in enumerate(slots):
+            if r is not None:
+                p = r.seq.params
+                ids = (*p.stop_token_ids, *(() if p.ignore_eos else self.eos_ids))[:MAX_STOP_IDS]
+                stops[i, : len(ids)] = ids
+        return stops
 
     def _prefill_calls(self, prefills: Sequence[ScheduledChunk]) -> list[tuple[list[_Row], int, bool]]:
         """The step's prefill chunks as rows, grouped into calls: (rows, page-table width, scored).
@@ -226,9 +278,16 @@ class ModelRunner:
         calls: list[Sequence[_Row | None]] = []
         if batch.decodes:
             rows = Buckets.fit(self.buckets.batch, len(batch.decodes))
-            slots, host = self._decode_layout([_Row(c.seq, c.start, 1, c.samples) for c in batch.decodes], rows)
-            self._call(slots, host, ops)
+            decodes = [_Row(c.seq, c.start, 1, c.samples, c.steps) for c in batch.decodes]
+            slots, layout = self._decode_layout(decodes, rows)
+            self._call(slots, layout(slots), ops)
             calls.append(slots)
+            steps = max(c.steps for c in batch.decodes)
+            stops = self._stop_ids(slots) if steps > 1 else None
+            for i in range(1, steps):
+                rows_i = [None if r is None else r.step(i) for r in slots]
+                self._call(rows_i, layout(rows_i), ops, chained=stops)
+                calls.append(rows_i)
         # Prefill rows run after the decodes, in chunk order: a later row of a chunk reads the K/V
         # its earlier rows wrote in the same call or an earlier one.
         for rows_, width, scored in self._prefill_calls(batch.prefills):
@@ -255,7 +314,8 @@ class ModelRunner:
             for i, c in enumerate(chunks):
                 if c is not None and c.samples:
                     top_ids, top_lps = (fetched[2][i], fetched[3][i]) if tops else (_NO_TOP, _NO_TOP)
-                    results.sampled[c.seq] = (int(tokens[i]), float(logprobs[i]), top_ids, top_lps)
+                    sample = (int(tokens[i]), float(logprobs[i]), top_ids, top_lps)
+                    results.sampled.setdefault(c.seq, []).append(sample)
             if scores is not None:
                 lp, ids, tlp = fetch(scores)
                 for i, c in enumerate(chunks):
@@ -270,10 +330,11 @@ class ModelRunner:
         before = compile_count()
         shapes = self.buckets.shapes()
         sampled_rows: set[int] = set()  # row counts whose sampling (not greedy) executable is built
+        chained_rows: set[int] = set()  # decode row counts whose multi-step chaining is built
         for i, (rows, t, width) in enumerate(shapes):
             ops: list[Op] = []
             if t == 1:
-                host = self._decode_layout([], rows, width)[1]
+                host = self._decode_layout([], rows, width)[1]([None] * rows)
             else:
                 host = row_batch([], rows=rows, tokens_per_row=t, width=width, page_size=self.page_size)
             # Each shape once greedy; the first of each row count also with the sampling executable.
@@ -281,6 +342,12 @@ class ModelRunner:
             if rows not in sampled_rows:
                 sampled_rows.add(rows)
                 self._call([], host, ops, all_greedy=False)
+            if t == 1 and self.decode_steps > 1 and rows not in chained_rows:
+                # The chaining of multi-step decodes depends on the row count only; twice, as the
+                # second link takes the first link's outputs, not the upload's.
+                chained_rows.add(rows)
+                for _ in range(2):
+                    self._call([], host, ops, all_greedy=True, chained=self._stop_ids([None] * rows))
             if t != 1 and width == self.buckets.pages[0]:
                 # The scoring head (echo with logprobs) depends on (rows, tokens) only, not the width.
                 self._call([], host, ops, scored=True)
