@@ -144,7 +144,7 @@ def test_with_overrides_returns_a_new_validated_config() -> None:
             "overrides: unknown key 'engine.page_sise' (did you mean 'engine.page_size'?); "
             "known keys: page_size, num_pages, attention_backend, compilation_cache_dir, max_num_seqs, "
             "max_num_batched_tokens, max_waiting, batch_buckets, prefill_row_tokens, page_buckets, "
-            "enable_prefix_caching, layers_per_call",
+            "enable_prefix_caching, decode_steps, layers_per_call",
         ),
         (
             "egnine.page_size=32",
@@ -160,6 +160,7 @@ def test_with_overrides_returns_a_new_validated_config() -> None:
         ),
         ("engine.page_size=12", "overrides: engine.page_size must be a power of two >= 1, got 12"),
         ("engine.num_pages=1", "overrides: engine.num_pages must be >= 2, got 1"),
+        ("engine.decode_steps=0", "overrides: engine.decode_steps must be >= 1, got 0"),
         ("server.port=70000", "overrides: server.port must be in 1..65535, got 70000"),
         ("mesh.model=0", "overrides: mesh.model must be >= 1, got 0"),
         (
