@@ -59,6 +59,22 @@ def service(tiny_checkpoints):
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
 
+def test_no_compile_after_warmup(service, prompts) -> None:
+    # First test on the module's engine: a shape warmup missed would compile here, not earlier.
+    before = compile_count()
+    mixes = [
+        SamplingParams(max_tokens=5, temperature=0.0),
+        SamplingParams(max_tokens=9, temperature=0.7, top_k=20, top_p=0.8, seed=3),
+        SamplingParams(max_tokens=7, temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=5),
+        SamplingParams(max_tokens=6, temperature=0.0, logit_bias=((5, 10.0),), min_tokens=3, n=2),
+    ]
+    threads_out: list = []
+    streams = [service.submit(p, mixes[i % 4]) for i, p in enumerate(prompts)]
+    for s in streams:
+        threads_out.append(collect(s))
+    assert compile_count() == before
+
+
 def test_concurrent_greedy_matches_transformers_alone(service, prompts, expected) -> None:
     got = run_concurrently(service, prompts, GREEDY)
     assert got == expected
@@ -136,21 +152,6 @@ def test_abort_frees_everything_and_engine_keeps_serving(service, prompts, expec
     stats = service.stats()
     assert stats.pages_used == 0 and stats.running == 0 and stats.waiting == 0
     assert collect(service.submit(prompts[0], GREEDY))[0] == expected[0]
-
-
-def test_no_compile_after_warmup(service, prompts) -> None:
-    before = compile_count()
-    mixes = [
-        SamplingParams(max_tokens=5, temperature=0.0),
-        SamplingParams(max_tokens=9, temperature=0.7, top_k=20, top_p=0.8, seed=3),
-        SamplingParams(max_tokens=7, temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=5),
-        SamplingParams(max_tokens=6, temperature=0.0, logit_bias=((5, 10.0),), min_tokens=3, n=2),
-    ]
-    threads_out: list = []
-    streams = [service.submit(p, mixes[i % 4]) for i, p in enumerate(prompts)]
-    for s in streams:
-        threads_out.append(collect(s))
-    assert compile_count() == before
 
 
 def test_stop_strings_and_finish_reasons(service, prompts) -> None:
