@@ -37,6 +37,9 @@ class Metrics:
         self.hit_rate = Gauge("myserve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", registry=r)
         self.compiles = Gauge("myserve_compile_count", "XLA executables built in this process", registry=r)
         self.preemptions = Gauge("myserve_num_preemptions", "Sequences preempted so far", registry=r)
+        self.chained = Gauge(
+            "myserve_chained_decode_steps", "Decode steps run chained in a dispatch (engine.decode_steps)", registry=r
+        )
 
     def render(self) -> bytes:
         """The exposition text, with engine gauges read now."""
@@ -48,4 +51,5 @@ class Metrics:
         self.hit_rate.set(s.prefix_cache_hit_rate)
         self.compiles.set(s.compile_count)
         self.preemptions.set(s.num_preemptions)
+        self.chained.set(s.chained_decode_steps)
         return generate_latest(self.registry)
