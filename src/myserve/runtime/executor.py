@@ -207,7 +207,10 @@ class Executor:
                 )
         return outputs
 
-    def _call(self, op: ModelCall, previous: tuple[jax.Array, jax.Array] | None) -> tuple[CallOutput, tuple]:
+    def _call(
+        self, op: ModelCall, previous: tuple[jax.Array, jax.Array] | None
+    ) -> tuple[CallOutput, tuple[jax.Array, jax.Array]]:
+        """Dispatch one model call; its outputs, and (sampled tokens, q_lens) for a chained next call."""
         tokens, batch = upload(op.batch, op.shapes, self.replicated)
         if op.chained is not None:
             assert previous is not None, "a chained call follows the call it continues"

@@ -229,19 +229,19 @@ class ModelRunner:
         ``width`` forces the page width (warmup); by default the smallest bucket that fits.
         """
         bk, group, size = self.buckets, self.buckets.group_size(rows), self.page_size
+
+        def entries(rs: Sequence[_Row | None]) -> list[Entry | None]:
+            return [None if r is None else _entry(r) for r in rs]
+
         if group == 1:
             slots: list[_Row | None] = list(decodes)
             need = max((len(c.seq.pages) for c in decodes), default=1)
             w = width or Buckets.fit(bk.decode_widths(rows), need)
-            return slots, lambda rs: row_batch(
-                [None if r is None else _entry(r) for r in rs], rows=rows, tokens_per_row=1, width=w, page_size=size
-            )
+            return slots, lambda rs: row_batch(entries(rs), rows=rows, tokens_per_row=1, width=w, page_size=size)
         order, most = balance([len(c.seq.pages) for c in decodes], rows, group)
         slots = [None if i is None else decodes[i] for i in order]
         w = width or Buckets.fit(bk.decode_widths(rows), max(most, 1))
-        return slots, lambda rs: grouped_batch(
-            [None if r is None else _entry(r) for r in rs], group=group, group_width=w, page_size=size
-        )
+        return slots, lambda rs: grouped_batch(entries(rs), group=group, group_width=w, page_size=size)
 
     def _stop_ids(self, slots: Sequence[_Row | None]) -> np.ndarray:
         """[rows, MAX_STOP_IDS] int32 ids that end each row on the device (-1: none): its
