@@ -32,16 +32,32 @@ def smollm2():
     return load_on_mesh(None)
 
 
-# A tiny-model engine with small buckets, so warmup stays short on 2 cores.
-TINY_ENGINE = (
-    "model.max_model_len=512",
-    "engine.page_size=8",
-    "engine.max_num_seqs=8",
-    "engine.max_num_batched_tokens=64",
-    "engine.batch_buckets=[1,2,4,8]",
-    "engine.prefill_row_tokens=16",
-    "engine.page_buckets=[8,64]",
-)
+@pytest.fixture(scope="session")
+def tiny_service(tiny_checkpoints: dict[str, Path]):
+    """The tiny Llama behind a started GenerationService (TINY_ENGINE, 256 pages), shared by modules."""
+    from myserve.testing import TINY_ENGINE, start_service
+
+    svc = start_service(tiny_checkpoints["llama3"], *TINY_ENGINE, "engine.num_pages=256")
+    yield svc
+    svc.shutdown()
+
+
+@pytest.fixture
+def make_service(tiny_checkpoints: dict[str, Path]):
+    """A factory of started tiny-Llama services (TINY_ENGINE plus the overrides given); each is shut
+    down when the test ends. For engines a test must own: a small pool, a fault, a fresh jit cache."""
+    from myserve.testing import TINY_ENGINE, start_service
+
+    started = []
+
+    def make(*overrides: str):
+        svc = start_service(tiny_checkpoints["llama3"], *TINY_ENGINE, *overrides)
+        started.append(svc)
+        return svc
+
+    yield make
+    for svc in started:
+        svc.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -4,25 +4,15 @@ from __future__ import annotations
 
 import threading
 
+import jax
 import numpy as np
 import pytest
-from conftest import TINY_ENGINE
 
 from myserve.engine.params import SamplingParams
 from myserve.runtime.compile_counter import compile_count
-from myserve.testing import hf_greedy, hf_logits, start_service
+from myserve.testing import collect, hf_greedy, hf_logits
 
-ENGINE = TINY_ENGINE
 LENGTHS = [3, 200, 17, 64, 5, 120, 33, 9, 150, 48, 77, 11]
-
-
-def collect(stream) -> tuple[list[int], str, str | None]:
-    tokens, text, finish = [], "", None
-    for out in stream:
-        tokens.extend(out.token_ids)
-        text += out.text
-        finish = out.finish_reason or finish
-    return tokens, text, finish
 
 
 def run_concurrently(service, prompts, params) -> list[list[int]]:
@@ -50,17 +40,18 @@ def expected(hf_tiny, prompts) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def service(tiny_checkpoints):
-    svc = start_service(tiny_checkpoints["llama3"], *ENGINE, "engine.num_pages=256")
-    yield svc
-    svc.shutdown()
+def service(tiny_service):
+    return tiny_service
 
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
 
 def test_no_compile_after_warmup(service, prompts) -> None:
-    # First test on the module's engine: a shape warmup missed would compile here, not earlier.
+    # Executables are cached process-wide: forget them and warm up again, so that a shape warmup
+    # misses compiles here whatever ran before (the persistent cache keeps the re-warmup quick).
+    jax.clear_caches()
+    service.replicas[0].runner.warmup()
     before = compile_count()
     mixes = [
         SamplingParams(max_tokens=5, temperature=0.0),
@@ -81,18 +72,15 @@ def test_concurrent_greedy_matches_transformers_alone(service, prompts, expected
     assert service.stats().max_decode_batch > 1  # decode steps really batched several sequences
 
 
-def test_preemption_keeps_outputs_and_frees_every_page(tiny_checkpoints, prompts, expected) -> None:
+def test_preemption_keeps_outputs_and_frees_every_page(make_service, prompts, expected) -> None:
     # 48 pages of 8 tokens: the 12 requests need ~170 pages in all, so sequences must be preempted.
-    svc = start_service(tiny_checkpoints["llama3"], *ENGINE, "engine.num_pages=48")
-    try:
-        got = run_concurrently(svc, prompts, GREEDY)
-        stats = svc.stats()
-        assert stats.num_preemptions > 0
-        assert got == expected
-        assert all(svc.replicas[0].allocator.refcount(p) == 0 for p in range(48))
-        assert stats.pages_used == 0 and stats.running == 0 and stats.waiting == 0
-    finally:
-        svc.shutdown()
+    svc = make_service("engine.num_pages=48", "model.max_model_len=256")
+    got = run_concurrently(svc, prompts, GREEDY)
+    stats = svc.stats()
+    assert stats.num_preemptions > 0
+    assert got == expected
+    assert all(svc.replicas[0].allocator.refcount(p) == 0 for p in range(48))
+    assert stats.pages_used == 0 and stats.running == 0 and stats.waiting == 0
 
 
 def test_prefix_cache_computes_only_uncached_tokens(service, hf_tiny) -> None:
@@ -201,25 +189,20 @@ def test_n_greedy_choices_share_prompt_pages_copy_on_write(service, hf_tiny) -> 
     assert after.pages_used == 0
 
 
-def test_full_waiting_queue_raises_overloaded_and_the_rest_finish(tiny_checkpoints, prompts) -> None:
+def test_full_waiting_queue_raises_overloaded_and_the_rest_finish(make_service, prompts) -> None:
     from myserve.engine.outputs import Overloaded
 
-    svc = start_service(
-        tiny_checkpoints["llama3"], *ENGINE, "engine.max_num_seqs=1", "engine.batch_buckets=[1]", "engine.max_waiting=3"
-    )
-    try:
-        accepted, refused = [], 0
-        for i in range(12):
-            try:
-                accepted.append(svc.submit(prompts[i], SamplingParams(max_tokens=30, temperature=0.0)))
-            except Overloaded:
-                refused += 1
-        assert refused > 0 and len(accepted) >= 3
-        finishes = [collect(s)[2] for s in accepted]
-        assert all(f in ("length", "stop") for f in finishes)
-        assert svc.stats().pages_used == 0
-    finally:
-        svc.shutdown()
+    svc = make_service("engine.max_num_seqs=1", "engine.batch_buckets=[1]", "engine.max_waiting=3")
+    accepted, refused = [], 0
+    for i in range(12):
+        try:
+            accepted.append(svc.submit(prompts[i], SamplingParams(max_tokens=30, temperature=0.0)))
+        except Overloaded:
+            refused += 1
+    assert refused > 0 and len(accepted) >= 3
+    finishes = [collect(s)[2] for s in accepted]
+    assert all(f in ("length", "stop") for f in finishes)
+    assert svc.stats().pages_used == 0
 
 
 def test_prompt_logprobs_equal_transformers_log_softmax(service, tiny_checkpoints) -> None:
@@ -243,23 +226,22 @@ def test_prompt_logprobs_equal_transformers_log_softmax(service, tiny_checkpoint
     assert outs[0].prompt_logprobs is not None and sum(len(o.token_ids) for o in outs) == 3
 
 
-def test_engine_crash_fails_requests_instead_of_hanging(tiny_checkpoints, prompts) -> None:
+def test_engine_crash_fails_requests_instead_of_hanging(make_service, prompts) -> None:
     from myserve.engine.outputs import EngineDead
 
-    svc = start_service(tiny_checkpoints["llama3"], *ENGINE, "engine.num_pages=64")
-    try:
-        all_submitted = threading.Event()
+    svc = make_service("engine.num_pages=64")
+    all_submitted = threading.Event()
 
-        def boom(batch):
-            all_submitted.wait(10)  # the engine dies only once every request is queued
-            raise RuntimeError("injected device failure")
+    def boom(batch):
+        all_submitted.wait(10)  # the engine dies only once every request is queued
+        raise RuntimeError("injected device failure")
 
-        svc.replicas[0].runner.dispatch = boom  # type: ignore[method-assign]
-        streams = [svc.submit(p, GREEDY) for p in prompts[:4]]
-        all_submitted.set()
-        finals = [[o for o in s if o.final][0] for s in streams]
-        assert all(f.error and "injected device failure" in f.error for f in finals)
-        with pytest.raises(EngineDead):
-            svc.submit(prompts[0], GREEDY)
-    finally:
-        svc.shutdown()
+    svc.replicas[0].runner.dispatch = boom  # type: ignore[method-assign]
+    streams = [svc.submit(p, GREEDY) for p in prompts[:4]]
+    all_submitted.set()
+    finals = [[o for o in s if o.final][0] for s in streams]
+    assert all(f.error and "injected device failure" in f.error for f in finals)
+    # The failed requests' pages went back through the one release path.
+    assert svc.replicas[0].allocator.num_used == 0
+    with pytest.raises(EngineDead):
+        svc.submit(prompts[0], GREEDY)

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import TINY_ENGINE
 
 from myserve.engine.params import SamplingParams
 from myserve.runtime.compile_counter import compile_count
-from myserve.testing import hf_greedy, start_service
+from myserve.testing import TINY_ENGINE, hf_greedy, start_service
 
 STEPS = 4
 LENGTHS = [3, 200, 17, 64, 5, 120, 33, 9]
@@ -42,14 +41,12 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def services(tiny_checkpoints):
+def services(tiny_checkpoints, tiny_service):
     """(one step per dispatch, STEPS per dispatch) engines of the tiny Llama."""
-    single = start_service(tiny_checkpoints["llama3"], *TINY_ENGINE, "engine.num_pages=256")
     multi = start_service(
         tiny_checkpoints["llama3"], *TINY_ENGINE, "engine.num_pages=256", f"engine.decode_steps={STEPS}"
     )
-    yield single, multi
-    single.shutdown()
+    yield tiny_service, multi
     multi.shutdown()
 
 

@@ -12,10 +12,8 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from conftest import TINY_ENGINE
 
 from myserve.server.app import create_app
-from myserve.testing import start_service
 
 MODEL = "smol"
 KEY = "sk-test-key"
@@ -297,14 +295,8 @@ def test_unknown_fields_ignored_and_tokenize_roundtrip(live) -> None:
     assert json.loads(json.dumps(tok))  # plain JSON
 
 
-def test_full_queue_answers_429_with_retry_after(tiny_checkpoints) -> None:
-    svc = start_service(
-        tiny_checkpoints["llama3"],
-        *TINY_ENGINE,
-        "engine.max_num_seqs=1",
-        "engine.batch_buckets=[1]",
-        "engine.max_waiting=2",
-    )
+def test_full_queue_answers_429_with_retry_after(make_service) -> None:
+    svc = make_service("engine.max_num_seqs=1", "engine.batch_buckets=[1]", "engine.max_waiting=2")
     server = LiveServer(create_app(svc, served_model_name="tiny"))
     try:
 
@@ -328,7 +320,6 @@ def test_full_queue_answers_429_with_retry_after(tiny_checkpoints) -> None:
         assert svc.stats().pages_used == 0
     finally:
         server.stop()
-        svc.shutdown()
 
 
 def test_echo_with_logprobs_scores_the_prompt(client, live) -> None:
@@ -367,8 +358,8 @@ def test_disconnect_without_streaming_aborts(live, service) -> None:
     assert s.running == 0 and s.pages_used == 0
 
 
-def test_engine_error_mid_stream_sends_error_event(tiny_checkpoints) -> None:
-    svc = start_service(tiny_checkpoints["llama3"], *TINY_ENGINE, "engine.num_pages=64")
+def test_engine_error_mid_stream_sends_error_event(make_service) -> None:
+    svc = make_service("engine.num_pages=64")
     server = LiveServer(create_app(svc, served_model_name="tiny"))
     runner = svc.replicas[0].runner
     real_dispatch, calls = runner.dispatch, []
@@ -393,7 +384,6 @@ def test_engine_error_mid_stream_sends_error_event(tiny_checkpoints) -> None:
         assert httpx.get(f"{server.url}/docs").status_code == 200
     finally:
         server.stop()
-        svc.shutdown()
 
 
 def test_prompt_lists_n_choices_interleaved_and_request_log(live, caplog: pytest.LogCaptureFixture) -> None:

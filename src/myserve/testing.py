@@ -41,6 +41,18 @@ TINY_ARCHES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# A tiny-model engine with small buckets, so warmup stays short on 2 cores (config overrides).
+TINY_ENGINE: tuple[str, ...] = (
+    "model.max_model_len=512",
+    "engine.page_size=8",
+    "engine.max_num_seqs=8",
+    "engine.max_num_batched_tokens=64",
+    "engine.batch_buckets=[1,2,4,8]",
+    "engine.prefill_row_tokens=16",
+    "engine.page_buckets=[8,64]",
+)
+
+
 # Full-size shapes for benchmarks on accelerators (random weights; no download needed).
 BENCH_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-3.2-1b": (
@@ -146,6 +158,17 @@ def start_service(checkpoint: Path | None, *overrides: str):
     return service
 
 
+def collect(stream: Any) -> tuple[list[int], str, str | None]:
+    """Drain a single-choice request stream: (token ids, text, finish reason)."""
+    tokens: list[int] = []
+    text, finish = "", None
+    for out in stream:
+        tokens.extend(out.token_ids)
+        text += out.text
+        finish = out.finish_reason or finish
+    return tokens, text, finish
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: tuple[int, ...]) -> list[int]:
     """transformers greedy ``generate`` for one prompt alone; the new token ids (EOS included)."""
     import torch
@@ -160,3 +183,103 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: tuple[
             pad_token_id=eos_ids[0],
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+class HostEngine:
+    """The engine's host loop with no device: the scheduler plans, a made-up token stands for each
+    sample, and sequences finish at their length, as ``GenerationService`` drives a real runner.
+
+    For unit tests of the scheduler, the page allocator and the penalty slots in milliseconds.
+    """
+
+    def __init__(self, scheduler: Any):
+        from myserve.engine.sequence import Sequence
+
+        self.scheduler = scheduler
+        self.live: list[Sequence] = []
+        """Sequences submitted and not yet finished or aborted."""
+        self.done: list[Sequence] = []
+        self._ids = 0
+
+    def submit(self, prompt: list[int], params: Any, max_len: int | None = None) -> list[Any]:
+        """Queue a request's ``params.n`` choices (later ones share the first's prompt pages)."""
+        from myserve.engine.sequence import Sequence
+
+        self._ids += 1
+        max_len = max_len or len(prompt) + (params.max_tokens or 16)
+        seqs: list[Sequence] = []
+        for choice in range(params.n):
+            seq = Sequence(f"r{self._ids}", choice, prompt, params, max_len, parent=seqs[0] if seqs else None)
+            seqs.append(seq)
+            self.scheduler.add(seq)
+        self.live.extend(seqs)
+        return seqs
+
+    @staticmethod
+    def token(seq: Any, position: int) -> int:
+        """The made-up token a sequence samples at ``position`` (deterministic, never EOS-like)."""
+        return 3 + (seq.seed + 7 * position) % 200
+
+    def step(self) -> Any:
+        """One engine step: schedule, 'compute', append sampled tokens, finish full sequences."""
+        batch = self.scheduler.schedule()
+        self.scheduler.after_step(batch)
+        for chunk in (*batch.decodes, *batch.prefills):
+            seq = chunk.seq
+            if not chunk.samples or seq not in self.live:
+                continue
+            for _ in range(chunk.steps):
+                seq.output_ids.append(self.token(seq, seq.num_tokens))
+                if seq.num_tokens >= seq.max_len:
+                    self.finish(seq, "length")
+                    break
+        if any(c.steps > 1 for c in batch.decodes):
+            self.scheduler.after_step(batch)  # the positions the chained tokens filled
+        return batch
+
+    def finish(self, seq: Any, reason: str) -> None:
+        """End a sequence (finished or aborted) through the scheduler's one release path."""
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+        self.live.remove(seq)
+        self.done.append(seq)
+
+    def run(self, max_steps: int = 10_000) -> int:
+        """Step until nothing is left; the number of steps taken."""
+        for i in range(max_steps):
+            if not self.scheduler.has_work():
+                return i
+            self.step()
+        raise AssertionError(f"work left after {max_steps} steps: {self.scheduler.running} {self.scheduler.waiting}")
+
+
+def assert_consistent(scheduler: Any, live: list[Any]) -> None:
+    """The host bookkeeping invariants, given the sequences not yet finished or aborted.
+
+    No page is both free and referenced; each refcount equals the references live sequences hold;
+    every page is free, evictable (cached, unreferenced) or referenced, exactly one of them; every
+    penalty slot is free or owned by exactly one running sequence that knows it.
+    """
+    from myserve.engine.sequence import SeqStatus
+
+    alloc, slots = scheduler.allocator, scheduler.slots
+    held = [0] * alloc.num_pages
+    for seq in live:
+        if seq.status is not SeqStatus.RUNNING:
+            assert not seq.pages and seq.slot is None, f"{seq} holds resources while not running"
+        for page in seq.pages:
+            held[page] += 1
+    free, evictable = set(alloc._free), set(alloc._evictable)  # white-box: the allocator's own lists
+    assert len(free) == len(alloc._free), "a page is on the free list twice"
+    assert not free & evictable, "a page is both free and evictable"
+    for page in range(alloc.num_pages):
+        refs = alloc.refcount(page)
+        assert refs == held[page], f"page {page}: refcount {refs}, held by {held[page]} live sequences"
+        assert (refs > 0) + (page in free) + (page in evictable) == 1, f"page {page} is in no state or several"
+    owners = {seq.slot: seq for seq in live if seq.slot is not None}
+    assert len(owners) == sum(seq.slot is not None for seq in live), "two sequences share a penalty slot"
+    for slot in range(slots.num_slots):
+        assert slots.owner(slot) is owners.get(slot), f"penalty slot {slot}: pool and sequences disagree"
+    for seq in scheduler.running:
+        assert seq in live and (seq.slot is not None) == seq.params.uses_penalties, f"{seq}: slot {seq.slot}"
+    assert slots.num_free == slots.num_slots - len(owners)

@@ -64,11 +64,6 @@ class PageAllocator:
         """Pages referenced by at least one sequence."""
         return self.num_pages - self.num_free
 
-    @property
-    def num_cached(self) -> int:
-        """Pages holding a cached prefix (referenced or not)."""
-        return len(self._page_hash)
-
     def refcount(self, page: int) -> int:
         """References held on ``page``."""
         return self._refs[page]
@@ -152,11 +147,3 @@ class PageAllocator:
             return
         self._page_hash[page] = page_hash
         self._by_hash[page_hash] = page
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (unreferenced cached pages return to the free list)."""
-        for page in list(self._evictable):
-            self._free.append(page)
-        self._evictable.clear()
-        self._page_hash.clear()
-        self._by_hash.clear()

@@ -6,7 +6,12 @@ Each step, under a token budget (``max_num_batched_tokens``) and a sequence cap 
 2. running sequences still prefilling get their next chunk;
 3. waiting sequences are admitted (reusing prefix-cached pages) and get a first chunk.
 
-A sequence needs pages for every token it computes. When the pool runs dry while growing a running
+A sequence needs pages for every token it computes, and a penalty slot while it runs if it uses
+penalties. Every resource a sequence holds (pages, prefix-cache references, pages shared with n > 1
+siblings, its penalty slot) is given back by one method, ``release``, which finishing, aborting,
+preemption and engine errors all go through.
+
+ When the pool runs dry while growing a running
 sequence, the most recently admitted running sequence is preempted: its pages are released and it
 goes back to the front of the waiting queue to be recomputed later. Nothing is dropped, and a lone
 sequence always fits because the service refuses requests longer than the whole pool.
@@ -25,6 +30,7 @@ import dataclasses
 
 from myserve.engine.pages import PageAllocator, chain_hashes
 from myserve.engine.sequence import SeqStatus, Sequence
+from myserve.engine.slots import SlotPool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,22 +60,14 @@ class ScheduledBatch:
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     """(source page, destination page) copies to make before the step: copy-on-write of a shared
     prompt's last page for the later choices of an n > 1 request."""
+    fill_slots: list[Sequence] = dataclasses.field(default_factory=list)
+    """Sequences given a penalty slot this step: the slot must be filled from their tokens (prompt
+    and any output from before a preemption) before the step samples."""
 
     @property
     def empty(self) -> bool:
         """No work this step."""
         return not self.decodes and not self.prefills
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens computed this step."""
-        return sum(c.num_tokens for c in self.decodes) + sum(c.num_tokens for c in self.prefills)
-
-
-def scores_prompt(chunk: ScheduledChunk) -> bool:
-    """Whether the chunk holds prompt positions whose next-token logprobs were asked for."""
-    seq = chunk.seq
-    return seq.params.prompt_logprobs is not None and chunk.start < len(seq.prompt_ids) - 1
 
 
 class Scheduler:
@@ -90,6 +88,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk
         self.decode_steps = decode_steps
+        self.slots = SlotPool(max_num_seqs)  # at most max_num_seqs run, each holds at most one
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -99,14 +98,42 @@ class Scheduler:
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence and release its pages (cached full pages stay cached)."""
+        """Remove a finished, aborted or failed sequence and release what it holds (cached full pages
+        stay cached). Finishing a finished sequence does nothing."""
+        if seq.status is SeqStatus.FINISHED:
+            return
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
+        elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.release(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def release(self, seq: Sequence) -> None:
+        """Give back every resource ``seq`` holds: one reference to each of its pages (prefix-cache
+        hits and pages shared with n > 1 siblings are references like any other) and its penalty slot.
+        The one release path: finish, abort, preemption and engine errors all come here."""
         self.allocator.release(seq.pages)
         seq.pages = []
-        seq.status = SeqStatus.FINISHED
+        if seq.slot is not None:
+            self.slots.release(seq.slot, seq)
+            seq.slot = None
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Stop a running sequence: release what it holds and requeue it at the front for recompute."""
+        self.running.remove(seq)
+        self.release(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _start_running(self, seq: Sequence, fill_slots: list[Sequence]) -> None:
+        """Admission's last step: running, with a penalty slot (to fill) if it uses penalties."""
+        seq.mark_admitted()
+        self.running.append(seq)
+        if seq.params.uses_penalties:
+            seq.slot = self.slots.acquire(seq)
+            fill_slots.append(seq)
 
     def has_work(self) -> bool:
         """Whether any sequence is waiting or running."""
@@ -127,12 +154,8 @@ class Scheduler:
             need = self._pages_needed(seq, num_tokens)
             while not self.allocator.can_allocate(need):
                 victim = max(self.running, key=lambda s: s.admitted_at)
-                self.running.remove(victim)
-                self.allocator.release(victim.pages)
-                victim.reset_for_recompute()
-                self.waiting.appendleft(victim)
+                self._preempt(victim)
                 preempted.append(victim)
-                self.num_preemptions += 1
                 dropped = chunks.pop(victim, None)  # it may already be in this step: its pages are gone
                 if dropped is not None:
                     budget += dropped.num_tokens
@@ -161,6 +184,7 @@ class Scheduler:
         # step that had to preempt, which would only thrash. Later choices of an n > 1 request
         # wait (without blocking the queue) until the first choice has computed the prompt.
         copies: list[tuple[int, int]] = []
+        fill_slots: list[Sequence] = []
         for seq in list(self.waiting) if not preempted else []:
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
@@ -174,15 +198,16 @@ class Scheduler:
             if first == 0:
                 break
             self.waiting.remove(seq)
+            self._start_running(seq, fill_slots)
             chunks[seq] = ScheduledChunk(seq, seq.num_computed, first)
             budget -= first
         # Single tokens run in the decode call, unless they are prompt tokens to be scored.
-        decodes = [c for c in chunks.values() if c.num_tokens == 1 and not scores_prompt(c)]
-        prefills = [c for c in chunks.values() if c.num_tokens > 1 or scores_prompt(c)]
+        decodes = [c for c in chunks.values() if c.num_tokens == 1 and not c.seq.scores_prompt(c.start)]
+        prefills = [c for c in chunks.values() if c.num_tokens > 1 or c.seq.scores_prompt(c.start)]
         admissible = self.waiting and len(self.running) < self.max_num_seqs
         if self.decode_steps > 1 and decodes and not (prefills or preempted or copies or admissible):
             decodes = self._multi_step(decodes)
-        return ScheduledBatch(decodes, prefills, preempted, copies)
+        return ScheduledBatch(decodes, prefills, preempted, copies, fill_slots)
 
     def _multi_step(self, decodes: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """The decodes with ``steps`` > 1 where their length allows and pages for them are free.
@@ -199,7 +224,7 @@ class Scheduler:
         return [ScheduledChunk(c.seq, c.start, 1, n) for c, n in zip(decodes, steps, strict=True)]
 
     def _admit_sibling(self, seq: Sequence, parent: Sequence, copies: list[tuple[int, int]]) -> int:
-        """Admit a later choice on its first choice's prompt pages; it computes only the last prompt token.
+        """Pages for a later choice: its first choice's prompt pages; it computes only the last prompt token.
 
         Full pages before the last prompt token are shared; the page holding the last prompt token
         is copied (copy-on-write), because this choice rewrites that token and then appends its own.
@@ -215,12 +240,10 @@ class Scheduler:
         seq.page_hashes = parent.page_hashes[: len(shared)]
         seq.num_cached_pages = len(shared)
         seq.num_computed = n - 1
-        seq.mark_admitted()
-        self.running.append(seq)
         return 1
 
     def _admit(self, seq: Sequence, budget: int) -> int:
-        """Admit ``seq`` with its prefix-cached pages and pages for a first chunk; its size, or 0 if short."""
+        """Pages for ``seq``: its prefix-cached ones and those of a first chunk; the chunk's size, or 0 if short."""
         hashes = chain_hashes(seq.tokens(0, seq.num_tokens), self.page_size)
         # A prompt that is scored (prompt logprobs) must be computed whole: no cached pages.
         scored = seq.params.prompt_logprobs is not None and not seq.output_ids
@@ -237,8 +260,6 @@ class Scheduler:
         seq.num_cached_pages = len(cached)
         seq.num_computed = computed
         seq.num_prefix_hit_tokens += computed
-        seq.mark_admitted()
-        self.running.append(seq)
         return first
 
     def after_step(self, batch: ScheduledBatch) -> None:

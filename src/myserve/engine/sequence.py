@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import itertools
 import random
-import time
 
 from myserve.engine.outputs import TokenLogprob
 from myserve.engine.pages import PageHash, chain_hashes
@@ -55,11 +54,10 @@ class Sequence:
         self.page_hashes: list[PageHash] = []  # chained hashes of this sequence's full, computed pages
         self.num_cached_pages = 0  # pages of page_hashes already offered to the prefix cache
         self.admitted_at = -1  # admission order; the newest running sequence is preempted first
-        self.slot: int | None = None  # device slot of its penalty state, when it uses penalties
-        self.num_preemptions = 0
+        # Device slot of its penalty state while it runs (when it uses penalties): the scheduler's
+        # SlotPool owns the bookkeeping, and ``Scheduler.release`` gives it back.
+        self.slot: int | None = None
         self.num_prefix_hit_tokens = 0
-        self.arrival_time = time.monotonic()
-        self.first_token_time: float | None = None
         self.finish_reason: str | None = None
         # Logprobs of prompt tokens by position, when the request scores its prompt.
         self.prompt_scores: dict[int, TokenLogprob] | None = None
@@ -88,14 +86,17 @@ class Sequence:
         self.status = SeqStatus.RUNNING
         self.admitted_at = next(_admission_counter)
 
+    def scores_prompt(self, start: int) -> bool:
+        """Whether a chunk from ``start`` holds prompt positions whose next-token logprobs were asked for."""
+        return self.params.prompt_logprobs is not None and start < len(self.prompt_ids) - 1
+
     def reset_for_recompute(self) -> None:
-        """After preemption: no pages, nothing computed; its tokens so far are recomputed on readmission."""
+        """After preemption (its pages and slot already released): nothing computed; its tokens so
+        far are recomputed on readmission."""
+        assert not self.pages and self.slot is None, "release a preempted sequence's resources first"
         self.status = SeqStatus.WAITING
-        self.pages = []
         self.num_computed = 0
         self.num_cached_pages = 0
-        self.slot = None
-        self.num_preemptions += 1
 
     def update_page_hashes(self, page_size: int) -> list[tuple[int, PageHash]]:
         """Hash pages that became full and computed; return (page, hash) pairs new since last call."""

@@ -314,8 +314,6 @@ class GenerationService:
             if not rep.scheduler.has_work():
                 continue
             batch = rep.scheduler.schedule()
-            for seq in batch.preempted:
-                rep.runner.release(seq)
             if not batch.empty:
                 dispatched.append((rep, batch, rep.runner.dispatch(batch)))
         for rep, batch, pending in dispatched:
@@ -397,7 +395,6 @@ class GenerationService:
     def _finish_seq(self, req: _Request, seq: Seq, reason: str) -> None:
         seq.finish_reason = reason
         req.replica.scheduler.finish(seq)
-        req.replica.runner.release(seq)
         req.unfinished -= 1
         if req.unfinished == 0:
             self._close(req)
@@ -417,14 +414,18 @@ class GenerationService:
             if seq.finish_reason is None:
                 seq.finish_reason = reason
                 req.replica.scheduler.finish(seq)
-                req.replica.runner.release(seq)
                 req.stream.put(RequestOutput(req.request_id, seq.choice, finish_reason=reason))
         req.unfinished = 0
         self._close(req)
 
     def _fail(self, req: _Request, message: str) -> None:
+        """End a request with an engine error; its sequences' resources go back like any other's."""
         for seq in req.seqs:
             if seq.finish_reason is None:
                 seq.finish_reason = "error"
+                try:
+                    req.replica.scheduler.finish(seq)
+                except Exception:  # the bookkeeping may be what broke: the client hears of it anyway
+                    logger.debug("could not release %r after the engine error", seq, exc_info=True)
                 req.stream.put(RequestOutput(req.request_id, seq.choice, finish_reason="error", error=message))
         self._close(req, error=message)

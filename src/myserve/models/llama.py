@@ -119,24 +119,6 @@ class LlamaModel(eqx.Module):
         """Named axes of this model."""
         return ModelAxes.of(self.spec)
 
-    def __call__(self, tokens: jax.Array, batch: PageBatch, kv_cache: KVCache) -> tuple[NamedArray, KVCache]:
-        """Run the new tokens of a batch of sequences through the whole model (inside one trace).
-
-        The serving runtime dispatches the same pieces one jitted layer at a time instead
-        (``runtime/steps.py``); this is the single-trace form for tests and small models.
-
-        Args:
-            tokens: int32 [B, T], padded rows of new tokens (see ``PageBatch``).
-            batch: positions, lengths and page table of the step.
-            kv_cache: the paged KV cache; this step's K/V are written into it.
-        Returns:
-            Final hidden states (batch, position, embed), after the final norm, and the new cache.
-        """
-        x = self.embed_tokens(tokens)
-        for i, layer in enumerate(self.layers):
-            x, kv_cache = decoder_block(self.spec, self.attention_backend, layer, x, batch, kv_cache, i)
-        return self.norm(x), kv_cache
-
     def embed_tokens(self, tokens: jax.Array) -> NamedArray:
         """Embeddings (batch, position, embed) of int32 tokens [B, T]."""
         return self.embed.take(self.axes.Vocab, hax.named(tokens, (BATCH, POS)))

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from myserve.config import Config
+from myserve.errors import ConfigError
 from myserve.models.llama import LlamaModel
 from myserve.models.loading import load_model, open_source, resolve_checkpoint
 from myserve.models.spec import ModelSpec, check_max_len
@@ -77,6 +78,13 @@ class Deployment:
         spec = source.spec
         max_len = config.model.max_model_len or spec.max_position_embeddings
         check_max_len(spec, max_len, str(resolved.path))
+        pool = config.engine.num_pages * config.engine.page_size
+        if pool < max_len:
+            # A sequence longer than the whole KV pool could never be scheduled: it would wait forever.
+            raise ConfigError(
+                f"engine.num_pages x engine.page_size ({pool} tokens) is less than max_model_len ({max_len}): "
+                f"raise engine.num_pages to {-(-max_len // config.engine.page_size)} or lower model.max_model_len"
+            )
         mapping = axis_mapping(spec, mesh)
         dtype = resolve_dtype(config.model.dtype)
         backend = resolve_backend(

@@ -101,7 +101,7 @@ class _Row:
     @property
     def scored(self) -> bool:
         """Whether the row holds prompt positions whose next-token logprobs were asked for."""
-        return self.seq.params.prompt_logprobs is not None and self.start < len(self.seq.prompt_ids) - 1
+        return self.seq.scores_prompt(self.start)
 
 
 def _entry(row: _Row) -> Entry:
@@ -120,7 +120,7 @@ def _rows_of(chunk: ScheduledChunk, row_tokens: int) -> list[_Row]:
 
 
 class ModelRunner:
-    """Host side of the device work: penalty slots, bucketed call layouts, ops, result reading."""
+    """Host side of the device work: bucketed call layouts, penalty-slot fills, ops, result reading."""
 
     def __init__(
         self,
@@ -137,36 +137,27 @@ class ModelRunner:
         self.eos_ids = tuple(eos_ids)
         self.decode_steps = decode_steps
         self.scratch_slot = max_num_seqs
-        """The penalty slot of rows without penalties (the executor has ``max_num_seqs + 1`` slots)."""
-        self._free_slots = list(range(max_num_seqs))
+        """The penalty slot of rows without penalties (the executor has ``max_num_seqs + 1`` slots;
+        the scheduler's ``SlotPool`` hands out the others)."""
         self.warmed_up = False
 
     # -- penalty slots ------------------------------------------------------------------------
-    def _assign_slot(self, seq: Seq) -> list[Op]:
-        """Give a penalty-using sequence a slot; the ops filling it from its prompt and outputs."""
-        slot = self._free_slots.pop()
-        seq.slot = slot
-        ops: list[Op] = [ClearSlot(slot)]
+    @staticmethod
+    def _fill_slot(seq: Seq) -> list[Op]:
+        """The ops filling a newly assigned penalty slot from the sequence's prompt and outputs."""
+        assert seq.slot is not None
+        ops: list[Op] = [ClearSlot(seq.slot)]
         for ids, to_prompt in ((seq.prompt_ids, True), (seq.output_ids, False)):
             for start in range(0, len(ids), SLOT_CHUNK):
                 part = ids[start : start + SLOT_CHUNK]
                 padded = np.zeros(SLOT_CHUNK, np.int32)
                 padded[: len(part)] = part
-                ops.append(WriteSlot(slot, padded, len(part), to_prompt))
+                ops.append(WriteSlot(seq.slot, padded, len(part), to_prompt))
         return ops
 
-    def release(self, seq: Seq) -> None:
-        """Free a finished or preempted sequence's penalty slot."""
-        if seq.slot is not None:
-            self._free_slots.append(seq.slot)
-            seq.slot = None
-
     # -- steps --------------------------------------------------------------------------------
-    def _sampling_rows(self, chunks: Sequence[_Row | None], rows: int, ops: list[Op]) -> SamplingRows:
-        """The packed sampling rows of a call: row ``i`` samples for ``chunks[i]`` (None = padding).
-
-        Ops filling newly assigned penalty slots are appended to ``ops``.
-        """
+    def _sampling_rows(self, chunks: Sequence[_Row | None], rows: int) -> SamplingRows:
+        """The packed sampling rows of a call: row ``i`` samples for ``chunks[i]`` (None = padding)."""
         packed = SamplingRows.empty(rows, self.scratch_slot)
         for i, chunk in enumerate(chunks):
             if chunk is None:
@@ -183,9 +174,7 @@ class ModelRunner:
             if generated < p.min_tokens:
                 packed.set_banned(i, (() if p.ignore_eos else self.eos_ids) + p.stop_token_ids)
             if p.uses_penalties:
-                if seq.slot is None:
-                    ops.extend(self._assign_slot(seq))
-                assert seq.slot is not None
+                assert seq.slot is not None, "the scheduler gives a running penalty sequence its slot"
                 packed.ints[i, SLOT] = seq.slot
         return packed
 
@@ -213,7 +202,7 @@ class ModelRunner:
                     following[i, : len(nxt)] = nxt
         # Prefill rows are sampled in the smallest batch bucket, so the sampler compiles per bucket.
         sample_rows = Buckets.fit(self.buckets.batch, rows) if rows <= self.buckets.batch[-1] else rows
-        packed = self._sampling_rows(chunks, sample_rows, ops)
+        packed = self._sampling_rows(chunks, sample_rows)
         if all_greedy is None:
             all_greedy = all(c is None or c.seq.params.temperature <= 0 for c in chunks)
         flat, shapes = host.pack()
@@ -275,6 +264,8 @@ class ModelRunner:
     def dispatch(self, batch: ScheduledBatch) -> PendingStep:
         """Plan one scheduler step as ops and hand them to the device (not awaited)."""
         ops: list[Op] = [CopyPage(src, dst) for src, dst in batch.copies]
+        for seq in batch.fill_slots:
+            ops.extend(self._fill_slot(seq))
         calls: list[Sequence[_Row | None]] = []
         if batch.decodes:
             rows = Buckets.fit(self.buckets.batch, len(batch.decodes))

@@ -1,0 +1,129 @@
+"""A hypothesis state machine over the scheduler's host bookkeeping (no device): random submits,
+steps, finishes and aborts on a pool small enough that scheduling must preempt. After every rule
+the page and slot invariants hold (``assert_consistent``); at the end every request finishes."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from myserve.engine.pages import PageAllocator
+from myserve.engine.params import SamplingParams
+from myserve.engine.scheduler import Scheduler
+from myserve.engine.sequence import SeqStatus
+from myserve.testing import HostEngine, assert_consistent
+
+PAGE_SIZE = 4
+NUM_PAGES = 8  # 32 tokens: two requests of up to 24 tokens can already need more than that
+MAX_LEN = 24
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """The engine's host side driven by random traffic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine: HostEngine | None = None
+        self.prompts: list[list[int]] = []  # earlier prompts, reused so that prefix hits happen
+
+    @rule(
+        decode_steps=st.sampled_from([1, 1, 3]),
+        max_num_seqs=st.integers(1, 4),
+        budget=st.integers(4, 16),
+        prefix_cache=st.booleans(),
+    )
+    @precondition(lambda self: self.engine is None)
+    def start(self, decode_steps: int, max_num_seqs: int, budget: int, prefix_cache: bool) -> None:
+        alloc = PageAllocator(NUM_PAGES, PAGE_SIZE, enable_prefix_cache=prefix_cache)
+        budget = max(budget, max_num_seqs)
+        self.engine = HostEngine(
+            Scheduler(
+                alloc,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=budget,
+                max_prefill_chunk=budget,
+                decode_steps=decode_steps,
+            )
+        )
+
+    @rule(
+        length=st.integers(1, MAX_LEN - 1),
+        reuse=st.booleans(),
+        max_tokens=st.integers(1, 12),
+        n=st.integers(1, 3),
+        penalties=st.booleans(),
+        scored=st.booleans(),
+    )
+    @precondition(lambda self: self.engine is not None)
+    def submit(self, length: int, reuse: bool, max_tokens: int, n: int, penalties: bool, scored: bool) -> None:
+        assert self.engine is not None
+        if reuse and self.prompts:
+            base = self.prompts[length % len(self.prompts)]
+            tokens = (base + list(range(200, 200 + length)))[:length]
+        else:
+            tokens = [3 + (17 * len(self.prompts) + 5 * i) % 250 for i in range(length)]
+        self.prompts.append(tokens)
+        params = SamplingParams(
+            max_tokens=min(max_tokens, MAX_LEN - length),
+            temperature=1.0,
+            n=n,
+            frequency_penalty=0.5 if penalties else 0.0,
+            prompt_logprobs=1 if scored else None,
+        )
+        self.engine.submit(tokens, params)  # max_len: prompt + max_tokens, as the service sets it
+
+    @rule(times=st.integers(1, 8))
+    @precondition(lambda self: self.engine is not None)
+    def step(self, times: int) -> None:
+        assert self.engine is not None
+        for _ in range(times):
+            if self.engine.scheduler.has_work():
+                self.engine.step()
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.engine is not None and bool(self.engine.live))
+    def abort_request(self, data: st.DataObject) -> None:
+        """An abort (client gone, deadline) ends every unfinished choice of a request."""
+        assert self.engine is not None
+        victim = data.draw(st.sampled_from(self.engine.live))
+        for seq in [s for s in self.engine.live if s.request_id == victim.request_id]:
+            self.engine.finish(seq, "abort")
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.engine is not None and bool(self.engine.live))
+    def stop_one_choice(self, data: st.DataObject) -> None:
+        """One choice ends early on its own (EOS, a stop string): its siblings go on."""
+        assert self.engine is not None
+        seq = data.draw(st.sampled_from(self.engine.live))
+        if seq.output_ids:
+            self.engine.finish(seq, "stop")
+
+    @invariant()
+    def bookkeeping_is_consistent(self) -> None:
+        if self.engine is not None:
+            assert_consistent(self.engine.scheduler, self.engine.live)
+
+    def teardown(self) -> None:
+        if self.engine is None:
+            return
+        # Every request still in flight finishes, at its full length, and nothing stays held.
+        for _ in range(2_000):
+            if not self.engine.scheduler.has_work():
+                break
+            self.engine.step()
+            assert_consistent(self.engine.scheduler, self.engine.live)
+        assert not self.engine.live
+        for seq in self.engine.done:
+            assert seq.status is SeqStatus.FINISHED
+            if seq.finish_reason == "length":
+                assert len(seq.output_ids) == seq.params.max_tokens
+        sched = self.engine.scheduler
+        assert sched.allocator.num_used == 0 and sched.slots.num_free == sched.slots.num_slots
+        assert_consistent(sched, [])
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestScheduler = SchedulerMachine.TestCase
