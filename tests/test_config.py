@@ -133,6 +133,12 @@ def test_with_overrides_returns_a_new_validated_config() -> None:
     assert message == "--max-model-len: model.max_model_len must be >= 1, got 0"
 
 
+def test_request_timeout_is_off_by_default_and_takes_seconds() -> None:
+    assert Config().server.request_timeout_s is None and load_config().server.request_timeout_s is None
+    timeout = load_config(None, ["server.request_timeout_s=2"]).server.request_timeout_s
+    assert timeout == 2.0 and isinstance(timeout, float)
+
+
 # --- errors ---------------------------------------------------------------------------------
 
 
@@ -162,6 +168,8 @@ def test_with_overrides_returns_a_new_validated_config() -> None:
         ("engine.num_pages=1", "overrides: engine.num_pages must be >= 2, got 1"),
         ("engine.decode_steps=0", "overrides: engine.decode_steps must be >= 1, got 0"),
         ("server.port=70000", "overrides: server.port must be in 1..65535, got 70000"),
+        ("server.request_timeout_s=0", "overrides: server.request_timeout_s must be > 0 or null, got 0.0"),
+        ("server.request_timeout_s=-1.5", "overrides: server.request_timeout_s must be > 0 or null, got -1.5"),
         ("mesh.model=0", "overrides: mesh.model must be >= 1, got 0"),
         (
             "model.dtype=fp32",
@@ -195,7 +203,8 @@ def test_override_errors(override: str, message: str) -> None:
         (
             "server:\n  prot: 1\n",
             "{path}: unknown key 'server.prot' (did you mean 'server.port'?); "
-            "known keys: host, port, served_model_name, api_key, log_level, drain_timeout_s, max_body_bytes",
+            "known keys: host, port, served_model_name, api_key, log_level, drain_timeout_s, max_body_bytes, "
+            "request_timeout_s",
         ),
         ("engine: [1, 2]\n", "{path}: engine: expected a mapping of keys, got [1, 2] (list)"),
         ("- model\n", "{path}: top level: expected a mapping of sections, got ['model'] (list)"),

@@ -130,10 +130,20 @@ def test_byte_level_batches_and_split_characters(smol: Tokenizer) -> None:
     first = detok.add(ids[:2])  # "a" and the first half of the llama
     assert first == "a"
     assert detok.add(ids[2:]) + detok.finish() == "🦙b 日本"
-    # output ending mid-character: finish() gives U+FFFD, as decode does
+    # output ending mid-character (max_tokens, EOS, a stop token): the incomplete bytes are dropped
     detok = IncrementalDetokenizer(smol, [])
     assert detok.add(ids[:2]) == "a"
-    assert detok.finish() == "\ufffd" == smol.decode(ids[1:2])
+    assert smol.decode(ids[1:2]) == "\ufffd"
+    assert detok.finish() == "" and detok.text == "a"
+
+
+def test_cut_after_complete_characters_keeps_them(smol: Tokenizer) -> None:
+    llama = smol.encode("🦙", add_special_tokens=False)
+    assert len(llama) > 1
+    detok = IncrementalDetokenizer(smol, [])
+    # a whole llama, then the start of a second one, all in one batch
+    text = detok.add([*smol.encode("x🦙", add_special_tokens=False), *llama[:-1]]) + detok.finish()
+    assert text == detok.text == "x🦙"
 
 
 def test_byte_level_special_tokens(smol: Tokenizer) -> None:
@@ -169,6 +179,16 @@ def test_sentencepiece_special_tokens(sp: PreTrainedTokenizerFast) -> None:
     assert "".join(stream(sp, ids, skip_special_tokens=False)) == sp.decode(ids, skip_special_tokens=False)
 
 
+def test_sentencepiece_cut_inside_a_character(sp: PreTrainedTokenizerFast) -> None:
+    ids = sp.encode("Hello 日本", add_special_tokens=False)
+    assert sp.convert_ids_to_tokens(ids)[-1].startswith("<0x")  # 本 is three byte-fallback tokens
+    for cut in (1, 2):
+        detok = IncrementalDetokenizer(sp, [])
+        text = detok.add(ids[:-cut]) + detok.finish()
+        assert sp.decode(ids[:-cut]).endswith("\ufffd")
+        assert text == detok.text == "Hello 日"
+
+
 def test_invalid_bytes_do_not_stall(sp: PreTrainedTokenizerFast) -> None:
     stray = token_id(sp, "<0x80>")  # a continuation byte with no lead byte: never valid
     ids = [stray] * 40 + sp.encode("ok", add_special_tokens=False)
@@ -176,6 +196,11 @@ def test_invalid_bytes_do_not_stall(sp: PreTrainedTokenizerFast) -> None:
     deltas = [detok.add([t]) for t in ids]
     assert any(deltas[:40])  # released after a bounded wait
     assert "".join(deltas) + detok.finish() == sp.decode(ids)
+    # invalid bytes inside the text are passed on as U+FFFD; at the end they are dropped
+    detok = IncrementalDetokenizer(sp, [])
+    middle = [*ids[40:], stray, *ids[40:]]
+    text = detok.add([*middle, stray, stray]) + detok.finish()
+    assert text == sp.decode(middle) and "\ufffd" in text and not text.endswith("\ufffd")
 
 
 @settings(max_examples=40, deadline=None)

@@ -131,3 +131,17 @@ def test_cli_prints_one_line_without_traceback(case: str, tmp_path: Path) -> Non
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and str(target) in errors[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_kv_pool_smaller_than_one_sequence_is_a_config_error(tiny_checkpoints) -> None:
+    from myserve.config import load_config
+    from myserve.errors import ConfigError
+    from myserve.runtime.deployment import Deployment
+
+    config = load_config(
+        None, [f"model.checkpoint={tiny_checkpoints['llama3']}", "model.max_model_len=512", "engine.num_pages=8"]
+    )
+    with pytest.raises(ConfigError) as info:
+        Deployment.load(config)  # 8 pages x 16 tokens: a 512-token sequence could never run
+    message = str(info.value)
+    assert "\n" not in message and "128 tokens" in message and "engine.num_pages to 32" in message

@@ -171,10 +171,15 @@ class ServerConfig:
     """On SIGTERM/SIGINT, how long in-flight requests may take to finish before the server exits."""
     max_body_bytes: int = 4194304
     """Largest request body accepted; larger ones get HTTP 413."""
+    request_timeout_s: float | None = None
+    """Seconds a generation request may take from its arrival (queueing included) before it is aborted
+    with HTTP 504 (or an error event, when streaming), > 0; null = no limit."""
 
     def __post_init__(self) -> None:
         _check(self.drain_timeout_s >= 0, f"server.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         _check(self.max_body_bytes >= 1024, f"server.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        timeout = self.request_timeout_s
+        _check(timeout is None or timeout > 0, f"server.request_timeout_s must be > 0 or null, got {timeout}")
         _check_not_empty("server.host", self.host)
         _check(1 <= self.port <= 65535, f"server.port must be in 1..65535, got {self.port}")
         _check_not_empty("server.served_model_name", self.served_model_name)

@@ -3,7 +3,9 @@
 Flags use vLLM's spelling where vLLM has one; ``--set section.key=value`` overrides any config field.
 The HTTP socket opens at once (``/health`` answers 503), the engine compiles its buckets, then the
 server reports ready. SIGTERM/SIGINT stop admission (503), let in-flight requests finish within
-``server.drain_timeout_s``, then exit 0.
+``server.drain_timeout_s``, then exit 0. If the engine dies or warmup fails, requests in flight get
+the engine's error, the traceback is logged once, and the process exits 1 within seconds, so that a
+supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ if TYPE_CHECKING:
     from myserve.config import Config
 
 logger = logging.getLogger("myserve.serve")
+
+_FATAL_GRACE_S = 3
+"""Seconds open responses get to end once the server exits after a fatal engine error."""
 
 # vLLM-style flag -> config key.
 _FLAGS = {
@@ -104,7 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         BUNDLED_MODEL_NAME if config.model.checkpoint is None else os.path.basename(config.model.checkpoint.rstrip("/"))
     )
     app = create_app(
-        service, served_model_name=name, api_key=config.server.api_key, max_body_bytes=config.server.max_body_bytes
+        service,
+        served_model_name=name,
+        api_key=config.server.api_key,
+        max_body_bytes=config.server.max_body_bytes,
+        request_timeout_s=config.server.request_timeout_s,
     )
     url = f"http://{config.server.host}:{config.server.port}"
 
@@ -130,18 +139,42 @@ def main(argv: Sequence[str] | None = None) -> int:
             threading.Thread(target=drain, daemon=True).start()
 
     server = DrainingServer(
-        uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level=config.server.log_level)
+        uvicorn.Config(
+            app,
+            host=config.server.host,
+            port=config.server.port,
+            log_level=config.server.log_level,
+            # Bounds the exit after a fatal error (or a drain that timed out): open responses get
+            # this long to end before their connections are closed.
+            timeout_graceful_shutdown=_FATAL_GRACE_S,
+        )
     )
+    failed = threading.Event()
+
+    def fatal(what: str) -> None:
+        """The engine cannot serve any more: stop serving and exit non-zero (any thread)."""
+        failed.set()
+        logger.error("%s: exiting with status 1 so that a supervisor can restart the server", what)
+        server.should_exit = True
+
+    # Runs on the engine thread after it has failed every request (the traceback is logged there).
+    service.on_dead = lambda e: fatal(f"the engine stopped ({type(e).__name__})")
 
     def warm() -> None:
-        service.start()
+        try:
+            service.start()
+        except BaseException as e:
+            logger.exception("warmup failed")
+            service.dead = e  # /health answers 503 until the exit
+            fatal(f"warmup failed ({type(e).__name__})")
+            return
         logger.info("model %s ready on %s", name, url)
 
     threading.Thread(target=warm, name="myserve-warmup", daemon=True).start()
     server.run()
     service.shutdown()  # on a multi-host mesh this also ends the followers' loops
     _end_distributed()
-    return 0
+    return 1 if failed.is_set() else 0
 
 
 def _follow(dep) -> int:

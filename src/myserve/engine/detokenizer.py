@@ -8,7 +8,8 @@ right but quadratic. So, as vLLM and TGI do, we keep a small window of token ids
 was already emitted (context only) and a *read* part not yet emitted, and emit
 ``decode(prefix + read)[len(decode(prefix)):]``. The read part is held back while its text ends in
 U+FFFD (an incomplete character), and once emitted it becomes the next prefix, so the window stays a few
-tokens long.
+tokens long. When the sequence ends inside a character (max_tokens, EOS, a stop token), the incomplete
+bytes are dropped, as vLLM does: no output ends in a U+FFFD that only stands for a cut character.
 
 Token ids are decoded with the Rust ``tokenizers`` backend directly: that is what
 ``PreTrainedTokenizerFast.decode`` calls, without its per-call Python overhead. Its
@@ -47,9 +48,10 @@ class IncrementalDetokenizer:
     ``decode(prompt + output)[len(decode(prompt)):]``. For byte-level BPE that is exactly
     ``decode(output)``; for SentencePiece it differs only in keeping the leading space of the first
     output token, which ``decode(output)`` alone strips. The equality holds whenever the output does not
-    end in an incomplete UTF-8 sequence, and always after :meth:`finish`. (Invalid byte sequences, which
-    no real text produces, are passed on best effort: SentencePiece's byte fallback turns a whole run of
-    bytes into U+FFFDs once any byte of it is invalid, which would retract text already emitted.)
+    end in an incomplete UTF-8 sequence; after :meth:`finish` it holds up to that sequence, which is
+    dropped rather than ending the text in U+FFFD. (Invalid byte sequences inside the text, which no
+    real text produces, are passed on best effort as U+FFFD: SentencePiece's byte fallback turns a whole
+    run of bytes into U+FFFDs once any byte of it is invalid, which would retract text already emitted.)
     """
 
     def __init__(
@@ -88,7 +90,12 @@ class IncrementalDetokenizer:
         return "".join(deltas)
 
     def finish(self) -> str:
-        """Release held-back text at the end of the sequence (an incomplete character becomes U+FFFD)."""
+        """Release held-back text at the end of the sequence, less a trailing incomplete character.
+
+        The held part ends in U+FFFD only when the sequence stopped inside a character (or on invalid
+        bytes): those U+FFFDs are dropped, so streamed and whole outputs agree and neither ends in one.
+        A genuine U+FFFD character at the very end cannot be told apart in decoded text and goes too.
+        """
         return self._step(final=True) if self._read < len(self._tokens) else ""
 
     def _step(self, *, final: bool) -> str:
@@ -99,6 +106,8 @@ class IncrementalDetokenizer:
             return ""
         # text starts with _prefix_text for valid UTF-8; the slice is the best effort otherwise.
         delta = text[len(self._prefix_text) :]
+        if final:
+            delta = delta.rstrip(_REPLACEMENT)
         # The tokens just read become the context of the next ones; older ones are no longer needed.
         del self._tokens[: self._read]
         self._read = len(self._tokens)

@@ -91,6 +91,9 @@ class GenerationService:
         self._stop = threading.Event()
         self.ready = threading.Event()
         self.dead: BaseException | None = None
+        self.on_dead: Callable[[BaseException], None] | None = None
+        """Called once, on the engine thread, after the engine died and failed every request; the
+        serve entry point exits on it. Embedded services leave it unset: ``/health`` says 503."""
         self._steps = 0
         self._max_decode_batch = 0
         self._generated = 0
@@ -263,6 +266,8 @@ class GenerationService:
                     break
                 if kind == "submit":
                     self._fail(payload, message)  # type: ignore[arg-type]
+            if self.on_dead is not None:
+                self.on_dead(e)
             return
         for req in list(self._requests.values()):
             self._finish_request(req, "abort")

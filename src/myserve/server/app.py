@@ -1,12 +1,14 @@
 """The FastAPI app: OpenAI routes over a GenerationService.
 
-Each route validates (pydantic, then SamplingParams), renders chat templates, tokenizes, checks the
-context length, submits one engine request per prompt and either collects the outputs into one JSON
-response or streams them as server-sent events. A client that disconnects aborts its requests.
+Each route validates (pydantic, the unsupported-field tables, then SamplingParams), renders chat
+templates, tokenizes, checks the context length, submits one engine request per prompt and either
+collects the outputs into one JSON response or streams them as server-sent events. A client that
+disconnects aborts its requests, and so does the per-request deadline (``request_timeout_s``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 import uuid
@@ -40,8 +42,13 @@ def create_app(
     served_model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = 4 * 1024 * 1024,
+    request_timeout_s: float | None = None,
 ) -> FastAPI:
-    """The OpenAI-compatible app for ``service`` (which the caller starts and stops)."""
+    """The OpenAI-compatible app for ``service`` (which the caller starts and stops).
+
+    ``request_timeout_s``: a generation request still running this long after it reached its handler
+    (time queued in the engine included) is aborted: HTTP 504, or an error event ending its stream.
+    """
     app = FastAPI(title="myserve", description="OpenAI-compatible LLM server on JAX", version="0.1.0")
     install_error_handlers(app)
     state = ServerState()
@@ -50,6 +57,13 @@ def create_app(
     tokenizer = service.tokenizer
     app.state.server = state
     app.state.metrics = metrics
+    model_card = {
+        "id": served_model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "myserve",
+        "max_model_len": service.max_model_len,
+    }
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Response:
@@ -86,18 +100,14 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": served_model_name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "myserve",
-                    "max_model_len": service.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card]}
+
+    # ":path" because served names may contain "/" (e.g. "meta-llama/Llama-3.1-8B-Instruct").
+    @app.get("/v1/models/{model:path}")
+    async def model_by_id(model: str) -> dict:
+        if model != served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return model_card
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
@@ -175,6 +185,15 @@ def create_app(
             raise
         return streams
 
+    def deadline() -> float | None:
+        """When a request arriving now must be done (event-loop time), or None without a timeout."""
+        return None if request_timeout_s is None else asyncio.get_running_loop().time() + request_timeout_s
+
+    def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
+        refused = req.unsupported()
+        if refused is not None:
+            raise APIError(400, refused.message, param=refused.field, code="unsupported_parameter")
+
     async def run(
         request: Request,
         kind: str,
@@ -182,6 +201,7 @@ def create_app(
         params: SamplingParams,
         stream: bool,
         include_usage: bool,
+        expires: float | None,
         echo_texts: list[str] | None = None,
     ) -> Response:
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -200,6 +220,8 @@ def create_app(
             state=state,
             t0=t0,
             include_usage=include_usage,
+            deadline=expires,
+            timeout_s=request_timeout_s,
         )
         if not stream:
             return await response.json(request)
@@ -209,9 +231,9 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
+        expires = deadline()
         check_ready(req.model)
-        if req.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
+        check_supported(req)
         prompts = _completion_prompts(req.prompt, tokenizer.encode)
         # echo with logprobs scores the prompt; echo with max_tokens 0 returns only the prompt.
         prompt_logprobs = None
@@ -220,20 +242,13 @@ def create_app(
         params = sampling(req, req.max_tokens, req.logprobs, prompt_logprobs)
         echo = [tokenizer.decode(p) for p in prompts] if req.echo else None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(request, "completion", prompts, params, req.stream, include_usage, echo)
+        return await run(request, "completion", prompts, params, req.stream, include_usage, expires, echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        expires = deadline()
         check_ready(req.model)
-        if req.tools:
-            raise APIError(400, "tools are not supported yet", param="tools", code="unsupported_parameter")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError(
-                400,
-                "only response_format type text is supported",
-                param="response_format",
-                code="unsupported_parameter",
-            )
+        check_supported(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -241,7 +256,7 @@ def create_app(
         params = sampling(req, max_tokens, logprobs)
         ids = render_chat(req.messages)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(request, "chat", [ids], params, req.stream, include_usage)
+        return await run(request, "chat", [ids], params, req.stream, include_usage, expires)
 
     return app
 

@@ -19,6 +19,7 @@ _TYPES = {
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",
+    504: "timeout_error",
 }
 
 
@@ -76,7 +77,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             message = "the request body is not valid JSON"
         else:
-            message = f"{param or 'body'}: {first.get('msg')}"
+            # Our own validators raise ValueError; pydantic prefixes its message with "Value error, ".
+            message = f"{param or 'body'}: {str(first.get('msg')).removeprefix('Value error, ')}"
         return APIError(400, message, param=param, code="invalid_value").response()
 
     @app.exception_handler(StarletteHTTPException)

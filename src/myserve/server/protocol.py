@@ -1,14 +1,42 @@
-"""OpenAI request schemas (pydantic), with vLLM's extra sampling fields. Unknown fields are ignored."""
+"""OpenAI request schemas (pydantic), with vLLM's extra sampling fields. Unknown fields are ignored.
+
+OpenAI fields that would change the output but that we do not implement are declared so that a
+request using them is refused (400 ``unsupported_parameter``) rather than silently answered
+differently: each request class lists them in its ``UNSUPPORTED`` table. Fields that change nothing
+here (``metadata``, ``service_tier``, ``parallel_tool_calls``, ...) are ignored like unknown ones.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+
+@dataclasses.dataclass(frozen=True)
+class Unsupported:
+    """A request field we refuse, and the values of it that we refuse (others are fine)."""
+
+    field: str
+    refused: Callable[[Any], bool]
+    """Whether the field's value asks for something we do not implement."""
+    message: str
+
+
+def _given(value: Any) -> bool:
+    return value is not None
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    UNSUPPORTED: ClassVar[tuple[Unsupported, ...]] = ()
+
+    def unsupported(self) -> Unsupported | None:
+        """The first field of ``UNSUPPORTED`` this request sets to a refused value, if any."""
+        return next((u for u in self.UNSUPPORTED if u.refused(getattr(self, u.field))), None)
 
 
 class StreamOptions(_Request):
@@ -41,6 +69,13 @@ class _Sampling(_Request):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``."""
@@ -50,6 +85,12 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
+
+    UNSUPPORTED = (
+        Unsupported("best_of", lambda v: v not in (None, 1), "best_of other than 1 is not supported"),
+        Unsupported("suffix", bool, "suffix is not supported"),
+    )
 
 
 class TextPart(_Request):
@@ -63,9 +104,18 @@ class ChatMessage(_Request):
     """One message of a conversation."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
+    """Required (not null) except on assistant messages, which may carry only tool calls."""
     name: str | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _required_unless_assistant(cls, value: str | list[TextPart] | None, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if value is None and role is not None and role != "assistant":
+            raise ValueError(f"a {role} message must have content")
+        return value
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
@@ -87,6 +137,34 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+    # Declared to be refused (UNSUPPORTED); the types only admit what OpenAI documents.
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    store: bool | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+
+    UNSUPPORTED = (
+        Unsupported("tools", bool, "tools are not supported yet"),
+        Unsupported(
+            "response_format",
+            lambda v: v is not None and v.get("type", "text") != "text",
+            "only response_format type text is supported",
+        ),
+        Unsupported("functions", bool, "functions (legacy function calling) are not supported"),
+        Unsupported("function_call", _given, "function_call (legacy function calling) is not supported"),
+        Unsupported("audio", _given, "audio output is not supported"),
+        Unsupported("modalities", lambda v: v not in (None, ["text"]), "only the text modality is supported"),
+        Unsupported("prediction", _given, "predicted outputs are not supported"),
+        Unsupported("web_search_options", _given, "web search is not supported"),
+        Unsupported("store", lambda v: v is True, "store is not supported: completions are not stored"),
+        Unsupported("reasoning_effort", _given, "reasoning_effort is not supported"),
+        Unsupported("verbosity", _given, "verbosity is not supported"),
+    )
 
 
 class TokenizeRequest(_Request):

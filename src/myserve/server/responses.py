@@ -3,7 +3,8 @@
 A request becomes one engine stream per prompt (completions accept several); their outputs are
 merged as they come and each choice is tagged ``index = prompt_index * n + choice``. Non-streaming
 responses watch for the client's disconnect while they wait; streaming ones end when the client
-goes away. Either way, closing the streams aborts whatever has not finished.
+goes away; both end at the request's deadline, if it has one. Either way, closing the streams aborts
+whatever has not finished, and the request is counted with the tokens it got.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -28,6 +29,8 @@ from myserve.server.metrics import Metrics
 logger = logging.getLogger("myserve.requests")
 
 SYSTEM_FINGERPRINT = "myserve-0.1.0"
+
+_T = TypeVar("_T")
 
 
 class ServerState:
@@ -56,12 +59,16 @@ class CompletionResponse:
         state: ServerState,
         t0: float,
         include_usage: bool = False,
+        deadline: float | None = None,
+        timeout_s: float | None = None,
     ):
         self.kind, self.request_id, self.streams, self.prompts = kind, request_id, streams, prompts
         self.params, self.n, self.echo_texts, self.fmt = params, params.n, echo_texts, fmt
         self.metrics, self.state, self.t0 = metrics, state, t0
         self.include_usage = include_usage
         """Streaming: send a usage chunk (empty choices) before ``[DONE]`` (``stream_options.include_usage``)."""
+        self.deadline, self.timeout_s = deadline, timeout_s
+        """Event-loop time after which the request is aborted (None: never), and the timeout it came from."""
         self.created = int(time.time())
         self.model = model
         self.log = _RequestLog(request_id, sum(len(p) for p in prompts), t0)
@@ -77,36 +84,52 @@ class CompletionResponse:
             "system_fingerprint": SYSTEM_FINGERPRINT,
         }
 
-    def _finished(self, status: str, usage: Usage | None) -> None:
+    def _finished(self, status: str, usage: Usage | None = None) -> None:
+        """Close the streams (aborting what still runs), then count and log the request once.
+
+        Without the engine's ``usage`` (the request was cut short: disconnect, timeout, error) it
+        counts its prompts and every token the outputs seen so far carried."""
+        for s in self.streams:
+            s.close()
+        usage = usage or self.log.usage()
         self.state.in_flight -= 1
         self.metrics.requests.labels(self.kind, status).inc()
         self.metrics.e2e.observe(time.perf_counter() - self.t0)
-        if usage is not None:
-            self.metrics.prompt_tokens.inc(usage.prompt_tokens)
-            self.metrics.generation_tokens.inc(usage.completion_tokens)
+        self.metrics.prompt_tokens.inc(usage.prompt_tokens)
+        self.metrics.generation_tokens.inc(usage.completion_tokens)
         self.log.done(status, usage)
+
+    def _timeout_error(self) -> APIError:
+        return APIError(504, f"the request did not finish within {self.timeout_s:g} s", code="request_timeout")
 
     # -- one JSON body ------------------------------------------------------------------------
     async def json(self, request: Request) -> Response:
-        """Wait for every choice (or the client's disconnect: 499, requests aborted); the JSON body."""
+        """Wait for every choice (or the client's disconnect: 499; or the deadline: 504); the JSON body."""
         watcher = asyncio.ensure_future(_wait_disconnect(request))
-        collect = asyncio.ensure_future(_collect(merged(self.streams)))
-        done, _ = await asyncio.wait({watcher, collect}, return_when=asyncio.FIRST_COMPLETED)
-        if collect not in done:
-            collect.cancel()
-            for s in self.streams:
-                s.close()
-            self._finished("disconnected", None)
+        collect = asyncio.ensure_future(self._collect())
+        disconnected = False
+        try:
+            await asyncio.wait({watcher, collect}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not collect.done():  # the client went away (or the server is cancelling this handler)
+                disconnected = True
+                collect.cancel()
+                self._finished("disconnected")
+        if disconnected:
             return Response(status_code=499)
-        watcher.cancel()
+        try:
+            outputs = collect.result()
+        except TimeoutError:
+            self._finished("timeout")
+            raise self._timeout_error() from None
         choices: dict[int, dict[str, Any]] = {}
         usages = []
-        for i, out in collect.result():
-            self.log.saw(out)
+        for i, out in outputs:
             if out.final:
                 usages.append(out.usage)
                 if out.error:
-                    self._finished("error", None)
+                    self._finished("error")
                     raise APIError(500, out.error, code="engine_error")
                 continue
             c = choices.setdefault(
@@ -128,6 +151,15 @@ class CompletionResponse:
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return JSONResponse({**self._envelope(obj), "choices": body_choices, "usage": usage_json(usage)})
 
+    async def _collect(self) -> list[tuple[int, RequestOutput]]:
+        """Every output of every stream, noted as it comes (a request cut short counts what it got);
+        TimeoutError at the deadline."""
+        outputs = []
+        async for item in until(self.deadline, merged(self.streams)):
+            self.log.saw(item[1])
+            outputs.append(item)
+        return outputs
+
     def _json_choice(self, index: int, c: dict[str, Any]) -> dict[str, Any]:
         logprobs_on = self.params.logprobs is not None
         if self.kind == "chat":
@@ -148,23 +180,34 @@ class CompletionResponse:
     # -- server-sent events -------------------------------------------------------------------
     async def events(self) -> AsyncIterator[str]:
         """SSE chunks: chat role deltas (or completion echoes), content deltas with finish reasons,
-        an optional usage chunk, ``[DONE]``; an engine error sends an error event and ends the stream."""
+        an optional usage chunk, ``[DONE]``; an engine error or the deadline sends an error event and
+        ends the stream."""
         base = self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion")
         usages: list[Usage | None] = []
         last_token_t: float | None = None
-        status = "ok"
+        # Until the stream ends otherwise, it ends because the client went away: the server then
+        # cancels this generator where it awaits, or closes it where it yields.
+        status = "disconnected"
         offsets: dict[int, int] = {}  # completions: text offset of each choice, for logprobs
         try:
             for chunk in self._opening_chunks(offsets):
                 yield _sse({**base, "choices": [chunk]})
-            async for i, out in merged(self.streams):
+            outputs = until(self.deadline, merged(self.streams))
+            while True:
+                try:
+                    i, out = await anext(outputs)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    status = "timeout"
+                    yield _sse(self._timeout_error().body())
+                    return
                 self.log.saw(out)
                 if out.final:
                     usages.append(out.usage)
                     if out.error:
                         status = "error"
-                        error = {"message": out.error, "type": "internal_server_error", "param": None}
-                        yield _sse({"error": {**error, "code": "engine_error"}})
+                        yield _sse(APIError(500, out.error, code="engine_error").body())
                         return
                     continue
                 index = i * self.n + out.choice
@@ -182,12 +225,11 @@ class CompletionResponse:
                     yield _sse({**base, "choices": [choice]})
             if self.include_usage:
                 yield _sse({**base, "choices": [], "usage": usage_json(sum_usage(usages))})
+            status = "ok"
             yield "data: [DONE]\n\n"
-        except asyncio.CancelledError:
-            status = "disconnected"
-            raise
         finally:
-            self._finished(status, sum_usage(usages) if len(usages) == len(self.prompts) else None)
+            complete = len(usages) == len(self.prompts)
+            self._finished(status, sum_usage(usages) if complete and status == "ok" else None)
 
     def _opening_chunks(self, offsets: dict[int, int]) -> list[dict[str, Any]]:
         """Chat: each choice's ``role`` delta. Completions with echo (no logprobs): each prompt's text."""
@@ -233,6 +275,21 @@ class CompletionResponse:
         }
 
 
+async def until(deadline: float | None, items: AsyncIterator[_T]) -> AsyncIterator[_T]:
+    """``items`` until ``deadline`` (event-loop time; None = no limit), then TimeoutError.
+
+    Only the waits for the next item are timed: a timeout spanning a ``yield`` would cancel whatever
+    the consumer awaits there. An expired wait cancels ``items`` where it awaits (``merged`` then
+    closes its streams)."""
+    while True:
+        try:
+            async with asyncio.timeout_at(deadline):
+                item = await anext(items)
+        except StopAsyncIteration:
+            return
+        yield item
+
+
 async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several streams as they come, tagged with their prompt index; closes them at the end."""
     queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
@@ -272,10 +329,6 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
-    return [item async for item in outputs]
-
-
 async def _wait_disconnect(request: Request) -> None:
     """Returns when the client goes away (the ASGI server sends http.disconnect)."""
     while True:
@@ -291,23 +344,31 @@ class _RequestLog:
         self.request_id, self.prompt_tokens, self.t0 = request_id, prompt_tokens, t0
         self.first_token: float | None = None
         self.finish_reasons: list[str] = []
+        self.completion_tokens = 0
+        """Tokens of every choice in the deltas seen so far."""
 
     def saw(self, out: RequestOutput) -> None:
-        """Note a delta: the first token's time, and each choice's finish reason."""
+        """Note a delta: its tokens, the first token's time, and each choice's finish reason."""
+        self.completion_tokens += len(out.token_ids)
         if out.token_ids and self.first_token is None:
             self.first_token = time.perf_counter()
         if out.finish_reason:
             self.finish_reasons.append(out.finish_reason)
 
-    def done(self, status: str, usage: Usage | None) -> None:
+    def usage(self) -> Usage:
+        """The usage of what was seen: for a request cut short, which never gets the engine's."""
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens)
+
+    def done(self, status: str, usage: Usage) -> None:
+        """Log the line."""
         ttft = f"{self.first_token - self.t0:.3f}" if self.first_token is not None else "-"
         logger.info(
-            "request_id=%s status=%s prompt_tokens=%d completion_tokens=%s ttft_s=%s total_s=%.3f finish=%s",
+            "request_id=%s status=%s prompt_tokens=%d completion_tokens=%d ttft_s=%s total_s=%.3f finish=%s",
             self.request_id,
             status,
             self.prompt_tokens,
-            usage.completion_tokens if usage is not None else "-",
+            usage.completion_tokens,
             ttft,
             time.perf_counter() - self.t0,
-            ",".join(self.finish_reasons) or ("abort" if status == "disconnected" else "-"),
+            ",".join(self.finish_reasons) or ("abort" if status in ("disconnected", "timeout") else "-"),
         )

@@ -1,0 +1,41 @@
+"""Test-only launcher: ``python -m myserve.serve`` with a fault injected, for the supervision tests.
+
+``MYSERVE_TEST_FAULT=dispatch:N`` makes the engine's N-th step raise (so requests are in flight);
+``MYSERVE_TEST_FAULT=warmup`` makes warmup raise. The product has no such switch: the fault is
+patched in here, before the real entry point runs with this process's arguments.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+
+from myserve import serve
+from myserve.runtime.runner import ModelRunner
+
+
+def inject(fault: str) -> None:
+    """Patch the runner so that ``fault`` happens."""
+    if fault == "warmup":
+
+        def failing_warmup(self: ModelRunner, progress: object = None) -> int:
+            raise RuntimeError("injected warmup failure")
+
+        ModelRunner.warmup = failing_warmup  # type: ignore[method-assign]
+        return
+    kind, _, after = fault.partition(":")
+    assert kind == "dispatch", fault
+    real, calls = ModelRunner.dispatch, itertools.count(1)
+
+    def failing_dispatch(self: ModelRunner, batch: object) -> object:
+        if next(calls) >= int(after):
+            raise RuntimeError("injected device failure")
+        return real(self, batch)  # type: ignore[arg-type]
+
+    ModelRunner.dispatch = failing_dispatch  # type: ignore[method-assign,assignment]
+
+
+if __name__ == "__main__":
+    inject(os.environ["MYSERVE_TEST_FAULT"])
+    sys.exit(serve.main(sys.argv[1:]))

@@ -1,0 +1,127 @@
+"""A dead engine does not linger: the served process answers its requests with the engine's error and
+exits non-zero within seconds (so a supervisor restarts it), whether the engine dies while serving
+or warmup fails. Faults are injected by a test-only launcher (``serve_with_fault.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from test_server import free_port
+
+from myserve.bundled import bundled_gguf_path
+from myserve.testing import TINY_ENGINE
+
+LAUNCHER = Path(__file__).with_name("serve_with_fault.py")
+EXIT_WITHIN_S = 5.0
+
+
+class Served:
+    """The launcher as a subprocess, its log lines with the time each arrived."""
+
+    def __init__(self, checkpoint: Path, fault: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        sets = [f"model.tokenizer={bundled_gguf_path()}", "model.dtype=float32", *TINY_ENGINE, "engine.num_pages=256"]
+        cmd = [sys.executable, str(LAUNCHER), "--hf-checkpoint", str(checkpoint), "--served-model-name", "tiny"]
+        cmd += ["--port", str(self.port)]
+        cmd += [arg for s in sets for arg in ("--set", s)]
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "MYSERVE_TEST_FAULT": fault}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[tuple[float, str]] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in iter(self.proc.stdout.readline, ""):
+            self.lines.append((time.monotonic(), line))
+
+    @property
+    def log(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, self.log
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server never became ready:\n" + self.log[-3000:]
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+@pytest.mark.slow
+def test_engine_fault_errors_every_request_and_the_server_exits(tiny_checkpoints) -> None:
+    served = Served(tiny_checkpoints["llama3"], "dispatch:40")
+    try:
+        served.wait_ready()
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+        results: dict[str, object] = {}
+        got_error_at: list[float] = []
+
+        def plain(i: int) -> None:
+            r = httpx.post(f"{served.url}/v1/completions", json=body, timeout=120)
+            got_error_at.append(time.monotonic())
+            results[f"plain{i}"] = (r.status_code, r.json())
+
+        def streamed(i: int) -> None:
+            with httpx.stream("POST", f"{served.url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            got_error_at.append(time.monotonic())
+            results[f"stream{i}"] = (r.status_code, [json.loads(e) for e in events if e != "[DONE]"], events)
+
+        threads = [threading.Thread(target=plain, args=(i,)) for i in range(2)]
+        threads += [threading.Thread(target=streamed, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert len(results) == 5, served.log[-3000:]
+        for name, result in results.items():
+            if name.startswith("plain"):
+                status, error = result  # type: ignore[misc]
+                assert status == 500 and error["error"]["code"] == "engine_error", result
+                assert error["error"]["type"] == "internal_server_error"
+                assert "injected device failure" in error["error"]["message"]
+            else:
+                status, payloads, events = result  # type: ignore[misc]
+                assert status == 200 and "[DONE]" not in events
+                assert payloads[-1]["error"]["code"] == "engine_error"
+        code = served.proc.wait(timeout=30)
+        exited = time.monotonic()
+        assert code != 0
+        assert exited - max(got_error_at) < EXIT_WITHIN_S
+        log = served.log
+        assert log.count("Traceback (most recent call last)") == 1, log[-4000:]  # logged once
+        assert "injected device failure" in log and "exiting with status 1" in log
+    finally:
+        served.kill()
+
+
+@pytest.mark.slow
+def test_warmup_failure_exits_non_zero(tiny_checkpoints) -> None:
+    served = Served(tiny_checkpoints["llama3"], "warmup")
+    try:
+        code = served.proc.wait(timeout=300)
+        exited = time.monotonic()
+        assert code != 0
+        failed_at = next(t for t, line in served.lines if "warmup failed" in line)
+        assert exited - failed_at < EXIT_WITHIN_S
+        log = served.log
+        assert log.count("Traceback (most recent call last)") == 1 and "injected warmup failure" in log, log[-4000:]
+    finally:
+        served.kill()
