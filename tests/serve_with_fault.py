@@ -28,10 +28,10 @@ def inject(fault: str) -> None:
     assert kind == "dispatch", fault
     real, calls = ModelRunner.dispatch, itertools.count(1)
 
-    def failing_dispatch(self: ModelRunner, batch: object) -> object:
+    def failing_dispatch(self: ModelRunner, planned: object) -> object:
         if next(calls) >= int(after):
             raise RuntimeError("injected device failure")
-        return real(self, batch)  # type: ignore[arg-type]
+        return real(self, planned)  # type: ignore[arg-type]
 
     ModelRunner.dispatch = failing_dispatch  # type: ignore[method-assign,assignment]
 

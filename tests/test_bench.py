@@ -260,3 +260,25 @@ def test_launch_benchmarks_a_tiny_model_and_stops_it(tiny_checkpoints, tmp_path:
     url = urlparse(doc["base_url"])  # the launched server is gone: nothing listens on its port
     with pytest.raises(OSError), socket.create_connection((url.hostname, url.port), timeout=2):
         pass
+
+
+def test_random_checkpoint_without_torch_loads_as_a_checkpoint(tmp_path: Path) -> None:
+    """``myserve.bench.random_checkpoint`` writes a servable checkpoint (tokenizer included) with
+    numpy only: torch is never imported."""
+    directory = tmp_path / "tiny-llama"
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from myserve.bench.random_checkpoint import make_random_llama\n"
+        f"make_random_llama('tiny-llama', Path({str(directory)!r}), dtype='bfloat16')\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    from myserve.models.loading import open_source, resolve_checkpoint
+    from myserve.tokenizer import Tokenizer
+
+    spec = open_source(resolve_checkpoint(str(directory))).spec
+    assert (spec.num_layers, spec.hidden_size, spec.vocab_size, spec.tie_word_embeddings) == (2, 64, 49152, True)
+    tokenizer = Tokenizer.load(directory)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert ids and tokenizer.decode(tokenizer.encode("Hello world")) == "Hello world"

@@ -69,7 +69,11 @@ def test_no_compile_after_warmup(service, prompts) -> None:
 def test_concurrent_greedy_matches_transformers_alone(service, prompts, expected) -> None:
     got = run_concurrently(service, prompts, GREEDY)
     assert got == expected
-    assert service.stats().max_decode_batch > 1  # decode steps really batched several sequences
+    stats = service.stats()
+    assert stats.max_decode_batch > 1  # decode steps really batched several sequences
+    # The engine timed its steps: every phase took time, and the device waited between steps.
+    assert all(stats.host_seconds[phase] > 0 for phase in ("plan", "dispatch", "read", "postprocess"))
+    assert stats.step_gap_seconds > 0
 
 
 def test_preemption_keeps_outputs_and_frees_every_page(make_service, prompts, expected) -> None:

@@ -10,7 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from myserve.runtime.sampler import SampleOutput, SamplingArrays, greedy_params, keep_threshold, process_logits, sample
+from myserve.runtime.sampler import (
+    SampleOutput,
+    SamplingArrays,
+    argmax,
+    greedy_params,
+    keep_threshold,
+    process_logits,
+    sample,
+)
 
 # Most tests share one shape (N rows of V tokens, NB bias and NS banned slots, K top logprobs) so
 # that `sample` compiles only a few times: compilation dominates this file's run time. V > 256 so
@@ -113,6 +121,35 @@ def test_process_logits_matches_numpy_formula() -> None:
     want -= np.asarray(params.presence_penalty)[:, None] * (counts > 0)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert np.isneginf(got).sum() == 6
+    # The same rows read from penalty tables by slot (the engine's form) give the same logits.
+    slots = np.array([2, 0, 3, 1], np.int32)
+    tables = [np.zeros((5, V), a.dtype) for a in (counts, prompt)]
+    for table, rows in zip(tables, (counts, prompt), strict=True):
+        table[slots] = rows
+    by_slot = jax.jit(process_logits)(jnp.asarray(logits), params, *map(jnp.asarray, tables), jnp.asarray(slots))
+    np.testing.assert_array_equal(np.asarray(by_slot), got)
+
+
+def test_argmax_is_the_first_largest_index() -> None:
+    rng = np.random.default_rng(3)
+    ties = rng.integers(0, 4, (64, 1000)).astype(np.float32)  # many equal maxima per row
+    x = np.concatenate([ties, rng.standard_normal((8, 1000)).astype(np.float32)])
+    x[-1, :] = -np.inf
+    x[-1, 777] = 0.0
+    for block in (256, 7, 1000, 4096):
+        np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(x), block)), np.argmax(x, axis=-1))
+
+
+def test_without_logprobs_the_tokens_are_the_same() -> None:
+    rng = np.random.default_rng(4)
+    logits = random_logits(rng, 16)
+    params = make(16, temperature=[0.0, 0.7] * 8, top_p=0.9, seed=np.arange(16))
+    counts, prompt = jnp.zeros((16, V), jnp.int32), jnp.zeros((16, V), bool)
+    with_lp = run(logits, params)
+    fn = functools.partial(sample, num_top_logprobs=K, logprobs=False)
+    without = jax.jit(fn)(jnp.asarray(logits), params, counts, prompt)
+    np.testing.assert_array_equal(np.asarray(without.tokens), np.asarray(with_lp.tokens))
+    assert without.top_ids.shape == (16, 0)
 
 
 def test_greedy_top_k_1_and_temperature_0_are_argmax() -> None:

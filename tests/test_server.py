@@ -292,6 +292,9 @@ def test_unknown_fields_ignored_and_tokenize_roundtrip(live) -> None:
     assert text == "Hello world"
     metrics = httpx.get(f"{live.url}/metrics").text
     assert "myserve_requests_total" in metrics and "myserve_kv_pages_used" in metrics
+    assert 'myserve_engine_host_seconds{phase="postprocess"}' in metrics
+    assert "myserve_engine_step_gap_seconds" in metrics
+    assert "myserve_frontend_seconds_total" in metrics and "myserve_compile_cache_loads" in metrics
     assert json.loads(json.dumps(tok))  # plain JSON
 
 
@@ -364,11 +367,11 @@ def test_engine_error_mid_stream_sends_error_event(make_service) -> None:
     runner = svc.replicas[0].runner
     real_dispatch, calls = runner.dispatch, []
 
-    def failing_later(batch):
+    def failing_later(planned):
         calls.append(1)
         if len(calls) > 3:
             raise RuntimeError("injected device failure")
-        return real_dispatch(batch)
+        return real_dispatch(planned)
 
     runner.dispatch = failing_later  # type: ignore[method-assign]
     try:

@@ -53,52 +53,6 @@ TINY_ENGINE: tuple[str, ...] = (
 )
 
 
-# Full-size shapes for benchmarks on accelerators (random weights; no download needed).
-BENCH_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama-3.2-1b": (
-        "LlamaConfig",
-        dict(
-            vocab_size=128256,
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=64,
-            max_position_embeddings=131072,
-            rms_norm_eps=1e-5,
-            rope_theta=500000.0,
-            rope_scaling=dict(
-                rope_type="llama3",
-                factor=32.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=8192,
-            ),
-            tie_word_embeddings=True,
-        ),
-    ),
-}
-
-
-def make_random_checkpoint(shape: str, directory: Path, *, dtype: str = "bfloat16", device: str = "cpu") -> Path:
-    """Save a random-weight model of a full-size ``shape`` (a key of BENCH_SHAPES); return the dir.
-
-    Weights are drawn on ``device`` (``cuda`` makes a 1B model in a second) with transformers'
-    std 0.02, so logits are near uniform: right for timing, meaningless as text.
-    """
-    import torch
-    import transformers
-
-    cls_name, extra = BENCH_SHAPES[shape]
-    config = getattr(transformers, cls_name)(**extra)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    model.save_pretrained(directory)
-    return directory
-
-
 def make_tiny_checkpoint(
     arch: str, directory: Path, *, seed: int = 0, dtype: str = "float32", vocab_size: int | None = None
 ) -> Path:

@@ -196,9 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--random",
         default=None,
         metavar="SHAPE",
-        help="serve a random-weight checkpoint of this shape (e.g. llama-3.2-1b; needs torch) built in a temp dir",
+        help="serve a random-weight checkpoint of this shape (tiny-llama, llama-3.2-1b) built in a temp dir",
     )
-    parser.add_argument("--tokenizer", default=None, help="tokenizer for --random (default: the bundled one)")
     parser.add_argument("--hf-device", default=None, help="torch device of the transformers run (default: the JAX one)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument(
@@ -222,12 +221,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_device = args.hf_device or ("cpu" if jax.default_backend() == "cpu" else "cuda")
     tmp = tempfile.TemporaryDirectory()
     if args.random:
-        from myserve.bundled import bundled_gguf_path
-        from myserve.testing import make_random_checkpoint
+        from myserve.bench.random_checkpoint import make_random_llama
 
-        directory = make_random_checkpoint(args.random, Path(tmp.name) / args.random, device=hf_device)
-        tokenizer = args.tokenizer or str(bundled_gguf_path())
-        overrides = [f"model.checkpoint={directory}", f"model.tokenizer={tokenizer}", *overrides]
+        # Stored in the dtype the engine computes in: bfloat16 on accelerators, float32 on CPU.
+        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        directory = make_random_llama(args.random, Path(tmp.name) / args.random, dtype=dtype)
+        overrides = [f"model.checkpoint={directory}", *overrides]
     config = load_config(None, overrides)
     dep = Deployment.load(config)
     service = GenerationService.from_deployment(dep)

@@ -85,6 +85,9 @@ class EngineStats:
     prefix_cache_hit_tokens: int
     prompt_tokens_computed: int
     compile_count: int
+    """Executables built in this process: compiled, or loaded from the persistent cache."""
+    cache_load_count: int
+    """Of those, loaded from the persistent compilation cache."""
     num_preemptions: int
     steps: int
     max_decode_batch: int
@@ -92,3 +95,7 @@ class EngineStats:
     generated_tokens: int
     chained_decode_steps: int = 0
     """Decode steps run chained behind another in the same dispatch (``engine.decode_steps`` > 1)."""
+    host_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Engine-thread seconds so far by phase: plan, dispatch, read, postprocess (``StepTimer``)."""
+    step_gap_seconds: float = 0.0
+    """Mean host-measured gap between consecutive steps over the last 100 (device idle, at most)."""

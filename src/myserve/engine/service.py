@@ -32,9 +32,10 @@ from myserve.engine.outputs import (
 from myserve.engine.params import InvalidParams, SamplingParams
 from myserve.engine.replica import Replica, engine_buckets, make_executors, make_replica
 from myserve.engine.sequence import Sequence as Seq
+from myserve.engine.step_timer import StepTimer
 from myserve.engine.stop import StopChecker
 from myserve.engine.stream import RequestStream
-from myserve.runtime.compile_counter import compile_count
+from myserve.runtime.compile_counter import compile_count, compile_counts
 from myserve.runtime.deployment import Deployment
 from myserve.runtime.executor import Executor
 from myserve.runtime.multihost import BroadcastingDevice, stop_followers
@@ -95,6 +96,8 @@ class GenerationService:
         """Called once, on the engine thread, after the engine died and failed every request; the
         serve entry point exits on it. Embedded services leave it unset: ``/health`` says 503."""
         self._steps = 0
+        self.timer = StepTimer()
+        """Host time of the engine loop by phase, and the gap between steps (metrics)."""
         self._max_decode_batch = 0
         self._generated = 0
         self._chained = 0
@@ -151,7 +154,7 @@ class GenerationService:
                 from tqdm import tqdm
 
                 bar = tqdm(total=total, desc="warmup (compiling buckets)", unit="shape")
-            compiles = 0
+            compiled, loaded = compile_counts()
             for k, runner in enumerate(runners):
 
                 def report(done: int, _: int, k: int = k) -> None:
@@ -160,10 +163,17 @@ class GenerationService:
                     elif progress is not None:
                         progress(k * per_runner + done, total)
 
-                compiles += runner.warmup(report)
+                runner.warmup(report)
             if bar is not None:
                 bar.close()
-            logger.info("warmup: %d executables built in %.1fs", compiles, time.perf_counter() - t0)
+            compiled, loaded = (now - before for now, before in zip(compile_counts(), (compiled, loaded), strict=True))
+            logger.info(
+                "warmup: %d executables (%d compiled, %d loaded from the compilation cache) in %.1fs",
+                compiled + loaded,
+                compiled,
+                loaded,
+                time.perf_counter() - t0,
+            )
         self._thread = threading.Thread(target=self._loop, name="myserve-engine", daemon=True)
         self._thread.start()
         self.ready.set()
@@ -236,11 +246,14 @@ class GenerationService:
             prefix_cache_hit_tokens=hits,
             prompt_tokens_computed=self._prompt_computed,
             compile_count=compile_count(),
+            cache_load_count=compile_counts()[1],
             num_preemptions=sum(r.scheduler.num_preemptions for r in self.replicas),
             steps=self._steps,
             max_decode_batch=self._max_decode_batch,
             generated_tokens=self._generated,
             chained_decode_steps=self._chained,
+            host_seconds=dict(self.timer.seconds),
+            step_gap_seconds=self.timer.mean_gap,
         )
 
     # -- engine thread ------------------------------------------------------------------------
@@ -252,6 +265,8 @@ class GenerationService:
                     break
                 if self._has_work():
                     self._step()
+                    continue
+                self.timer.idle()  # the next step follows a wait for requests, not a step
         except BaseException as e:  # the engine must never die silently: fail every request
             logger.exception("engine thread crashed")
             self.dead = e
@@ -313,6 +328,8 @@ class GenerationService:
             req.replica.scheduler.add(seq)
 
     def _step(self) -> None:
+        timer = self.timer
+        t = timer.now()
         # Every replica's step is dispatched before any result is read: they compute together.
         dispatched = []
         for rep in self.replicas:
@@ -320,9 +337,17 @@ class GenerationService:
                 continue
             batch = rep.scheduler.schedule()
             if not batch.empty:
-                dispatched.append((rep, batch, rep.runner.dispatch(batch)))
+                planned = rep.runner.plan(batch)
+                t = timer.lap("plan", t)
+                timer.dispatching(t)
+                dispatched.append((rep, batch, rep.runner.dispatch(planned)))
+                t = timer.lap("dispatch", t)
+        if not dispatched:
+            timer.idle()  # nothing ran (every waiting sequence is blocked): no gap to count
         for rep, batch, pending in dispatched:
+            t = timer.now()
             results = rep.runner.collect(pending)
+            t = timer.lap("read", t)
             rep.scheduler.after_step(batch)
             self._steps += 1
             self._max_decode_batch = max(self._max_decode_batch, len(batch.decodes))
@@ -345,6 +370,7 @@ class GenerationService:
                     self._append(req, seq, token, logprob, top_ids, top_lps)
             if any(c.steps > 1 for c in batch.decodes):
                 rep.scheduler.after_step(batch)  # the positions of the tokens just appended
+            timer.lap("postprocess", t)
 
     def _record_prompt_scores(self, seq: Seq, start: int, lps, ids, tlps) -> None:
         """Keep the logprob of each prompt token (after the first) computed by a scored chunk."""

@@ -86,6 +86,10 @@ class ModelCall:
     """``SamplingRows.floats`` [S, ...]."""
     all_greedy: bool
     """No row samples: the greedy sampler executable."""
+    logprobs: bool = True
+    """Some sampled row asked for logprobs: the sampler computes the chosen tokens' logprobs and the
+    top MAX_TOP_LOGPROBS of every row (without, it skips a logsumexp and a top-k that cost ~12 ms at
+    [64, 49152] on the 2-core CPU)."""
     following: np.ndarray | None = None
     """int32 [rows, tokens]: each prompt position's next token, for rows scored for prompt logprobs."""
     chained: np.ndarray | None = None
@@ -99,9 +103,15 @@ CallOutput = tuple[SampleOutput, tuple[jax.Array, jax.Array, jax.Array] | None]
 """A model call's device results: the sampled rows, and (logprob, top ids, top logprobs) of scored rows."""
 
 
-@functools.partial(jax.jit, donate_argnums=1, static_argnums=5)
+@functools.partial(jax.jit, donate_argnums=1, static_argnums=(5, 6))
 def _sample(
-    logits: jax.Array, counts: jax.Array, prompt_mask: jax.Array, ints: jax.Array, floats: jax.Array, all_greedy: bool
+    logits: jax.Array,
+    counts: jax.Array,
+    prompt_mask: jax.Array,
+    ints: jax.Array,
+    floats: jax.Array,
+    all_greedy: bool,
+    logprobs: bool,
 ) -> tuple[SampleOutput, jax.Array]:
     """Sample one token per row of ``logits`` [B, V] and count it in the row's penalty slot.
 
@@ -109,12 +119,19 @@ def _sample(
     (batch, tokens, pages) shape: the sampler costs more to compile than the model.
     ``counts`` [slots, V] int32 and ``prompt_mask`` [slots, V] bool hold penalty state; ``ints`` and
     ``floats`` are the rows' packed ``SamplingRows`` (parameters, penalty slot, whether the sampled
-    token is really appended). ``all_greedy``: the host knows no row samples (two executables per
-    row count, both compiled at warmup).
+    token is really appended). ``all_greedy``: the host knows no row samples; ``logprobs``: some
+    row wants logprobs (four executables per row count, all compiled at warmup).
     """
     sampling, slots, sampled_weight = unpack(ints, floats)
     out = sample(
-        logits, sampling, counts[slots], prompt_mask[slots], num_top_logprobs=MAX_TOP_LOGPROBS, all_greedy=all_greedy
+        logits,
+        sampling,
+        counts,
+        prompt_mask,
+        num_top_logprobs=MAX_TOP_LOGPROBS,
+        all_greedy=all_greedy,
+        logprobs=logprobs,
+        slots=slots,
     )
     return out, counts.at[slots, out.tokens].add(sampled_weight)
 
@@ -228,7 +245,9 @@ class Executor:
         # Prefill rows are sampled in a batch bucket, so the sampler compiles per bucket only.
         if op.ints.shape[0] != logits.shape[0]:
             logits = _pad_rows(logits, op.ints.shape[0])
-        out, self.counts = _sample(logits, self.counts, self.prompt_mask, op.ints, op.floats, op.all_greedy)
+        out, self.counts = _sample(
+            logits, self.counts, self.prompt_mask, op.ints, op.floats, op.all_greedy, op.logprobs
+        )
         return (out, scores), (out.tokens, batch.q_lens)
 
 

@@ -62,6 +62,14 @@ class Device(Protocol):
 
 
 @dataclasses.dataclass
+class PlannedStep:
+    """A step's ops, and each model call's rows (None = padding) in the order of its calls."""
+
+    ops: list[Op]
+    rows: list[Sequence[_Row | None]]
+
+
+@dataclasses.dataclass
 class PendingStep:
     """A dispatched step: each model call's rows (None = padding) and its device outputs."""
 
@@ -108,6 +116,16 @@ def _entry(row: _Row) -> Entry:
     # A later step of a multi-step decode: its token is sampled on the device (any id here).
     tokens = [0] if row.ahead else row.seq.tokens(row.start, row.start + row.num_tokens)
     return Entry(tokens, row.start, row.seq.pages)
+
+
+def _wants_top(rows: Sequence[_Row | None]) -> bool:
+    """Whether a row of a call samples a token whose top logprobs were asked for."""
+    return any(r is not None and r.samples and bool(r.seq.params.logprobs) for r in rows)
+
+
+def _wants_logprobs(rows: Sequence[_Row | None]) -> bool:
+    """Whether a row of a call samples a token whose logprob was asked for (top entries or not)."""
+    return any(r is not None and r.samples and r.seq.params.logprobs is not None for r in rows)
 
 
 def _rows_of(chunk: ScheduledChunk, row_tokens: int) -> list[_Row]:
@@ -186,10 +204,12 @@ class ModelRunner:
         scored: bool = False,
         all_greedy: bool | None = None,
         chained: np.ndarray | None = None,
+        logprobs_on: bool | None = None,
     ) -> None:
         """Append the ops of one call: ``chunks`` are its rows in order (None = padding), ``host`` their layout.
 
-        ``all_greedy`` picks the sampler executable; by default whether every row is greedy.
+        ``all_greedy`` and ``logprobs_on`` pick the sampler executable; by default whether every row
+        is greedy, and whether a sampled row asked for logprobs.
         ``chained``: a later step of a multi-step decode, with each row's stop ids (see ``ModelCall``).
         """
         rows = host.tokens.shape[0]
@@ -205,8 +225,12 @@ class ModelRunner:
         packed = self._sampling_rows(chunks, sample_rows)
         if all_greedy is None:
             all_greedy = all(c is None or c.seq.params.temperature <= 0 for c in chunks)
+        if logprobs_on is None:
+            logprobs_on = _wants_logprobs(chunks)
         flat, shapes = host.pack()
-        ops.append(ModelCall(flat, shapes, packed.ints, packed.floats, all_greedy, following, chained))
+        ops.append(
+            ModelCall(flat, shapes, packed.ints, packed.floats, all_greedy, logprobs_on, following, chained)
+        )
 
     def _decode_layout(
         self, decodes: Sequence[_Row], rows: int, width: int | None = None
@@ -261,8 +285,8 @@ class ModelRunner:
             for i in range(0, len(rows), most)
         ]
 
-    def dispatch(self, batch: ScheduledBatch) -> PendingStep:
-        """Plan one scheduler step as ops and hand them to the device (not awaited)."""
+    def plan(self, batch: ScheduledBatch) -> PlannedStep:
+        """One scheduler step as ops: page copies, slot fills, then the model calls (host only)."""
         ops: list[Op] = [CopyPage(src, dst) for src, dst in batch.copies]
         for seq in batch.fill_slots:
             ops.extend(self._fill_slot(seq))
@@ -292,14 +316,18 @@ class ModelRunner:
             )
             self._call(rows_, host, ops, scored)
             calls.append(rows_)
-        return PendingStep(list(zip(calls, self.device.run(ops), strict=True)))
+        return PlannedStep(ops, calls)
+
+    def dispatch(self, planned: PlannedStep) -> PendingStep:
+        """Hand a planned step to the device (not awaited)."""
+        return PendingStep(list(zip(planned.rows, self.device.run(planned.ops), strict=True)))
 
     def collect(self, pending: PendingStep) -> StepResults:
         """Wait for a dispatched step: sampled tokens, and prompt scores of rows that asked for them."""
         results = StepResults()
         for chunks, (out, scores) in pending.calls:
             # One transfer for the call's results; the top-20 arrays only when a row asked for them.
-            tops = any(c is not None and c.samples and c.seq.params.logprobs for c in chunks)
+            tops = _wants_top(chunks)
             fetched = fetch([out.tokens, out.logprobs] + ([out.top_ids, out.top_logprobs] if tops else []))
             tokens, logprobs = fetched[0], fetched[1]
             for i, c in enumerate(chunks):
@@ -328,20 +356,24 @@ class ModelRunner:
                 host = self._decode_layout([], rows, width)[1]([None] * rows)
             else:
                 host = row_batch([], rows=rows, tokens_per_row=t, width=width, page_size=self.page_size)
-            # Each shape once greedy; the first of each row count also with the sampling executable.
-            self._call([], host, ops, all_greedy=True)
+            # Each shape once greedy; the first of each row count also with the other sampler
+            # executables (sampling, and each with logprobs).
+            self._call([], host, ops, all_greedy=True, logprobs_on=False)
             if rows not in sampled_rows:
                 sampled_rows.add(rows)
-                self._call([], host, ops, all_greedy=False)
+                for greedy, with_logprobs in ((True, True), (False, False), (False, True)):
+                    self._call([], host, ops, all_greedy=greedy, logprobs_on=with_logprobs)
             if t == 1 and self.decode_steps > 1 and rows not in chained_rows:
                 # The chaining of multi-step decodes depends on the row count only; twice, as the
                 # second link takes the first link's outputs, not the upload's.
                 chained_rows.add(rows)
                 for _ in range(2):
-                    self._call([], host, ops, all_greedy=True, chained=self._stop_ids([None] * rows))
+                    self._call(
+                        [], host, ops, all_greedy=True, chained=self._stop_ids([None] * rows), logprobs_on=False
+                    )
             if t != 1 and width == self.buckets.pages[0]:
                 # The scoring head (echo with logprobs) depends on (rows, tokens) only, not the width.
-                self._call([], host, ops, scored=True)
+                self._call([], host, ops, scored=True, logprobs_on=False)
             jax.block_until_ready(self.device.run(ops))
             if progress is not None:
                 progress(i + 1, len(shapes))

@@ -104,11 +104,18 @@ def greedy_params(batch: int, nb: int = 1, ns: int = 1) -> SamplingArrays:
 
 
 def process_logits(
-    logits: jax.Array, params: SamplingArrays, output_counts: jax.Array, prompt_mask: jax.Array
+    logits: jax.Array,
+    params: SamplingArrays,
+    output_counts: jax.Array,
+    prompt_mask: jax.Array,
+    slots: jax.Array | None = None,
 ) -> jax.Array:
     """Steps 1-3 of the module docstring: bias, bans, penalties.
 
-    logits f32 [B, V], output_counts i32 [B, V], prompt_mask bool [B, V] -> f32 [B, V].
+    logits f32 [B, V], output_counts i32 [B, V], prompt_mask bool [B, V] -> f32 [B, V]. With
+    ``slots`` i32 [B], ``output_counts`` and ``prompt_mask`` are tables [S, V] and row b reads
+    row ``slots[b]`` of them, only when some row has a penalty: a batch without penalties does not
+    copy them (4 ms of gathers at [64, 49152] on the 2-core CPU).
     """
     b, v = logits.shape
     rows = jnp.arange(b)[:, None]
@@ -119,10 +126,12 @@ def process_logits(
     logits = logits.at[rows, banned_ids].set(-jnp.inf, mode="drop")
 
     def penalise(x: jax.Array) -> jax.Array:
+        rows_counts = output_counts if slots is None else output_counts[slots]
+        rows_prompt = prompt_mask if slots is None else prompt_mask[slots]
         rp = params.repetition_penalty[:, None]
-        seen = prompt_mask | (output_counts > 0)
+        seen = rows_prompt | (rows_counts > 0)
         x = jnp.where(seen, jnp.where(x > 0, x / rp, x * rp), x)
-        counts = output_counts.astype(jnp.float32)
+        counts = rows_counts.astype(jnp.float32)
         x = x - params.frequency_penalty[:, None] * counts
         return x - params.presence_penalty[:, None] * (counts > 0)
 
@@ -217,6 +226,22 @@ def keep_threshold(scaled: jax.Array, params: SamplingArrays, *, candidates: int
     return lax.cond(jnp.any(filtered), with_candidates, min_p_only)
 
 
+def argmax(x: jax.Array, block: int = BLOCK) -> jax.Array:
+    """Index of the first largest value of each row of ``x`` [B, V]: i32 [B], as ``jnp.argmax``.
+
+    In two levels: the first block of ``block`` values holding the row's max, then the first index
+    of the max inside it. A max over the whole row vectorises where XLA:CPU's variadic argmax
+    reduction does not: 0.9 against 7.2 ms at [64, 49152] on the 2-core CPU.
+    """
+    b, v = x.shape
+    w = min(block, v)
+    g = -(-v // w)
+    blocks = jnp.pad(x, ((0, 0), (0, g * w - v)), constant_values=-jnp.inf).reshape(b, g, w)
+    first = jnp.argmax(blocks.max(axis=-1), axis=-1)
+    inside = jnp.take_along_axis(blocks, first[:, None, None], axis=1)[:, 0]
+    return (first * w + jnp.argmax(inside, axis=-1)).astype(jnp.int32)
+
+
 def _row_keys(params: SamplingArrays) -> jax.Array:
     def one(seed: jax.Array, choice: jax.Array, position: jax.Array) -> jax.Array:
         return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), choice), position)
@@ -249,16 +274,20 @@ def sample(
     num_top_logprobs: int,
     candidates: int = CANDIDATES,
     all_greedy: bool = False,
+    logprobs: bool = True,
+    slots: jax.Array | None = None,
 ) -> SampleOutput:
     """Sample one token per row.
 
     logits f32 [B, V] (raw model output); output_counts i32 [B, V]: tokens generated so far;
-    prompt_mask bool [B, V]: tokens in the prompt. ``num_top_logprobs`` (static) sets K of
-    ``top_ids``/``top_logprobs``; ``candidates`` (static) is the top-k/top-p prefilter size;
-    ``all_greedy`` (static) promises every row has ``temperature <= 0`` (argmax only, no noise).
+    prompt_mask bool [B, V]: tokens in the prompt (or both tables [S, V] read at ``slots`` [B], see
+    ``process_logits``). ``num_top_logprobs`` (static) sets K of ``top_ids``/``top_logprobs``;
+    ``candidates`` (static) is the top-k/top-p prefilter size; ``all_greedy`` (static) promises
+    every row has ``temperature <= 0`` (argmax only, no noise); ``logprobs`` (static) false: no row
+    wants logprobs, so none are computed (``logprobs`` zeros, no top entries).
     """
     logits = logits.astype(jnp.float32)
-    processed = process_logits(logits, params, output_counts, prompt_mask)
+    processed = process_logits(logits, params, output_counts, prompt_mask, slots)
     greedy_rows = params.temperature <= 0
 
     def draw() -> jax.Array:
@@ -266,12 +295,16 @@ def sample(
         scaled = processed / temperature[:, None]
         thr = keep_threshold(scaled, params, candidates=candidates)
         drawn = _gumbel_max(jnp.where(scaled >= thr[:, None], scaled, -jnp.inf), _row_keys(params))
-        return jnp.where(greedy_rows, jnp.argmax(processed, axis=-1), drawn)
+        return jnp.where(greedy_rows, argmax(processed), drawn)
 
     # Greedy is the common serving case: an all-greedy batch skips thresholds and noise. The caller
     # says so (a static flag, known on the host) rather than a lax.cond on the rows: on a GPU a
     # conditional copies its predicate to the host, which stalls dispatch until the model step ends.
-    tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32) if all_greedy else draw().astype(jnp.int32)
+    tokens = argmax(processed) if all_greedy else draw().astype(jnp.int32)
+    if not logprobs:
+        b = logits.shape[0]
+        empty_ids, empty_lps = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
+        return SampleOutput(tokens=tokens, logprobs=jnp.zeros(b), top_ids=empty_ids, top_logprobs=empty_lps)
     chosen, top_ids, top_logprobs = token_logprobs(logits, tokens, num_top_logprobs)
     return SampleOutput(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
 

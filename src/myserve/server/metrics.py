@@ -35,8 +35,30 @@ class Metrics:
         self.pages_used = Gauge("myserve_kv_pages_used", "KV cache pages referenced", registry=r)
         self.pages_total = Gauge("myserve_kv_pages_total", "KV cache pages", registry=r)
         self.hit_rate = Gauge("myserve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", registry=r)
-        self.compiles = Gauge("myserve_compile_count", "XLA executables built in this process", registry=r)
+        self.compiles = Gauge(
+            "myserve_compile_count", "XLA executables built in this process (compiled or loaded)", registry=r
+        )
+        self.cache_loads = Gauge(
+            "myserve_compile_cache_loads", "Of those, loaded from the persistent compilation cache", registry=r
+        )
         self.preemptions = Gauge("myserve_num_preemptions", "Sequences preempted so far", registry=r)
+        self.host_seconds = Gauge(
+            "myserve_engine_host_seconds",
+            "Engine-thread seconds so far by phase (plan, dispatch, read, postprocess)",
+            ["phase"],
+            registry=r,
+        )
+        self.steps = Gauge("myserve_engine_steps", "Engine steps run (each replica's counted)", registry=r)
+        self.step_gap = Gauge(
+            "myserve_engine_step_gap_seconds",
+            "Mean host-measured gap from reading a step's results to dispatching the next (last 100 steps)",
+            registry=r,
+        )
+        self.frontend_seconds = Counter(
+            "myserve_frontend_seconds",
+            "Front-end seconds turning engine outputs into response chunks and bodies (event loop)",
+            registry=r,
+        )
         self.chained = Gauge(
             "myserve_chained_decode_steps", "Decode steps run chained in a dispatch (engine.decode_steps)", registry=r
         )
@@ -50,6 +72,11 @@ class Metrics:
         self.pages_total.set(s.pages_total)
         self.hit_rate.set(s.prefix_cache_hit_rate)
         self.compiles.set(s.compile_count)
+        self.cache_loads.set(s.cache_load_count)
         self.preemptions.set(s.num_preemptions)
         self.chained.set(s.chained_decode_steps)
+        for phase, seconds in s.host_seconds.items():
+            self.host_seconds.labels(phase).set(seconds)
+        self.step_gap.set(s.step_gap_seconds)
+        self.steps.set(s.steps)
         return generate_latest(self.registry)

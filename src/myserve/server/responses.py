@@ -123,6 +123,7 @@ class CompletionResponse:
         except TimeoutError:
             self._finished("timeout")
             raise self._timeout_error() from None
+        started = time.perf_counter()
         choices: dict[int, dict[str, Any]] = {}
         usages = []
         for i, out in outputs:
@@ -149,7 +150,9 @@ class CompletionResponse:
             self.metrics.ttft.observe(min(firsts) - self.t0)
         self._finished("ok", usage)
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        return JSONResponse({**self._envelope(obj), "choices": body_choices, "usage": usage_json(usage)})
+        response = JSONResponse({**self._envelope(obj), "choices": body_choices, "usage": usage_json(usage)})
+        self.metrics.frontend_seconds.inc(time.perf_counter() - started)
+        return response
 
     async def _collect(self) -> list[tuple[int, RequestOutput]]:
         """Every output of every stream, noted as it comes (a request cut short counts what it got);
@@ -196,6 +199,7 @@ class CompletionResponse:
             while True:
                 try:
                     i, out = await anext(outputs)
+                    got = time.perf_counter()  # front-end work on this output starts (metrics)
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
@@ -222,7 +226,11 @@ class CompletionResponse:
                     last_token_t = now
                 choice = self._delta(index, out, offsets)
                 if out.text or out.finish_reason or choice["logprobs"]:
-                    yield _sse({**base, "choices": [choice]})
+                    event = _sse({**base, "choices": [choice]})
+                    self.metrics.frontend_seconds.inc(time.perf_counter() - got)
+                    yield event
+                else:
+                    self.metrics.frontend_seconds.inc(time.perf_counter() - got)
             if self.include_usage:
                 yield _sse({**base, "choices": [], "usage": usage_json(sum_usage(usages))})
             status = "ok"
