@@ -19,7 +19,7 @@ def inject(fault: str) -> None:
     """Patch the runner so that ``fault`` happens."""
     if fault == "warmup":
 
-        def failing_warmup(self: ModelRunner, progress: object = None) -> int:
+        def failing_warmup(self: ModelRunner, progress: object = None) -> None:
             raise RuntimeError("injected warmup failure")
 
         ModelRunner.warmup = failing_warmup  # type: ignore[method-assign]

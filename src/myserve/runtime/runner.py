@@ -26,7 +26,6 @@ from myserve.engine.scheduler import ScheduledBatch, ScheduledChunk
 from myserve.engine.sequence import Sequence as Seq
 from myserve.runtime.batch_layout import Entry, HostBatch, balance, grouped_batch, row_batch
 from myserve.runtime.buckets import Buckets
-from myserve.runtime.compile_counter import compile_count
 from myserve.runtime.executor import (
     MAX_STOP_IDS,
     SLOT_CHUNK,
@@ -344,9 +343,9 @@ class ModelRunner:
         return results
 
     # -- warmup -------------------------------------------------------------------------------
-    def warmup(self, progress: Callable[[int, int], None] | None = None) -> int:
-        """Compile every bucket shape (rows of padding only: the cache is not touched); returns compiles."""
-        before = compile_count()
+    def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Compile every bucket shape (rows of padding only: the cache is not touched). The service
+        counts what was compiled and what was loaded from the cache (``compile_counter``)."""
         shapes = self.buckets.shapes()
         sampled_rows: set[int] = set()  # row counts whose sampling (not greedy) executable is built
         chained_rows: set[int] = set()  # decode row counts whose multi-step chaining is built
@@ -382,4 +381,3 @@ class ModelRunner:
         slot = self.scratch_slot
         self.device.run([CopyPage(0, 0), ClearSlot(slot), WriteSlot(slot, zeros, 0, True)])
         self.warmed_up = True
-        return compile_count() - before
