@@ -71,9 +71,7 @@ def smol_service():
         "engine.num_pages=256",
         "engine.max_num_seqs=16",
         "engine.max_num_batched_tokens=128",
-        "engine.batch_buckets=[1,4,16]",
-        "engine.prefill_row_tokens=32",
-        "engine.page_buckets=[16]",
+        "engine.token_buckets=[1,16]",
     )
     yield svc
     svc.shutdown()

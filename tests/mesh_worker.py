@@ -25,24 +25,23 @@ ENGINE = (
     "engine.num_pages=128",
     "engine.max_num_seqs=8",
     "engine.max_num_batched_tokens=64",
-    "engine.batch_buckets=[8]",
-    "engine.prefill_row_tokens=16",
-    "engine.page_buckets=[4,16]",
+    "engine.token_buckets=[8]",
 )
 PROMPTS = [[(7 * i + 3 * j) % 200 + 10 for j in range(3 + 5 * i)] for i in range(8)]
 
 
 def decode_collectives(service) -> list[str]:
-    """Collective ops (kind and shape) in the compiled decoder-layer call of an 8-row decode step."""
-    from myserve.runtime import steps
+    """Collective ops (kind and shape) in the compiled step executable of an 8-token step."""
+    from myserve.runtime.model_step import model_step
+    from myserve.runtime.step_layout import layout
 
     runner = service.replicas[0].runner
     executor = runner.device
-    tokens, batch = runner._decode_layout([], 8, 8)[1]([None] * 8).device()
-    x = steps._embed(executor.outer, tokens)
-    start, treedef, leaves = executor.groups.groups[0]
-    args = (executor.model.spec, executor.model.attention_backend, treedef, executor.groups.cache_sharding)
-    hlo = steps._blocks.lower(*args, leaves, x, batch, executor.kv_cache, start).compile().as_text()
+    shape = runner.buckets.shape(8)
+    call = runner._step_call(layout([], shape, runner.page_size), shape, [], True)
+    args = (shape, True, executor.treedef, executor.cache_sharding, executor.replicated, executor.outer)
+    state = (executor.layers, executor.kv_cache, executor.counts, executor.prompt_mask)
+    hlo = model_step.lower(*args, *state, call.batch, call.ints, call.floats).compile().as_text()
     kinds = "all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter"
     return [f"{k} {shape}" for shape, k in re.findall(rf"= (\S+\[[^\]]*\])\S* ({kinds})[-a-z]*\(", hlo)]
 

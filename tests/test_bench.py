@@ -230,8 +230,7 @@ def test_launch_benchmarks_a_tiny_model_and_stops_it(tiny_checkpoints, tmp_path:
         "--hf-checkpoint", str(tiny_checkpoints["llama3"]), "--set", f"model.tokenizer={bundled_gguf_path()}",
         "--served-model-name", "tiny-llama", "--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}",
         "--max-model-len", "256", "--max-num-seqs", "4", "--set", "engine.page_size=8",
-        "--set", "engine.batch_buckets=[1,2,4]", "--set", "engine.prefill_row_tokens=16",
-        "--set", "engine.page_buckets=[8,32]", "--set", "engine.max_num_batched_tokens=64",
+        "--set", "engine.token_buckets=[1,4]", "--set", "engine.max_num_batched_tokens=64",
         "--set", "engine.num_pages=128",
     ]  # fmt: skip
     t0 = time.monotonic()

@@ -149,8 +149,7 @@ def test_request_timeout_is_off_by_default_and_takes_seconds() -> None:
             "engine.page_sise=32",
             "overrides: unknown key 'engine.page_sise' (did you mean 'engine.page_size'?); "
             "known keys: page_size, num_pages, attention_backend, compilation_cache_dir, max_num_seqs, "
-            "max_num_batched_tokens, max_waiting, batch_buckets, prefill_row_tokens, page_buckets, "
-            "enable_prefix_caching, decode_steps, layers_per_call",
+            "max_num_batched_tokens, max_waiting, token_buckets, enable_prefix_caching",
         ),
         (
             "egnine.page_size=32",
@@ -166,7 +165,19 @@ def test_request_timeout_is_off_by_default_and_takes_seconds() -> None:
         ),
         ("engine.page_size=12", "overrides: engine.page_size must be a power of two >= 1, got 12"),
         ("engine.num_pages=1", "overrides: engine.num_pages must be >= 2, got 1"),
-        ("engine.decode_steps=0", "overrides: engine.decode_steps must be >= 1, got 0"),
+        (
+            "engine.decode_steps=4",
+            "overrides: 'engine.decode_steps' was removed: one step per dispatch; nothing replaces it",
+        ),
+        (
+            "engine.batch_buckets=[1,8]",
+            "overrides: 'engine.batch_buckets' was removed: a step is one ragged batch of tokens; set "
+            "engine.token_buckets (padded tokens per step) instead",
+        ),
+        (
+            "engine.token_buckets=[8,4]",
+            "overrides: engine.token_buckets must be increasing positive integers, got [8, 4]",
+        ),
         ("server.port=70000", "overrides: server.port must be in 1..65535, got 70000"),
         ("server.request_timeout_s=0", "overrides: server.request_timeout_s must be > 0 or null, got 0.0"),
         ("server.request_timeout_s=-1.5", "overrides: server.request_timeout_s must be > 0 or null, got -1.5"),

@@ -196,7 +196,7 @@ def test_n_greedy_choices_share_prompt_pages_copy_on_write(service, hf_tiny) -> 
 def test_full_waiting_queue_raises_overloaded_and_the_rest_finish(make_service, prompts) -> None:
     from myserve.engine.outputs import Overloaded
 
-    svc = make_service("engine.max_num_seqs=1", "engine.batch_buckets=[1]", "engine.max_waiting=3")
+    svc = make_service("engine.max_num_seqs=1", "engine.max_waiting=3")
     accepted, refused = [], 0
     for i in range(12):
         try:

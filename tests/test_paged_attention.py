@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from myserve.ops.paged_attention import KVCache, reference_paged_attention, write_kv
-from myserve.runtime.batch_layout import Entry, balance, grouped_batch, row_batch
 from myserve.runtime.kv_cache import init_kv_cache
 from myserve.runtime.steps import forward_all_logits, page_batch
 from myserve.testing import hf_logits
@@ -107,32 +106,51 @@ def test_reference_attention_matches_naive_numpy() -> None:
                 np.testing.assert_allclose(out[i, j, head], w @ v_all[i, : p + 1, kh], atol=1e-5)
 
 
-def test_grouped_decode_layout_equals_rows_layout() -> None:
-    """Decode rows read through balanced groups (pages concatenated) give the rows-layout result."""
+def test_ragged_attention_equals_per_token_attention() -> None:
+    """A ragged step (decode tokens, a prefill chunk after cached context, a chunk not a multiple of
+    the block size, padding) attends exactly like each token alone over its own causal context;
+    the context loop runs several iterations (2-page chunks, contexts up to 10 pages)."""
+    import jax
+
+    from myserve.ops.ragged_attention import ragged_attention
+    from myserve.runtime.step_layout import Span, StepShape, layout, unpack
+
     rng = np.random.RandomState(1)
-    kvh, h, d, ps, n_pages, rows, group = 2, 6, 8, 4, 64, 8, 2
-    lens = [3, 17, 1, 9, 30, 12, 5]  # 7 real rows, one padding row; very uneven contexts
+    kvh, h, d, ps, n_pages = 2, 6, 8, 4, 64
     perm = [int(p) for p in rng.permutation(n_pages)]
-    tables, used = [], 0
-    for n in lens:
-        tables.append(perm[used : used + -(-n // ps)])
-        used += len(tables[-1])
-    shape = (1, kvh, n_pages, ps, d)
-    cache = KVCache(jnp.asarray(rng.randn(*shape), jnp.float32), jnp.asarray(rng.randn(*shape), jnp.float32))
-    q = rng.randn(rows, 1, h, d).astype(np.float32)
-    entries = [Entry([0], n - 1, t) for n, t in zip(lens, tables, strict=True)]
-    _, by_rows = row_batch([*entries, None], rows=rows, tokens_per_row=1, width=8, page_size=ps).device()
-    want = np.asarray(reference_paged_attention(jnp.asarray(q), cache, 0, by_rows, sm_scale=d**-0.5))
-    order, most = balance([len(t) for t in tables], rows, group)
-    assert most <= 8  # 28 pages over 4 groups: balanced, not the longest row times the group size
-    slots = [None if i is None else entries[i] for i in order]
-    _, grouped = grouped_batch(slots, group=group, group_width=8, page_size=ps).device()
-    assert grouped.grouped and not by_rows.grouped
-    q_grouped = np.stack([q[i] if i is not None else q[7] for i in order])
-    got = np.asarray(reference_paged_attention(jnp.asarray(q_grouped), cache, 0, grouped, sm_scale=d**-0.5))
-    for slot, i in enumerate(order):
-        if i is not None:
-            np.testing.assert_allclose(got[slot], want[i], atol=1e-5)
+    # (context before this step, tokens this step) per sequence
+    seqs = [(2, 1), (16, 1), (0, 7), (24, 13), (38, 1), (5, 3)]
+    spans, used = [], 0
+    for before, n in seqs:
+        pages = perm[used : used + -(-(before + n) // ps)]
+        used += len(pages)
+        spans.append(Span([0] * n, before, pages, samples=True))
+    shape = StepShape.of(32, max_num_seqs=8, block_tokens=4, max_pages=12, chunk_pages=2)
+    host = layout(spans, shape, ps)
+    _, batch, _, _ = unpack(jnp.asarray(host.pack()), shape)
+    cache_shape = (1, kvh, n_pages, ps, d)
+    cache = KVCache(
+        jnp.asarray(rng.randn(*cache_shape), jnp.float32), jnp.asarray(rng.randn(*cache_shape), jnp.float32)
+    )
+    q = rng.randn(shape.tokens, h, d).astype(np.float32)
+    got = np.asarray(
+        jax.jit(lambda q, c, b: ragged_attention(q, c, 0, b, sm_scale=d**-0.5))(jnp.asarray(q), cache, batch)
+    )
+    k_all, v_all = np.asarray(cache.k[0]), np.asarray(cache.v[0])  # [kvh, pages, ps, d]
+    at = 0
+    for (before, n), span in zip(seqs, spans, strict=True):
+        slots = [(page, off) for page in span.pages for off in range(ps)]
+        for j in range(n):
+            ctx = slots[: before + j + 1]  # causal: positions 0 .. its own
+            for head in range(h):
+                kh = head // (h // kvh)
+                keys = np.stack([k_all[kh, pg, off] for pg, off in ctx])
+                vals = np.stack([v_all[kh, pg, off] for pg, off in ctx])
+                sc = keys @ q[at + j, head] * d**-0.5
+                w = np.exp(sc - sc.max())
+                np.testing.assert_allclose(got[at + j, head], (w / w.sum()) @ vals, atol=1e-5)
+        at += n
+    assert not got[at:].any()  # padding tokens: zeros
 
 
 def test_backend_switch_checks_that_the_kernel_fits() -> None:

@@ -25,7 +25,7 @@ def engine(
     max_num_seqs: int = 4,
     budget: int = 16,
     chunk: int | None = None,
-    decode_steps: int = 1,
+    max_prefill_chunks: int | None = None,
 ) -> HostEngine:
     alloc = PageAllocator(num_pages, page_size)
     return HostEngine(
@@ -34,7 +34,7 @@ def engine(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,
             max_prefill_chunk=chunk or budget,
-            decode_steps=decode_steps,
+            max_prefill_chunks=max_prefill_chunks,
         )
     )
 
@@ -143,24 +143,18 @@ def test_n_choices_share_prompt_pages_with_copy_on_write() -> None:
     assert_consistent(e.scheduler, e.live)
 
 
-def test_multi_step_decodes_get_their_pages_up_front_or_run_one_step() -> None:
-    e = engine(num_pages=64, page_size=4, budget=32, decode_steps=4)
-    (a,) = e.submit(prompt(4), SamplingParams(max_tokens=10, temperature=0.0))
-    e.step()  # prefill: 4 tokens, 1 page, first sample
+def test_multi_token_chunks_per_step_are_capped() -> None:
+    """At most ``max_prefill_chunks`` chunks of more than one token per step (the largest step shape
+    holds that many prefill blocks); one-token chunks are not counted, and FIFO order holds."""
+    e = engine(num_pages=64, page_size=4, budget=64, max_num_seqs=8, max_prefill_chunks=2)
+    seqs = [e.submit(prompt(5, 10 * i), GREEDY)[0] for i in range(4)]
     batch = e.step()
-    (chunk,) = batch.decodes
-    assert chunk.steps == 4 and len(a.pages) == 2  # positions 4..7: one more page, allocated now
-    assert len(a.output_ids) == 5
-    e.run()
-    assert len(a.output_ids) == 10 and e.scheduler.allocator.num_used == 0
-    # With too few pages free for every chained step, the decodes run one step each instead.
-    e = engine(num_pages=3, page_size=4, budget=32, decode_steps=4)
-    (b,) = e.submit(prompt(4), SamplingParams(max_tokens=4, temperature=0.0))
-    (c,) = e.submit(prompt(3, 40), SamplingParams(max_tokens=4, temperature=0.0))
-    e.step()
-    batch = e.step()  # b's chain fits its pages, c's would need a page that is not free
-    assert [ch.steps for ch in batch.decodes] == [1, 1] and not batch.preempted
+    assert [c.seq for c in batch.prefills] == seqs[:2]
+    batch = e.step()
+    assert [c.seq for c in batch.decodes] == seqs[:2] and [c.seq for c in batch.prefills] == seqs[2:]
     assert_consistent(e.scheduler, e.live)
+    e.run()
+    assert all(s.finish_reason == "length" for s in seqs)
 
 
 @pytest.mark.parametrize("stage", ["waiting", "prefilling", "decoding", "sibling_waiting", "preempted"])

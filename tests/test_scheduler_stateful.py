@@ -1,22 +1,54 @@
 """A hypothesis state machine over the scheduler's host bookkeeping (no device): random submits,
 steps, finishes and aborts on a pool small enough that scheduling must preempt. After every rule
-the page and slot invariants hold (``assert_consistent``); at the end every request finishes."""
+the page and slot invariants hold (``assert_consistent``), every step is laid out by the runner's
+planner into a step shape and checked (``check_layout``); at the end every request finishes."""
 
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from myserve.engine.pages import PageAllocator
 from myserve.engine.params import SamplingParams
-from myserve.engine.scheduler import Scheduler
+from myserve.engine.scheduler import ScheduledBatch, Scheduler
 from myserve.engine.sequence import SeqStatus
+from myserve.runtime.buckets import Buckets
+from myserve.runtime.runner import ModelRunner
+from myserve.runtime.step_layout import layout
 from myserve.testing import HostEngine, assert_consistent
 
 PAGE_SIZE = 4
 NUM_PAGES = 8  # 32 tokens: two requests of up to 24 tokens can already need more than that
 MAX_LEN = 24
+
+
+def check_layout(batch: ScheduledBatch, buckets: Buckets) -> None:
+    """The runner's planner on a scheduled step: it fits a step shape, and the layout puts every
+    chunk's tokens, positions and pages where the attention reads them."""
+    chunks = [*batch.decodes, *batch.prefills]
+    spans = [ModelRunner._span(c) for c in chunks]
+    shape = buckets.fit(spans)  # raises if the scheduler let a step outgrow the largest shape
+    host = layout(spans, shape, PAGE_SIZE)
+    tokens, positions, q_lens, write_pages, s_idx, _, s_kv, s_pages, b_idx, b_pos, b_kv, _, sample_idx, _ = host.arrays
+    at = 0
+    for chunk, row in zip(chunks, host.sample_rows, strict=True):
+        seq, n = chunk.seq, chunk.num_tokens
+        assert list(tokens[at : at + n]) == seq.tokens(chunk.start, chunk.start + n)
+        assert list(positions[0, at : at + n]) == list(range(chunk.start, chunk.start + n))
+        for j in range(n):
+            assert write_pages[0, at + j] == seq.pages[(chunk.start + j) // PAGE_SIZE]
+        if n == 1:
+            (i,) = np.nonzero(s_idx[:, 0] == at)[0]
+            assert s_kv[i] == chunk.start + 1 and list(s_pages[i, : len(seq.pages)]) == seq.pages
+        else:
+            covered = sorted(int(x) for x in b_idx.ravel() if at <= x < at + n)
+            assert covered == list(range(at, at + n))  # every token in exactly one block
+            assert set(b_kv[(b_idx[:, 0] >= at) & (b_idx[:, 0] < at + n)]) == {chunk.start + n}
+        assert (row is not None) == chunk.samples and (row is None or sample_idx[row] == at + n - 1)
+        at += n
+    assert q_lens[0] == at
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -28,23 +60,32 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.prompts: list[list[int]] = []  # earlier prompts, reused so that prefix hits happen
 
     @rule(
-        decode_steps=st.sampled_from([1, 1, 3]),
         max_num_seqs=st.integers(1, 4),
         budget=st.integers(4, 16),
+        block_tokens=st.sampled_from([2, 3, 32]),
         prefix_cache=st.booleans(),
     )
     @precondition(lambda self: self.engine is None)
-    def start(self, decode_steps: int, max_num_seqs: int, budget: int, prefix_cache: bool) -> None:
+    def start(self, max_num_seqs: int, budget: int, block_tokens: int, prefix_cache: bool) -> None:
         alloc = PageAllocator(NUM_PAGES, PAGE_SIZE, enable_prefix_cache=prefix_cache)
         budget = max(budget, max_num_seqs)
+        buckets = Buckets(
+            tokens=(1, 2, budget) if budget > 2 else (1, budget),
+            max_num_seqs=max_num_seqs,
+            page_size=PAGE_SIZE,
+            max_pages=-(-MAX_LEN // PAGE_SIZE),
+            block_tokens=min(block_tokens, budget),
+            chunk_pages=2,
+        )
         self.engine = HostEngine(
             Scheduler(
                 alloc,
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=budget,
                 max_prefill_chunk=budget,
-                decode_steps=decode_steps,
-            )
+                max_prefill_chunks=buckets.max_prefill_chunks,
+            ),
+            on_schedule=lambda batch: check_layout(batch, buckets),
         )
 
     @rule(

@@ -299,7 +299,7 @@ def test_unknown_fields_ignored_and_tokenize_roundtrip(live) -> None:
 
 
 def test_full_queue_answers_429_with_retry_after(make_service) -> None:
-    svc = make_service("engine.max_num_seqs=1", "engine.batch_buckets=[1]", "engine.max_waiting=2")
+    svc = make_service("engine.max_num_seqs=1", "engine.max_waiting=2")
     server = LiveServer(create_app(svc, served_model_name="tiny"))
     try:
 

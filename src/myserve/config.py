@@ -96,27 +96,12 @@ class EngineConfig:
     """Token budget of one engine step (decode tokens plus prefill chunk tokens)."""
     max_waiting: int = 1024
     """Most requests waiting for admission; beyond it submissions are refused as overloaded."""
-    batch_buckets: tuple[int, ...] = ()
-    """Rows per model call compiled at warmup: decode batch sizes, and (up to
-    max_num_batched_tokens / prefill_row_tokens) prefill rows; empty = powers of two up to
-    max_num_seqs."""
-    prefill_row_tokens: int = 32
-    """Prompt tokens per prefill row: a step's prefill chunks are cut into rows of this many tokens
-    and run as one batched call (only a chunk's last row is padded)."""
-    page_buckets: tuple[int, ...] = ()
-    """Page-table widths compiled at warmup (attention reads this many pages per sequence);
-    empty = powers of two from 4 pages up to the pages of max_model_len (decode calls read them per
-    pair of rows, so twice as many, plus the midpoint between each two consecutive widths)."""
+    token_buckets: tuple[int, ...] = ()
+    """Padded token counts of a step compiled at warmup (one executable each, per sampler
+    variant): a step of decode tokens and prefill chunks runs in the smallest that holds it; the
+    largest is always max_num_batched_tokens; empty = powers of two up to it."""
     enable_prefix_caching: bool = True
     """Reuse KV pages of identical prompt prefixes across requests."""
-    decode_steps: int = 1
-    """Decode steps run per dispatch when a step is decodes only and nothing waits for admission:
-    each step's sampled tokens feed the next on the device, EOS and stop_token_ids end a row there,
-    and the host reads the tokens once per dispatch (streams then get up to this many tokens at a
-    time). 1 = one step per dispatch."""
-    layers_per_call: int | None = None
-    """Decoder layers per jitted call; null = 6 on CPU (a shape compiles in ~2 s instead of ~9 s
-    for the whole model) and every layer on TPU/GPU (one dispatch per step: steps are short there)."""
 
     def __post_init__(self) -> None:
         # Power of two so that page/offset arithmetic is shifts and kernels tile evenly.
@@ -132,25 +117,16 @@ class EngineConfig:
             f"({self.max_num_seqs})",
         )
         _check(self.max_waiting >= 1, f"engine.max_waiting must be >= 1, got {self.max_waiting}")
-        _check(self.decode_steps >= 1, f"engine.decode_steps must be >= 1, got {self.decode_steps}")
-        lpc = self.layers_per_call
-        _check(lpc is None or lpc >= 1, f"engine.layers_per_call must be >= 1 or null, got {lpc}")
+        buckets = list(self.token_buckets)
         _check(
-            1 <= self.prefill_row_tokens <= self.max_num_batched_tokens,
-            f"engine.prefill_row_tokens must be in [1, max_num_batched_tokens ({self.max_num_batched_tokens})], "
-            f"got {self.prefill_row_tokens}",
+            all(b >= 1 for b in buckets) and buckets == sorted(set(buckets)),
+            f"engine.token_buckets must be increasing positive integers, got {buckets}",
         )
-        for key in ("batch_buckets", "page_buckets"):
-            buckets = getattr(self, key)
-            _check(
-                all(b >= 1 for b in buckets) and list(buckets) == sorted(set(buckets)),
-                f"engine.{key} must be increasing positive integers, got {list(buckets)}",
-            )
-        if self.batch_buckets:
-            _check(
-                self.batch_buckets[-1] >= self.max_num_seqs,
-                f"engine.batch_buckets must reach max_num_seqs ({self.max_num_seqs}), got {list(self.batch_buckets)}",
-            )
+        _check(
+            not buckets or buckets[-1] <= self.max_num_batched_tokens,
+            f"engine.token_buckets must not exceed max_num_batched_tokens ({self.max_num_batched_tokens}), "
+            f"got {buckets}",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -328,7 +304,22 @@ def _coerce(value: object, tp: Any, key: str) -> Any:
     raise TypeError(f"config field {key} has unsupported type {tp!r}")
 
 
+REMOVED_KEYS = {
+    "engine.batch_buckets": "removed: a step is one ragged batch of tokens; set engine.token_buckets "
+    "(padded tokens per step) instead",
+    "engine.prefill_row_tokens": "removed: prefill chunks join the decode tokens in one ragged step; set "
+    "engine.token_buckets (padded tokens per step) instead",
+    "engine.page_buckets": "removed: page tables are full width and the attention reads only the pages in use; "
+    "nothing replaces it",
+    "engine.layers_per_call": "removed: every layer runs in the one step executable; nothing replaces it",
+    "engine.decode_steps": "removed: one step per dispatch; nothing replaces it",
+}
+"""Keys of earlier versions: each gets a one-line error naming what replaced it."""
+
+
 def _unknown_key(cls: type, name: str, prefix: str) -> ConfigError:
+    if f"{prefix}{name}" in REMOVED_KEYS:
+        return ConfigError(f"'{prefix}{name}' was {REMOVED_KEYS[prefix + name]}")
     hints = typing.get_type_hints(cls)
     known = [field.name for field in dataclasses.fields(cls)]
     word = "section" if all(_is_section(hints[k]) for k in known) else "key"

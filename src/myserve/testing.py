@@ -47,9 +47,7 @@ TINY_ENGINE: tuple[str, ...] = (
     "engine.page_size=8",
     "engine.max_num_seqs=8",
     "engine.max_num_batched_tokens=64",
-    "engine.batch_buckets=[1,2,4,8]",
-    "engine.prefill_row_tokens=16",
-    "engine.page_buckets=[8,64]",
+    "engine.token_buckets=[1,8,64]",
 )
 
 
@@ -146,10 +144,12 @@ class HostEngine:
     For unit tests of the scheduler, the page allocator and the penalty slots in milliseconds.
     """
 
-    def __init__(self, scheduler: Any):
+    def __init__(self, scheduler: Any, on_schedule: Any = None):
         from myserve.engine.sequence import Sequence
 
         self.scheduler = scheduler
+        self.on_schedule = on_schedule
+        """Called with each ``ScheduledBatch`` before it 'runs' (e.g. to lay it out as the runner would)."""
         self.live: list[Sequence] = []
         """Sequences submitted and not yet finished or aborted."""
         self.done: list[Sequence] = []
@@ -177,18 +177,16 @@ class HostEngine:
     def step(self) -> Any:
         """One engine step: schedule, 'compute', append sampled tokens, finish full sequences."""
         batch = self.scheduler.schedule()
+        if self.on_schedule is not None:
+            self.on_schedule(batch)
         self.scheduler.after_step(batch)
         for chunk in (*batch.decodes, *batch.prefills):
             seq = chunk.seq
             if not chunk.samples or seq not in self.live:
                 continue
-            for _ in range(chunk.steps):
-                seq.output_ids.append(self.token(seq, seq.num_tokens))
-                if seq.num_tokens >= seq.max_len:
-                    self.finish(seq, "length")
-                    break
-        if any(c.steps > 1 for c in batch.decodes):
-            self.scheduler.after_step(batch)  # the positions the chained tokens filled
+            seq.output_ids.append(self.token(seq, seq.num_tokens))
+            if seq.num_tokens >= seq.max_len:
+                self.finish(seq, "length")
         return batch
 
     def finish(self, seq: Any, reason: str) -> None:

@@ -93,8 +93,6 @@ class EngineStats:
     max_decode_batch: int
     """Largest number of sequences one decode call has carried."""
     generated_tokens: int
-    chained_decode_steps: int = 0
-    """Decode steps run chained behind another in the same dispatch (``engine.decode_steps`` > 1)."""
     host_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     """Engine-thread seconds so far by phase: plan, dispatch, read, postprocess (``StepTimer``)."""
     step_gap_seconds: float = 0.0

@@ -20,13 +20,10 @@ import logging
 
 from myserve.engine.pages import PageAllocator
 from myserve.engine.scheduler import Scheduler
-from myserve.models.quant import MIN_ROWS
-from myserve.runtime.batch_layout import DECODE_GROUP
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.deployment import Deployment
 from myserve.runtime.executor import Executor
 from myserve.runtime.runner import Device, ModelRunner
-from myserve.runtime.steps import LAYERS_PER_CALL
 
 logger = logging.getLogger(__name__)
 
@@ -46,20 +43,8 @@ class Replica:
 
 
 def engine_buckets(dep: Deployment) -> Buckets:
-    """The deployment's shape buckets: decode rows grouped for the reference attention."""
-    cfg = dep.config.engine
-    min_rows = MIN_ROWS if dep.config.model.quantization == "int8" else 1
-    # The TPU kernel reads the rows layout; the reference attention reads balanced row groups.
-    group = DECODE_GROUP if dep.model.attention_backend == "reference" else 1
-    return Buckets.from_config(cfg, dep.max_model_len, min_rows, group)
-
-
-def layers_per_call(dep: Deployment) -> int:
-    """``engine.layers_per_call``, by default LAYERS_PER_CALL on CPU (compiling dominates) and the
-    whole model on accelerators (a 1B model's decode step is ~1 ms of device time: dispatches show)."""
-    if dep.config.engine.layers_per_call:
-        return dep.config.engine.layers_per_call
-    return LAYERS_PER_CALL if dep.mesh.devices.flat[0].platform == "cpu" else dep.spec.num_layers
+    """The deployment's step shapes (token buckets)."""
+    return Buckets.from_config(dep.config.engine, dep.max_model_len)
 
 
 def make_executors(dep: Deployment) -> list[Executor]:
@@ -73,7 +58,6 @@ def make_executors(dep: Deployment) -> list[Executor]:
             num_pages=cfg.num_pages,
             page_size=cfg.page_size,
             num_slots=cfg.max_num_seqs + 1,
-            layers_per_call=layers_per_call(dep),
         )
         for model, mesh in zip(dep.models, dep.meshes, strict=True)
     ]
@@ -88,13 +72,12 @@ def make_replica(dep: Deployment, device: Device, buckets: Buckets) -> Replica:
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_prefill_chunk=cfg.max_num_batched_tokens,
-        decode_steps=cfg.decode_steps,
+        max_prefill_chunks=buckets.max_prefill_chunks,
     )
     runner = ModelRunner(
         device,
         buckets=buckets,
         max_num_seqs=cfg.max_num_seqs,
         eos_ids=dep.tokenizer.eos_token_ids,
-        decode_steps=cfg.decode_steps,
     )
     return Replica(allocator, scheduler, runner)

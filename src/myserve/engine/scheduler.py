@@ -16,11 +16,8 @@ sequence, the most recently admitted running sequence is preempted: its pages ar
 goes back to the front of the waiting queue to be recomputed later. Nothing is dropped, and a lone
 sequence always fits because the service refuses requests longer than the whole pool.
 
-Multi-step decode (``decode_steps`` > 1): a step of decodes only, with no admission possible, lets each
-decode run up to ``decode_steps`` consecutive steps in one dispatch (``ScheduledChunk.steps``),
-capped by its ``max_len``; pages for all of them are allocated up front, and only when they are
-free (never by preempting). The tokens those steps sample are unknown to the host until the
-dispatch is read, so ``after_step`` is called again once they are appended.
+A step holds at most ``max_prefill_chunks`` chunks of more than one token: the runner cuts each
+into blocks of attention queries, and the cap keeps every step inside the largest step shape.
 """
 
 from __future__ import annotations
@@ -40,9 +37,6 @@ class ScheduledChunk:
     seq: Sequence
     start: int
     num_tokens: int
-    steps: int = 1
-    """Consecutive decode steps run in one dispatch (decode chunks only): each computes the token
-    the previous one sampled, so the chunk computes positions ``start .. start + steps - 1``."""
 
     @property
     def samples(self) -> bool:
@@ -80,14 +74,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_prefill_chunk: int,
-        decode_steps: int = 1,
+        max_prefill_chunks: int | None = None,
     ):
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk
-        self.decode_steps = decode_steps
+        self.max_prefill_chunks = max_prefill_chunks
         self.slots = SlotPool(max_num_seqs)  # at most max_num_seqs run, each holds at most one
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -164,6 +158,8 @@ class Scheduler:
             seq.pages.extend(self.allocator.allocate(need))
             return True
 
+        multi = 0  # chunks of more than one token so far (capped by max_prefill_chunks)
+        cap = self.max_prefill_chunks if self.max_prefill_chunks is not None else 1 << 30
         by_age = sorted(self.running, key=lambda s: s.admitted_at)
         # Decodes first (oldest first), so running requests keep streaming under load.
         for seq in by_age:
@@ -173,13 +169,14 @@ class Scheduler:
         # Then the next chunk of running sequences still prefilling; a chunk shrinks to the free
         # pages rather than preempting, unless not even one token fits.
         for seq in by_age:
-            if budget == 0 or seq.status is not SeqStatus.RUNNING or seq.num_pending <= 1:
+            if budget == 0 or seq.status is not SeqStatus.RUNNING or seq.num_pending <= 1 or multi >= cap:
                 continue
             fits = (len(seq.pages) + self.allocator.num_free) * self.page_size - seq.num_computed
             n = min(seq.num_pending, budget, self.max_prefill_chunk, max(fits, 1))
             if grow(seq, n):
                 chunks[seq] = ScheduledChunk(seq, seq.num_computed, n)
                 budget -= n
+                multi += n > 1
         # Then admissions in arrival order (preempted sequences are back at the front); none in a
         # step that had to preempt, which would only thrash. Later choices of an n > 1 request
         # wait (without blocking the queue) until the first choice has computed the prompt.
@@ -194,9 +191,12 @@ class Scheduler:
                     continue
                 first = self._admit_sibling(seq, parent, copies)
             else:
+                if multi >= cap and seq.num_tokens > 1:
+                    break  # its first chunk would be one chunk too many
                 first = self._admit(seq, budget)
             if first == 0:
                 break
+            multi += first > 1
             self.waiting.remove(seq)
             self._start_running(seq, fill_slots)
             chunks[seq] = ScheduledChunk(seq, seq.num_computed, first)
@@ -204,24 +204,7 @@ class Scheduler:
         # Single tokens run in the decode call, unless they are prompt tokens to be scored.
         decodes = [c for c in chunks.values() if c.num_tokens == 1 and not c.seq.scores_prompt(c.start)]
         prefills = [c for c in chunks.values() if c.num_tokens > 1 or c.seq.scores_prompt(c.start)]
-        admissible = self.waiting and len(self.running) < self.max_num_seqs
-        if self.decode_steps > 1 and decodes and not (prefills or preempted or copies or admissible):
-            decodes = self._multi_step(decodes)
         return ScheduledBatch(decodes, prefills, preempted, copies, fill_slots)
-
-    def _multi_step(self, decodes: list[ScheduledChunk]) -> list[ScheduledChunk]:
-        """The decodes with ``steps`` > 1 where their length allows and pages for them are free.
-
-        A sequence never runs past ``max_len`` (which includes ``max_tokens``); ending earlier on
-        EOS or a stop is found on the device or by the host, and the extra tokens are dropped.
-        """
-        steps = [min(self.decode_steps, c.seq.max_len - c.seq.num_tokens) for c in decodes]
-        need = [self._pages_needed(c.seq, n) for c, n in zip(decodes, steps, strict=True)]
-        if not self.allocator.can_allocate(sum(need)):
-            return decodes
-        for c, n in zip(decodes, need, strict=True):
-            c.seq.pages.extend(self.allocator.allocate(n))
-        return [ScheduledChunk(c.seq, c.start, 1, n) for c, n in zip(decodes, steps, strict=True)]
 
     def _admit_sibling(self, seq: Sequence, parent: Sequence, copies: list[tuple[int, int]]) -> int:
         """Pages for a later choice: its first choice's prompt pages; it computes only the last prompt token.
@@ -263,17 +246,11 @@ class Scheduler:
         return first
 
     def after_step(self, batch: ScheduledBatch) -> None:
-        """Advance computed counts and offer newly full pages to the prefix cache.
-
-        Only positions whose tokens the host knows count as computed (page hashes need them): a
-        multi-step decode's later positions count once its sampled tokens are appended, so the
-        service calls this again then. Calling it twice is harmless.
-        """
+        """Advance computed counts and offer newly full pages to the prefix cache."""
         for chunk in (*batch.decodes, *batch.prefills):
             seq = chunk.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue  # finished or aborted while the step ran
-            end = chunk.start + chunk.num_tokens + chunk.steps - 1
-            seq.num_computed = max(seq.num_computed, min(end, seq.num_tokens))
+            seq.num_computed = max(seq.num_computed, chunk.start + chunk.num_tokens)
             for page, page_hash in seq.update_page_hashes(self.page_size):
                 self.allocator.cache_page(page, page_hash)

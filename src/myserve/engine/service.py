@@ -100,7 +100,6 @@ class GenerationService:
         """Host time of the engine loop by phase, and the gap between steps (metrics)."""
         self._max_decode_batch = 0
         self._generated = 0
-        self._chained = 0
         self._prompt_computed = 0
         self._ids = itertools.count()
 
@@ -117,16 +116,12 @@ class GenerationService:
         leader = jax.process_count() > 1
         devices: list[Device] = [BroadcastingDevice(e, i) if leader else e for i, e in enumerate(executors)]
         logger.info(
-            "engine: %d replica(s) of %d pages x %d tokens, max_num_seqs=%d, buckets batch=%s prefill rows=%s x %d "
-            "tokens pages=%s",
+            "engine: %d replica(s) of %d pages x %d tokens, max_num_seqs=%d, token buckets %s",
             len(executors),
             cfg.num_pages,
             cfg.page_size,
             cfg.max_num_seqs,
-            buckets.batch,
-            buckets.prefill_rows,
-            buckets.row_tokens,
-            buckets.pages,
+            buckets.tokens,
         )
         return GenerationService(
             [make_replica(dep, device, buckets) for device in devices],
@@ -153,7 +148,7 @@ class GenerationService:
             if progress is None:
                 from tqdm import tqdm
 
-                bar = tqdm(total=total, desc="warmup (compiling buckets)", unit="shape")
+                bar = tqdm(total=total, desc="warmup (compiling step shapes)", unit="shape")
             compiled, loaded = compile_counts()
             for k, runner in enumerate(runners):
 
@@ -251,7 +246,6 @@ class GenerationService:
             steps=self._steps,
             max_decode_batch=self._max_decode_batch,
             generated_tokens=self._generated,
-            chained_decode_steps=self._chained,
             host_seconds=dict(self.timer.seconds),
             step_gap_seconds=self.timer.mean_gap,
         )
@@ -351,7 +345,6 @@ class GenerationService:
             rep.scheduler.after_step(batch)
             self._steps += 1
             self._max_decode_batch = max(self._max_decode_batch, len(batch.decodes))
-            self._chained += max((c.steps - 1 for c in batch.decodes), default=0)
             self._prompt_computed += sum(c.num_tokens for c in batch.prefills)
             for seq, start, lps, ids, tlps in results.prompt_scores:
                 self._record_prompt_scores(seq, start, lps, ids, tlps)
@@ -363,13 +356,8 @@ class GenerationService:
                     req.stream.put(self._prompt_output(req, seq, finish="length"))
                     self._finish_seq(req, seq, "length")
                     continue
-                # A multi-step decode's samples after its sequence ended (EOS, stop) are dropped.
                 for token, logprob, top_ids, top_lps in samples:
-                    if seq.finish_reason is not None:
-                        break
                     self._append(req, seq, token, logprob, top_ids, top_lps)
-            if any(c.steps > 1 for c in batch.decodes):
-                rep.scheduler.after_step(batch)  # the positions of the tokens just appended
             timer.lap("postprocess", t)
 
     def _record_prompt_scores(self, seq: Seq, start: int, lps, ids, tlps) -> None:

@@ -24,6 +24,7 @@ llama3 rotary scaling, tied embeddings.
 
 from __future__ import annotations
 
+import math
 from typing import Literal, TypeAlias, cast
 
 import equinox as eqx
@@ -36,6 +37,7 @@ from myserve.models.quant import QuantizedWeight, linear
 from myserve.models.rope import apply_rope, inverse_frequencies
 from myserve.models.spec import ModelSpec
 from myserve.ops.paged_attention import KVCache, PageBatch, paged_attention, write_kv
+from myserve.ops.ragged_attention import RaggedBatch, ragged_attention
 
 BATCH, POS = "batch", "position"
 
@@ -141,7 +143,7 @@ def decoder_block(
     attention_backend: str,
     layer: DecoderLayer,
     x: NamedArray,
-    batch: PageBatch,
+    batch: PageBatch | RaggedBatch,
     cache: KVCache,
     layer_idx: int | jax.Array,
     heads_sharded: bool = False,
@@ -167,8 +169,13 @@ def decoder_block(
     # The paged op works on raw arrays in a fixed layout, like the kernels it can dispatch to.
     q, k = apply_rope(q, batch.positions, inv_freq), apply_rope(k, batch.positions, inv_freq)
     cache = write_kv(cache, layer_idx, k, v, batch)
-    backend = cast(Literal["reference", "pallas"], attention_backend)
-    out = paged_attention(q, cache, layer_idx, batch, backend=backend, heads_sharded=heads_sharded)
+    if isinstance(batch, RaggedBatch):  # one flat row of tokens from many sequences
+        out = ragged_attention(q[0], cache, layer_idx, batch, sm_scale=1.0 / math.sqrt(d), heads_sharded=heads_sharded)[
+            None
+        ]
+    else:
+        backend = cast(Literal["reference", "pallas"], attention_backend)
+        out = paged_attention(q, cache, layer_idx, batch, backend=backend, heads_sharded=heads_sharded)
     out_axes = (h.resolve_axis(BATCH), h.resolve_axis(POS), ax.KVHeads, ax.QPerKV, ax.HeadSize)
     o = linear(hax.named(out.reshape(b, t, kvh, g, d), out_axes), layer.o_proj, (ax.KVHeads, ax.QPerKV, ax.HeadSize))
     x = x + _add(o, layer.o_bias)

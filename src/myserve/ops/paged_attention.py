@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import equinox as eqx
 import jax
@@ -93,7 +93,18 @@ class PageBatch(eqx.Module):
         return self.group_pages.shape[0] > 0
 
 
-def write_kv(cache: KVCache, layer: int | jax.Array, k: jax.Array, v: jax.Array, batch: PageBatch) -> KVCache:
+class TokenSlots(Protocol):
+    """Where a step's tokens go in the cache: what ``write_kv`` reads (``PageBatch``, ``RaggedBatch``)."""
+
+    @property
+    def positions(self) -> jax.Array: ...  # [B, T]
+    @property
+    def q_lens(self) -> jax.Array: ...  # [B]
+    @property
+    def write_pages(self) -> jax.Array: ...  # [B, T]
+
+
+def write_kv(cache: KVCache, layer: int | jax.Array, k: jax.Array, v: jax.Array, batch: TokenSlots) -> KVCache:
     """Scatter this step's keys and values into their pages.
 
     Args:

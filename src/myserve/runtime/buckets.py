@@ -1,100 +1,92 @@
-"""Static shapes by bucket: rows per call, prefill row width and page-table widths.
+"""Static step shapes: the token buckets, and the fixed parts of every step's layout.
 
-Every jitted step runs at one (rows, tokens per row, page width) shape from these sets, so the
-number of compilations is fixed and all of them happen at warmup. A decode call is ``[rows, 1]``
-with its rows' pages read per group of ``decode_group`` rows; a prefill call is
-``[rows, row_tokens]``: each prefill chunk is cut into rows of ``row_tokens`` prompt tokens, and
-all the rows of a step go into as few calls as possible. Page widths are powers of two by default
-(the attention reads every page of the width, so coarser buckets cost more at run time).
+A step runs the executable of the smallest token bucket that holds its tokens (and its one-token
+rows and prefill blocks: ``StepShape.fits``), whatever its mix of prefill and decode, so warmup
+compiles one executable per bucket and sampler variant. Page tables are full width
+(``max_model_len`` pages): the attention's context loop stops at the step's longest context, so
+no page-width bucket exists.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
+from collections.abc import Sequence
 
 from myserve.config import EngineConfig
+from myserve.runtime.step_layout import Span, StepShape, count
+
+BLOCK_TOKENS = 32
+"""Query tokens per block of a prefill chunk in the attention (``ops/ragged_attention.py``): a
+block's tokens share one gathered context, so larger blocks gather less but pad more."""
+
+CHUNK_TOKENS = 128
+"""Context tokens the attention reads per loop iteration (rounded to whole pages)."""
 
 
-def _powers(start: int, stop: int, factor: int = 2) -> tuple[int, ...]:
+def _powers(start: int, stop: int) -> tuple[int, ...]:
     values, v = [], start
     while v < stop:
         values.append(v)
-        v *= factor
-    values.append(stop)
-    return tuple(sorted(set(values)))
+        v *= 2
+    return tuple(sorted({*values, stop}))
 
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    """The shape sets of one engine."""
+    """The step shapes of one engine."""
 
-    batch: tuple[int, ...]
-    """Decode rows per call."""
-    prefill_rows: tuple[int, ...]
-    """Prefill rows per call; the largest holds a whole step's token budget."""
-    row_tokens: int
-    """Prompt tokens per prefill row."""
-    pages: tuple[int, ...]
-    """Page-table widths; the largest covers ``max_model_len``."""
+    tokens: tuple[int, ...]
+    """Token buckets, ascending; the largest is ``max_num_batched_tokens``."""
+    max_num_seqs: int
     page_size: int
-    decode_group: int = 1
-    """Decode rows whose pages are read together (grouped layout); 1 = each row its own pages."""
+    max_pages: int
+    """Pages of the longest sequence (``max_model_len``)."""
+    block_tokens: int = BLOCK_TOKENS
+    chunk_pages: int = 1
 
     @staticmethod
-    def from_config(cfg: EngineConfig, max_model_len: int, min_rows: int = 1, decode_group: int = 1) -> Buckets:
-        """Buckets from the config, with defaults derived from the limits where left empty.
-
-        ``min_rows``: decode calls are padded to at least this many rows (int8 matmuls are slow below 8).
-        ``decode_group``: rows per group of the grouped decode layout (1 = rows layout).
-        """
-        max_pages = math.ceil(max_model_len / cfg.page_size)
-        rows = cfg.batch_buckets or _powers(1, cfg.max_num_seqs)
-        # Prefill calls have row_tokens tokens per row, so they never need min_rows rows.
-        max_rows = math.ceil(cfg.max_num_batched_tokens / cfg.prefill_row_tokens)
-        prefill_rows = tuple(sorted({b for b in rows if b < max_rows} | {max_rows}))
-        batch = tuple(sorted({max(b, min(min_rows, rows[-1])) for b in rows}))
-        pages = tuple(p for p in (cfg.page_buckets or _powers(min(4, max_pages), max_pages)) if p < max_pages)
+    def from_config(cfg: EngineConfig, max_model_len: int) -> Buckets:
+        """Buckets from the config: ``engine.token_buckets``, or powers of two up to the step budget."""
+        top = cfg.max_num_batched_tokens
+        tokens = (
+            tuple(sorted({t for t in cfg.token_buckets if t < top} | {top})) if cfg.token_buckets else _powers(1, top)
+        )
         return Buckets(
-            batch=tuple(batch),
-            prefill_rows=prefill_rows,
-            row_tokens=min(cfg.prefill_row_tokens, max_model_len),
-            pages=(*pages, max_pages),
+            tokens=tokens,
+            max_num_seqs=cfg.max_num_seqs,
             page_size=cfg.page_size,
-            decode_group=decode_group,
+            max_pages=math.ceil(max_model_len / cfg.page_size),
+            block_tokens=min(BLOCK_TOKENS, top),
+            chunk_pages=max(1, CHUNK_TOKENS // cfg.page_size),
         )
 
-    @staticmethod
-    def fit(options: tuple[int, ...], n: int) -> int:
-        """The smallest bucket >= n."""
-        i = bisect.bisect_left(options, n)
-        if i == len(options):
-            raise ValueError(f"{n} exceeds the largest bucket {options[-1]}")
-        return options[i]
+    def shape(self, tokens: int) -> StepShape:
+        """The shape of one token bucket."""
+        return StepShape.of(
+            tokens,
+            max_num_seqs=self.max_num_seqs,
+            block_tokens=self.block_tokens,
+            max_pages=self.max_pages,
+            chunk_pages=self.chunk_pages,
+        )
 
-    def group_size(self, rows: int) -> int:
-        """Rows per group of a decode call of ``rows`` rows."""
-        return min(self.decode_group, rows)
+    def shapes(self) -> list[StepShape]:
+        """Every step shape: the warmup list."""
+        return [self.shape(t) for t in self.tokens]
 
-    def decode_widths(self, rows: int) -> tuple[int, ...]:
-        """Page widths of a decode call of ``rows`` rows: per group, so the row widths times its size.
+    @property
+    def max_prefill_chunks(self) -> int:
+        """Most multi-token chunks one step may hold so that the largest bucket always fits them
+        (each chunk rounds up to whole blocks; see ``StepShape.of``)."""
+        top = self.shape(self.tokens[-1])
+        return top.blocks - top.tokens // top.block_tokens
 
-        Grouped calls also get the midpoint between each two consecutive widths (1.5x steps instead
-        of 2x): their attention reads every slot of the width, and at 32 decodes of 300 tokens
-        (38 pages per pair) a width of 48 instead of 64 made the whole step 17 % faster (395 -> 329 ms).
-        """
-        g = self.group_size(rows)
-        widths = [g * p for p in self.pages]
-        if g > 1:
-            widths += [(a + b) // 2 for a, b in zip(widths, widths[1:], strict=False) if b - a >= 4]
-        return tuple(sorted(set(widths)))
-
-    def shapes(self) -> list[tuple[int, int, int]]:
-        """Every (rows, tokens per row, page width) a step can have: the warmup list.
-
-        The width is per row for prefill calls and per group of rows for decode calls.
-        """
-        decode = [(b, 1, w) for b in self.batch for w in self.decode_widths(b)]
-        prefill = [(r, self.row_tokens, p) for p in self.pages for r in self.prefill_rows]
-        return decode + prefill
+    def fit(self, spans: Sequence[Span]) -> StepShape:
+        """The smallest shape that holds ``spans``."""
+        need = count(spans, self.block_tokens)
+        for t in self.tokens:
+            shape = self.shape(t)
+            if shape.fits(*need):
+                return shape
+        raise ValueError(f"a step of {need} (tokens, one-token rows, blocks) exceeds the largest bucket")

@@ -23,28 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from myserve.engine.params import MAX_TOP_LOGPROBS
 from myserve.models.llama import LlamaModel
 from myserve.ops.paged_attention import KVCache
-from myserve.runtime.batch_layout import upload
 from myserve.runtime.kv_cache import init_kv_cache
 from myserve.runtime.mesh import kv_cache_sharding, replicated
-from myserve.runtime.sampler import SampleOutput, sample
-from myserve.runtime.sampling_rows import unpack
-from myserve.runtime.steps import (
-    LAYERS_PER_CALL,
-    LayerGroups,
-    constrain_cache,
-    forward_last_logits,
-    forward_scored,
-    outer_part,
-)
+from myserve.runtime.model_step import StepOutput, constrain_cache, model_step
+from myserve.runtime.step_layout import StepShape
+from myserve.runtime.steps import outer_part
 
 SLOT_CHUNK = 256
 """Token ids written into a penalty slot per ``WriteSlot``."""
-
-MAX_STOP_IDS = 32
-"""Ids that end a row of a multi-step decode on the device: EOS ids and up to 16 stop_token_ids."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,88 +61,22 @@ class WriteSlot:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelCall:
-    """One call of the model over padded rows, then the sampler on each row's last logits."""
+class StepCall:
+    """One engine step: the model over a ragged token batch, then the sampler (``model_step``)."""
 
     batch: np.ndarray
-    """int32, the rows' tokens and attention metadata packed by ``HostBatch.pack``."""
-    shapes: tuple[tuple[int, ...], ...]
-    """Shapes of the packed arrays (tokens first)."""
+    """int32, the step's tokens and attention metadata packed by ``HostStep.pack``."""
+    shape: StepShape
+    """The step's token bucket: which executable runs it."""
     ints: np.ndarray
-    """``SamplingRows.ints`` [S, ...]; S >= rows (the logits are padded to S rows)."""
+    """``SamplingRows.ints`` [N1, ...]."""
     floats: np.ndarray
-    """``SamplingRows.floats`` [S, ...]."""
-    all_greedy: bool
-    """No row samples: the greedy sampler executable."""
-    logprobs: bool = True
-    """Some sampled row asked for logprobs: the sampler computes the chosen tokens' logprobs and the
-    top MAX_TOP_LOGPROBS of every row (without, it skips a logsumexp and a top-k that cost ~12 ms at
-    [64, 49152] on the 2-core CPU)."""
-    following: np.ndarray | None = None
-    """int32 [rows, tokens]: each prompt position's next token, for rows scored for prompt logprobs."""
-    chained: np.ndarray | None = None
-    """A later step of a multi-step decode: int32 [rows, MAX_STOP_IDS] ids that end each row (-1:
-    none). The call's tokens are the previous call's sampled tokens, and a row that sampled one of
-    its stop ids in the previous call (or did not run in it) does not run: its K/V write is dropped."""
+    """``SamplingRows.floats`` [N1, ...]."""
+    fast: bool
+    """Every sampling row is greedy without logprobs and nothing is scored: the argmax-only variant."""
 
 
-Op = CopyPage | ClearSlot | WriteSlot | ModelCall
-CallOutput = tuple[SampleOutput, tuple[jax.Array, jax.Array, jax.Array] | None]
-"""A model call's device results: the sampled rows, and (logprob, top ids, top logprobs) of scored rows."""
-
-
-@functools.partial(jax.jit, donate_argnums=1, static_argnums=(5, 6))
-def _sample(
-    logits: jax.Array,
-    counts: jax.Array,
-    prompt_mask: jax.Array,
-    ints: jax.Array,
-    floats: jax.Array,
-    all_greedy: bool,
-    logprobs: bool,
-) -> tuple[SampleOutput, jax.Array]:
-    """Sample one token per row of ``logits`` [B, V] and count it in the row's penalty slot.
-
-    A separate executable from the model step so it is compiled per batch size only, not per
-    (batch, tokens, pages) shape: the sampler costs more to compile than the model.
-    ``counts`` [slots, V] int32 and ``prompt_mask`` [slots, V] bool hold penalty state; ``ints`` and
-    ``floats`` are the rows' packed ``SamplingRows`` (parameters, penalty slot, whether the sampled
-    token is really appended). ``all_greedy``: the host knows no row samples; ``logprobs``: some
-    row wants logprobs (four executables per row count, all compiled at warmup).
-    """
-    sampling, slots, sampled_weight = unpack(ints, floats)
-    out = sample(
-        logits,
-        sampling,
-        counts,
-        prompt_mask,
-        num_top_logprobs=MAX_TOP_LOGPROBS,
-        all_greedy=all_greedy,
-        logprobs=logprobs,
-        slots=slots,
-    )
-    return out, counts.at[slots, out.tokens].add(sampled_weight)
-
-
-@jax.jit
-def _chain(
-    prev_tokens: jax.Array, prev_q_lens: jax.Array, stop_ids: jax.Array, q_lens: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """A chained decode call's tokens [B, 1] and q_lens from the previous call's results.
-
-    ``prev_q_lens`` [B] are the previous call's (after its own masking), so a row stays stopped.
-    A stopped row still samples (its row is in the batch) and counts the sample in its penalty
-    slot, which is harmless: the host ends that sequence, and a slot is cleared when reassigned.
-    """
-    rows = q_lens.shape[0]
-    tokens = prev_tokens[:rows]
-    runs = (prev_q_lens > 0) & ~(tokens[:, None] == stop_ids).any(axis=1)
-    return jnp.where(runs, tokens, 0)[:, None], jnp.where(runs, q_lens, 0)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _pad_rows(logits: jax.Array, rows: int) -> jax.Array:
-    return jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0)))
+Op = CopyPage | ClearSlot | WriteSlot | StepCall
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
@@ -192,13 +114,14 @@ class Executor:
         num_pages: int,
         page_size: int,
         num_slots: int,
-        layers_per_call: int = LAYERS_PER_CALL,
     ):
         self.model = model
         self.mesh = mesh
         self.outer = outer_part(model)
         self.cache_sharding = kv_cache_sharding(mapping, mesh)
-        self.groups = LayerGroups.of(model, layers_per_call, self.cache_sharding)
+        # Each layer's weights flattened once: a tuple of arrays flattens in C++ on every call.
+        self.layers = tuple(tuple(jax.tree_util.tree_leaves(layer)) for layer in model.layers)
+        self.treedef = jax.tree_util.tree_structure(model.layers[0])
         self.kv_cache = init_kv_cache(model.spec, num_pages, page_size, model.embed.array.dtype, mesh, mapping)
         # Penalty state is small next to the cache: replicated, so every row's slot is local.
         self.replicated = replicated(mesh)
@@ -206,13 +129,26 @@ class Executor:
         self.counts = zeros(np.zeros((num_slots, model.spec.vocab_size), np.int32))
         self.prompt_mask = zeros(np.zeros((num_slots, model.spec.vocab_size), np.bool_))
 
-    def run(self, ops: Sequence[Op]) -> list[CallOutput]:
-        """Apply ``ops`` in order (dispatched, not awaited); the outputs of its model calls, in order."""
-        outputs: list[CallOutput] = []
-        previous: tuple[jax.Array, jax.Array] | None = None  # the last call's (sampled tokens, q_lens)
+    def run(self, ops: Sequence[Op]) -> list[StepOutput]:
+        """Apply ``ops`` in order (dispatched, not awaited); the outputs of its steps, in order."""
+        outputs: list[StepOutput] = []
         for op in ops:
-            if isinstance(op, ModelCall):
-                out, previous = self._call(op, previous)
+            if isinstance(op, StepCall):
+                out, self.kv_cache, self.counts = model_step(
+                    op.shape,
+                    op.fast,
+                    self.treedef,
+                    self.cache_sharding,
+                    self.replicated,
+                    self.outer,
+                    self.layers,
+                    self.kv_cache,
+                    self.counts,
+                    self.prompt_mask,
+                    op.batch,
+                    op.ints,
+                    op.floats,
+                )
                 outputs.append(out)
             elif isinstance(op, CopyPage):
                 self.kv_cache = _copy_page(self.kv_cache, np.int32(op.src), np.int32(op.dst), self.cache_sharding)
@@ -223,32 +159,6 @@ class Executor:
                     self.counts, self.prompt_mask, np.int32(op.slot), op.ids, np.int32(op.n), np.bool_(op.to_prompt)
                 )
         return outputs
-
-    def _call(
-        self, op: ModelCall, previous: tuple[jax.Array, jax.Array] | None
-    ) -> tuple[CallOutput, tuple[jax.Array, jax.Array]]:
-        """Dispatch one model call; its outputs, and (sampled tokens, q_lens) for a chained next call."""
-        tokens, batch = upload(op.batch, op.shapes, self.replicated)
-        if op.chained is not None:
-            assert previous is not None, "a chained call follows the call it continues"
-            tokens, q_lens = _chain(*previous, op.chained, batch.q_lens)
-            batch = dataclasses.replace(batch, q_lens=q_lens)
-        scores = None
-        if op.following is not None:
-            logits, scores, self.kv_cache = forward_scored(
-                self.model, tokens, batch, self.kv_cache, op.following, MAX_TOP_LOGPROBS, self.outer, self.groups
-            )
-        else:
-            logits, self.kv_cache = forward_last_logits(
-                self.model, tokens, batch, self.kv_cache, self.outer, self.groups
-            )
-        # Prefill rows are sampled in a batch bucket, so the sampler compiles per bucket only.
-        if op.ints.shape[0] != logits.shape[0]:
-            logits = _pad_rows(logits, op.ints.shape[0])
-        out, self.counts = _sample(
-            logits, self.counts, self.prompt_mask, op.ints, op.floats, op.all_greedy, op.logprobs
-        )
-        return (out, scores), (out.tokens, batch.q_lens)
 
 
 def fetch(arrays: Sequence[jax.Array]) -> list[np.ndarray]:

@@ -28,7 +28,8 @@ from jax.experimental import multihost_utils
 
 from myserve.config import MeshConfig
 from myserve.errors import ConfigError
-from myserve.runtime.executor import CallOutput, Executor, Op
+from myserve.runtime.executor import Executor, Op
+from myserve.runtime.model_step import StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class BroadcastingDevice:
         self.executor = executor
         self.replica = replica
 
-    def run(self, ops: Sequence[Op]) -> list[CallOutput]:
+    def run(self, ops: Sequence[Op]) -> list[StepOutput]:
         """Send ``ops`` to the followers, then apply them here; the model calls' outputs."""
         _broadcast(pickle.dumps((self.replica, list(ops)), protocol=pickle.HIGHEST_PROTOCOL))
         return self.executor.run(ops)

@@ -59,9 +59,6 @@ class Metrics:
             "Front-end seconds turning engine outputs into response chunks and bodies (event loop)",
             registry=r,
         )
-        self.chained = Gauge(
-            "myserve_chained_decode_steps", "Decode steps run chained in a dispatch (engine.decode_steps)", registry=r
-        )
 
     def render(self) -> bytes:
         """The exposition text, with engine gauges read now."""
@@ -74,7 +71,6 @@ class Metrics:
         self.compiles.set(s.compile_count)
         self.cache_loads.set(s.cache_load_count)
         self.preemptions.set(s.num_preemptions)
-        self.chained.set(s.chained_decode_steps)
         for phase, seconds in s.host_seconds.items():
             self.host_seconds.labels(phase).set(seconds)
         self.step_gap.set(s.step_gap_seconds)

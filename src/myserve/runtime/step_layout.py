@@ -1,0 +1,193 @@
+"""Host-side layout of one ragged step: the flat token batch and its attention views, packed.
+
+Plain numpy, built by the runner from the scheduler's chunks (``Span``) and packed into one int32
+vector (one transfer per step); ``unpack`` cuts it back into device arrays inside the jitted step.
+The shapes depend on the step's token bucket only (``StepShape``), so every step with the same
+padded token count runs the same executable whatever its mix of prefill and decode.
+
+Layout (see ``ops/ragged_attention.py``): spans are laid out in order, their tokens contiguous in
+the flat batch. A one-token span (a decode, or a sibling's last prompt token) is a row of the
+single view; a longer span is cut into blocks of ``block_tokens`` tokens of the block view. A
+span that ends its sequence's known tokens samples: its last token's hidden state goes through the
+LM head and the sampler, as sampling row ``k`` for the ``k``-th such span.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from myserve.ops.ragged_attention import AttentionView, RaggedBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """The static dimensions of one step executable."""
+
+    tokens: int
+    """T: padded flat tokens."""
+    singles: int
+    """N1: rows of the single view; also the sampling rows (at most one per sequence)."""
+    blocks: int
+    """N2: blocks of the block view."""
+    block_tokens: int
+    """Q: query tokens per block."""
+    width: int
+    """W: page-table width of every row (a multiple of ``chunk_pages``)."""
+    chunk_pages: int
+    """Pages read per iteration of the attention's context loop."""
+
+    @staticmethod
+    def of(tokens: int, *, max_num_seqs: int, block_tokens: int, max_pages: int, chunk_pages: int) -> StepShape:
+        """The shape of the ``tokens`` bucket.
+
+        Blocks: a span's tokens round up to whole blocks, so the view holds twice the blocks that
+        ``tokens`` fill (the scheduler caps a step's prefill chunks at ``tokens // block_tokens``
+        so the largest bucket always fits); a one-token step has none.
+        """
+        blocks = 0 if tokens == 1 else max(1, 2 * (tokens // block_tokens))
+        return StepShape(
+            tokens=tokens,
+            singles=min(tokens, max_num_seqs),
+            blocks=blocks,
+            block_tokens=block_tokens,
+            width=-(-max_pages // chunk_pages) * chunk_pages,
+            chunk_pages=chunk_pages,
+        )
+
+    def fits(self, num_tokens: int, num_singles: int, num_blocks: int) -> bool:
+        """Whether a step of that many tokens, one-token spans and blocks fits this shape."""
+        return num_tokens <= self.tokens and num_singles <= self.singles and num_blocks <= self.blocks
+
+    def array_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shapes of the packed arrays, in ``HostStep.arrays`` order."""
+        t, n1, n2, q, w = self.tokens, self.singles, self.blocks, self.block_tokens, self.width
+        return (
+            (t,),  # tokens
+            (1, t),  # positions
+            (1,),  # q_lens
+            (1, t),  # write_pages
+            (n1, 1), (n1, 1), (n1,), (n1, w),  # single view: idx, positions, kv_lens, pages
+            (n2, q), (n2, q), (n2,), (n2, w),  # block view
+            (n1,),  # sample_idx
+            (t,),  # following (scored prompt positions' next token, -1 elsewhere)
+        )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """One sequence's tokens in a step: ``token_ids`` at positions ``start..``, its pages, whether
+    its last token samples, and (scored prompt rows) each position's following token."""
+
+    token_ids: Sequence[int]
+    start: int
+    pages: Sequence[int]
+    samples: bool
+    following: Sequence[int] | None = None
+
+    def blocks(self, block_tokens: int) -> int:
+        """Blocks of ``block_tokens`` this span takes in the block view (0: it is a single-view row)."""
+        n = len(self.token_ids)
+        return 0 if n == 1 else -(-n // block_tokens)
+
+
+def count(spans: Sequence[Span], block_tokens: int) -> tuple[int, int, int]:
+    """(tokens, one-token spans, blocks) of a step: what its shape must hold."""
+    tokens = sum(len(s.token_ids) for s in spans)
+    singles = sum(1 for s in spans if len(s.token_ids) == 1)
+    blocks = sum(s.blocks(block_tokens) for s in spans)
+    return tokens, singles, blocks
+
+
+@dataclasses.dataclass
+class HostStep:
+    """The numpy arrays of one step (``StepShape.array_shapes`` order) and each span's sampling row."""
+
+    arrays: list[np.ndarray]
+    sample_rows: list[int | None]
+    """Per span: its sampling row, or None when it does not sample."""
+    scored: bool
+    """Some span scores prompt positions (``following`` is used)."""
+
+    def pack(self) -> np.ndarray:
+        """Every array in one int32 vector (one transfer)."""
+        return np.concatenate([a.ravel() for a in self.arrays])
+
+
+def layout(spans: Sequence[Span], shape: StepShape, page_size: int) -> HostStep:
+    """Lay ``spans`` out in ``shape`` (which must fit them: ``StepShape.fits``)."""
+    t, q, w = shape.tokens, shape.block_tokens, shape.width
+    tokens = np.zeros(t, np.int32)
+    positions = np.zeros(t, np.int32)
+    write_pages = np.zeros(t, np.int32)
+    s_idx = np.full((shape.singles, 1), t, np.int32)
+    s_pos = np.zeros((shape.singles, 1), np.int32)
+    s_kv = np.zeros(shape.singles, np.int32)
+    s_pages = np.zeros((shape.singles, w), np.int32)
+    b_idx = np.full((shape.blocks, q), t, np.int32)
+    b_pos = np.zeros((shape.blocks, q), np.int32)
+    b_kv = np.zeros(shape.blocks, np.int32)
+    b_pages = np.zeros((shape.blocks, w), np.int32)
+    sample_idx = np.zeros(shape.singles, np.int32)
+    following = np.full(t, -1, np.int32)
+    sample_rows: list[int | None] = []
+    at = n_single = n_block = n_sample = 0
+    scored = False
+    for span in spans:
+        n = len(span.token_ids)
+        pages = np.asarray(span.pages, np.int32)
+        pos = np.arange(span.start, span.start + n, dtype=np.int32)
+        tokens[at : at + n] = span.token_ids
+        positions[at : at + n] = pos
+        write_pages[at : at + n] = pages[pos // page_size]
+        kv_len = span.start + n
+        if n == 1:
+            s_idx[n_single, 0], s_pos[n_single, 0], s_kv[n_single] = at, span.start, kv_len
+            s_pages[n_single, : len(pages)] = pages
+            n_single += 1
+        else:
+            for k in range(0, n, q):
+                m = min(q, n - k)
+                b_idx[n_block, :m] = np.arange(at + k, at + k + m)
+                b_pos[n_block, :m] = pos[k : k + m]
+                b_kv[n_block] = kv_len
+                b_pages[n_block, : len(pages)] = pages
+                n_block += 1
+        if span.following is not None:
+            following[at : at + len(span.following)] = span.following
+            scored = True
+        if span.samples:
+            sample_idx[n_sample] = at + n - 1
+            sample_rows.append(n_sample)
+            n_sample += 1
+        else:
+            sample_rows.append(None)
+        at += n
+    arrays = [
+        tokens, positions[None], np.array([at], np.int32), write_pages[None],
+        s_idx, s_pos, s_kv, s_pages, b_idx, b_pos, b_kv, b_pages, sample_idx, following,
+    ]  # fmt: skip
+    return HostStep(arrays, sample_rows, scored)
+
+
+def unpack(flat: jax.Array, shape: StepShape) -> tuple[jax.Array, RaggedBatch, jax.Array, jax.Array]:
+    """Inside the jit: (tokens [T], RaggedBatch, sample_idx [N1], following [T]) from ``HostStep.pack``."""
+    parts, at = [], 0
+    for dims in shape.array_shapes():
+        size = math.prod(dims)
+        parts.append(flat[at : at + size].reshape(dims))
+        at += size
+    tokens, positions, q_lens, write_pages, *views, sample_idx, following = parts
+    batch = RaggedBatch(
+        positions,
+        q_lens,
+        write_pages,
+        AttentionView(*views[:4]),
+        AttentionView(*views[4:]),
+        chunk_pages=shape.chunk_pages,
+    )
+    return tokens, batch, sample_idx, following
