@@ -40,7 +40,7 @@ def decode_collectives(service) -> list[str]:
     shape = runner.buckets.shape(8)
     call = runner._step_call(layout([], shape, runner.page_size), shape, [], True)
     args = (shape, True, executor.treedef, executor.cache_sharding, executor.replicated, executor.outer)
-    state = (executor.layers, executor.kv_cache, executor.counts, executor.prompt_mask)
+    state = (executor.layers, executor.kv_cache, executor.counts, executor.prompt_mask, executor.fed)
     hlo = model_step.lower(*args, *state, call.batch, call.ints, call.floats).compile().as_text()
     kinds = "all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter"
     return [f"{k} {shape}" for shape, k in re.findall(rf"= (\S+\[[^\]]*\])\S* ({kinds})[-a-z]*\(", hlo)]

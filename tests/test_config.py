@@ -149,7 +149,7 @@ def test_request_timeout_is_off_by_default_and_takes_seconds() -> None:
             "engine.page_sise=32",
             "overrides: unknown key 'engine.page_sise' (did you mean 'engine.page_size'?); "
             "known keys: page_size, num_pages, attention_backend, compilation_cache_dir, max_num_seqs, "
-            "max_num_batched_tokens, max_waiting, token_buckets, enable_prefix_caching",
+            "max_num_batched_tokens, max_waiting, token_buckets, enable_prefix_caching, async_scheduling",
         ),
         (
             "egnine.page_size=32",

@@ -71,9 +71,18 @@ def test_concurrent_greedy_matches_transformers_alone(service, prompts, expected
     assert got == expected
     stats = service.stats()
     assert stats.max_decode_batch > 1  # decode steps really batched several sequences
-    # The engine timed its steps: every phase took time, and the device waited between steps.
+    # The engine timed its steps: every phase took time, and with overlapped steps each step was
+    # dispatched before the one before it was read (a negative host-measured gap).
     assert all(stats.host_seconds[phase] > 0 for phase in ("plan", "dispatch", "read", "postprocess"))
-    assert stats.step_gap_seconds > 0
+    assert stats.step_gap_seconds < 0
+
+
+def test_one_step_at_a_time_gives_the_same_tokens(make_service, prompts, expected) -> None:
+    """``engine.async_scheduling=false``: each step is read before the next is planned; same tokens,
+    and the device now waits between steps (a positive gap)."""
+    svc = make_service("engine.async_scheduling=false")
+    assert run_concurrently(svc, prompts, GREEDY) == expected
+    assert svc.stats().step_gap_seconds > 0
 
 
 def test_preemption_keeps_outputs_and_frees_every_page(make_service, prompts, expected) -> None:

@@ -127,7 +127,7 @@ def test_ragged_attention_equals_per_token_attention() -> None:
         spans.append(Span([0] * n, before, pages, samples=True))
     shape = StepShape.of(32, max_num_seqs=8, block_tokens=4, max_pages=12, chunk_pages=2)
     host = layout(spans, shape, ps)
-    _, batch, _, _ = unpack(jnp.asarray(host.pack()), shape)
+    _, batch, _, _, _ = unpack(jnp.asarray(host.pack()), shape)
     cache_shape = (1, kvh, n_pages, ps, d)
     cache = KVCache(
         jnp.asarray(rng.randn(*cache_shape), jnp.float32), jnp.asarray(rng.randn(*cache_shape), jnp.float32)

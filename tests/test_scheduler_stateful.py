@@ -5,6 +5,8 @@ planner into a step shape and checked (``check_layout``); at the end every reque
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -15,7 +17,7 @@ from myserve.engine.params import SamplingParams
 from myserve.engine.scheduler import ScheduledBatch, Scheduler
 from myserve.engine.sequence import SeqStatus
 from myserve.runtime.buckets import Buckets
-from myserve.runtime.runner import ModelRunner
+from myserve.runtime.runner import span_of
 from myserve.runtime.step_layout import layout
 from myserve.testing import HostEngine, assert_consistent
 
@@ -24,18 +26,26 @@ NUM_PAGES = 8  # 32 tokens: two requests of up to 24 tokens can already need mor
 MAX_LEN = 24
 
 
-def check_layout(batch: ScheduledBatch, buckets: Buckets) -> None:
+def check_layout(batch: ScheduledBatch, buckets: Buckets, inflight_rows: dict) -> None:
     """The runner's planner on a scheduled step: it fits a step shape, and the layout puts every
-    chunk's tokens, positions and pages where the attention reads them."""
+    chunk's tokens, positions and pages where the attention reads them; a token still in flight
+    is fed from the sampling row of the step before (``inflight_rows``, updated here)."""
     chunks = [*batch.decodes, *batch.prefills]
-    spans = [ModelRunner._span(c) for c in chunks]
+    spans = [span_of(c, inflight_rows) for c in chunks]
     shape = buckets.fit(spans)  # raises if the scheduler let a step outgrow the largest shape
     host = layout(spans, shape, PAGE_SIZE)
-    tokens, positions, q_lens, write_pages, s_idx, _, s_kv, s_pages, b_idx, b_pos, b_kv, _, sample_idx, _ = host.arrays
+    tokens, positions, q_lens, write_pages, s_idx, _, s_kv, s_pages, b_idx, _, b_kv, _, sample_idx, _, feed = (
+        host.arrays
+    )
     at = 0
     for chunk, row in zip(chunks, host.sample_rows, strict=True):
         seq, n = chunk.seq, chunk.num_tokens
-        assert list(tokens[at : at + n]) == seq.tokens(chunk.start, chunk.start + n)
+        known = seq.tokens(chunk.start, chunk.start + n)
+        assert list(tokens[at : at + len(known)]) == known
+        if len(known) < n:  # the token sampled by the step in flight: fed on the device
+            assert feed[at + n - 1] == inflight_rows[seq] and len(known) == n - 1
+        else:
+            assert feed[at + n - 1] == -1
         assert list(positions[0, at : at + n]) == list(range(chunk.start, chunk.start + n))
         for j in range(n):
             assert write_pages[0, at + j] == seq.pages[(chunk.start + j) // PAGE_SIZE]
@@ -49,6 +59,8 @@ def check_layout(batch: ScheduledBatch, buckets: Buckets) -> None:
         assert (row is not None) == chunk.samples and (row is None or sample_idx[row] == at + n - 1)
         at += n
     assert q_lens[0] == at
+    inflight_rows.clear()
+    inflight_rows.update({c.seq: row for c, row in zip(chunks, host.sample_rows, strict=True) if row is not None})
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -64,9 +76,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget=st.integers(4, 16),
         block_tokens=st.sampled_from([2, 3, 32]),
         prefix_cache=st.booleans(),
+        overlap=st.booleans(),
     )
     @precondition(lambda self: self.engine is None)
-    def start(self, max_num_seqs: int, budget: int, block_tokens: int, prefix_cache: bool) -> None:
+    def start(self, max_num_seqs: int, budget: int, block_tokens: int, prefix_cache: bool, overlap: bool) -> None:
         alloc = PageAllocator(NUM_PAGES, PAGE_SIZE, enable_prefix_cache=prefix_cache)
         budget = max(budget, max_num_seqs)
         buckets = Buckets(
@@ -85,7 +98,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 max_prefill_chunk=budget,
                 max_prefill_chunks=buckets.max_prefill_chunks,
             ),
-            on_schedule=lambda batch: check_layout(batch, buckets),
+            on_schedule=functools.partial(check_layout, buckets=buckets, inflight_rows={}),
+            overlap=overlap,
         )
 
     @rule(
@@ -119,7 +133,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, times: int) -> None:
         assert self.engine is not None
         for _ in range(times):
-            if self.engine.scheduler.has_work():
+            if self.engine.has_work():
                 self.engine.step()
 
     @rule(data=st.data())
@@ -150,7 +164,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         # Every request still in flight finishes, at its full length, and nothing stays held.
         for _ in range(2_000):
-            if not self.engine.scheduler.has_work():
+            if not self.engine.has_work():
                 break
             self.engine.step()
             assert_consistent(self.engine.scheduler, self.engine.live)

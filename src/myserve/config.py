@@ -102,6 +102,9 @@ class EngineConfig:
     largest is always max_num_batched_tokens; empty = powers of two up to it."""
     enable_prefix_caching: bool = True
     """Reuse KV pages of identical prompt prefixes across requests."""
+    async_scheduling: bool = True
+    """Overlap the host with the device: plan and dispatch step N+1 (its in-flight tokens fed on
+    the device from step N) before reading step N's tokens; false = one step at a time."""
 
     def __post_init__(self) -> None:
         # Power of two so that page/offset arithmetic is shifts and kernels tile evenly.

@@ -144,10 +144,15 @@ class HostEngine:
     For unit tests of the scheduler, the page allocator and the penalty slots in milliseconds.
     """
 
-    def __init__(self, scheduler: Any, on_schedule: Any = None):
+    def __init__(self, scheduler: Any, on_schedule: Any = None, overlap: bool = False):
         from myserve.engine.sequence import Sequence
 
         self.scheduler = scheduler
+        self.overlap = overlap
+        """Overlapped steps, as the service runs them: a step's samples are read after the next
+        step is scheduled and dispatched (one step in flight)."""
+        self.inflight: list[Sequence] = []
+        """Sequences whose token the step in flight samples."""
         self.on_schedule = on_schedule
         """Called with each ``ScheduledBatch`` before it 'runs' (e.g. to lay it out as the runner would)."""
         self.live: list[Sequence] = []
@@ -174,18 +179,28 @@ class HostEngine:
         """The made-up token a sequence samples at ``position`` (deterministic, never EOS-like)."""
         return 3 + (seq.seed + 7 * position) % 200
 
+    def has_work(self) -> bool:
+        """Whether a sequence waits or runs, or a step is in flight."""
+        return bool(self.scheduler.has_work() or self.inflight)
+
     def step(self) -> Any:
-        """One engine step: schedule, 'compute', append sampled tokens, finish full sequences."""
+        """One engine step: schedule and 'dispatch' (after_step), then read the step in flight
+        before it (overlap) or this one: append each sampled token, finish full sequences."""
+        from myserve.engine.sequence import SeqStatus
+
         batch = self.scheduler.schedule()
         if self.on_schedule is not None:
             self.on_schedule(batch)
+        chunks = (*batch.decodes, *batch.prefills)
+        sampling = [c.seq for c in chunks if c.samples and c.seq.status is SeqStatus.RUNNING]
         self.scheduler.after_step(batch)
-        for chunk in (*batch.decodes, *batch.prefills):
-            seq = chunk.seq
-            if not chunk.samples or seq not in self.live:
-                continue
-            seq.output_ids.append(self.token(seq, seq.num_tokens))
-            if seq.num_tokens >= seq.max_len:
+        read, self.inflight = (self.inflight, sampling) if self.overlap else (sampling, [])
+        for seq in read:
+            seq.num_inflight -= 1
+            if seq.finish_reason is not None:
+                continue  # finished or aborted while its token was in flight: the token is dropped
+            seq.output_ids.append(self.token(seq, seq.num_known))
+            if seq.num_known >= seq.max_len:
                 self.finish(seq, "length")
         return batch
 
@@ -199,7 +214,7 @@ class HostEngine:
     def run(self, max_steps: int = 10_000) -> int:
         """Step until nothing is left; the number of steps taken."""
         for i in range(max_steps):
-            if not self.scheduler.has_work():
+            if not self.has_work():
                 return i
             self.step()
         raise AssertionError(f"work left after {max_steps} steps: {self.scheduler.running} {self.scheduler.waiting}")

@@ -20,6 +20,7 @@ import logging
 
 from myserve.engine.pages import PageAllocator
 from myserve.engine.scheduler import Scheduler
+from myserve.models.quant import MIN_ROWS
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.deployment import Deployment
 from myserve.runtime.executor import Executor
@@ -43,8 +44,9 @@ class Replica:
 
 
 def engine_buckets(dep: Deployment) -> Buckets:
-    """The deployment's step shapes (token buckets)."""
-    return Buckets.from_config(dep.config.engine, dep.max_model_len)
+    """The deployment's step shapes (token buckets); int8 steps are at least MIN_ROWS tokens."""
+    min_tokens = MIN_ROWS if dep.config.model.quantization == "int8" else 1
+    return Buckets.from_config(dep.config.engine, dep.max_model_len, min_tokens)
 
 
 def make_executors(dep: Deployment) -> list[Executor]:

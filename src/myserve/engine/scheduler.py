@@ -163,6 +163,9 @@ class Scheduler:
         by_age = sorted(self.running, key=lambda s: s.admitted_at)
         # Decodes first (oldest first), so running requests keep streaming under load.
         for seq in by_age:
+            # A sequence whose token in flight reaches max_len finishes when it is read: no decode.
+            if seq.num_tokens >= seq.max_len:
+                continue
             if budget > 0 and seq.status is SeqStatus.RUNNING and seq.num_pending == 1 and grow(seq, 1):
                 chunks[seq] = ScheduledChunk(seq, seq.num_computed, 1)
                 budget -= 1
@@ -246,11 +249,16 @@ class Scheduler:
         return first
 
     def after_step(self, batch: ScheduledBatch) -> None:
-        """Advance computed counts and offer newly full pages to the prefix cache."""
+        """Once a step is dispatched: its chunks count as computed, each sampling chunk's token is in
+        flight (``Sequence.num_inflight``, until the reader appends it), and newly full pages whose
+        tokens are known are offered to the prefix cache. Nothing here waits for the device: the
+        next step is planned on these counts while this one runs."""
         for chunk in (*batch.decodes, *batch.prefills):
             seq = chunk.seq
             if seq.status is not SeqStatus.RUNNING:
-                continue  # finished or aborted while the step ran
+                continue  # finished or aborted before the step was dispatched
             seq.num_computed = max(seq.num_computed, chunk.start + chunk.num_tokens)
+            if chunk.samples:
+                seq.num_inflight += 1
             for page, page_hash in seq.update_page_hashes(self.page_size):
                 self.allocator.cache_page(page, page_hash)

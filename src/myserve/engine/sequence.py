@@ -26,6 +26,11 @@ class Sequence:
 
     There is no prefill or decode mode: ``num_computed`` catches up with ``num_tokens`` a chunk at
     a time, and whenever a step computes the last known token, the sampled token is appended.
+
+    With overlapped steps, a token sampled by a step that is dispatched but not yet read is *in
+    flight* (``num_inflight``): it counts in ``num_tokens``, so the scheduler plans the
+    next step as if it were known, and the device feeds it to that step; ``tokens`` and
+    ``num_known`` cover only the tokens the host has.
     """
 
     def __init__(
@@ -57,6 +62,9 @@ class Sequence:
         # Device slot of its penalty state while it runs (when it uses penalties): the scheduler's
         # SlotPool owns the bookkeeping, and ``Scheduler.release`` gives it back.
         self.slot: int | None = None
+        # Tokens sampled by dispatched steps not read yet: 0 or 1 when a step is planned (2 for a
+        # moment between dispatching a step and reading the one before).
+        self.num_inflight = 0
         self.num_prefix_hit_tokens = 0
         self.finish_reason: str | None = None
         # Logprobs of prompt tokens by position, when the request scores its prompt.
@@ -64,7 +72,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus generated tokens."""
+        """Prompt plus generated tokens, in flight included."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_inflight
+
+    @property
+    def num_known(self) -> int:
+        """Prompt plus generated tokens the host has read."""
         return len(self.prompt_ids) + len(self.output_ids)
 
     def token(self, i: int) -> int:
@@ -73,7 +86,7 @@ class Sequence:
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
 
     def tokens(self, start: int, stop: int) -> list[int]:
-        """Tokens ``start:stop`` of prompt + output."""
+        """Known tokens ``start:stop`` of prompt + output (shorter when ``stop`` reaches a token in flight)."""
         return (self.prompt_ids + self.output_ids)[start:stop]
 
     @property
@@ -99,8 +112,8 @@ class Sequence:
         self.num_cached_pages = 0
 
     def update_page_hashes(self, page_size: int) -> list[tuple[int, PageHash]]:
-        """Hash pages that became full and computed; return (page, hash) pairs new since last call."""
-        full = self.num_computed // page_size
+        """Hash pages that became full, computed and known; return (page, hash) pairs new since last call."""
+        full = min(self.num_computed, self.num_known) // page_size
         if full > len(self.page_hashes):
             start = len(self.page_hashes) * page_size
             parent = self.page_hashes[-1] if self.page_hashes else None

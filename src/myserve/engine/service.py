@@ -31,6 +31,7 @@ from myserve.engine.outputs import (
 )
 from myserve.engine.params import InvalidParams, SamplingParams
 from myserve.engine.replica import Replica, engine_buckets, make_executors, make_replica
+from myserve.engine.scheduler import ScheduledBatch
 from myserve.engine.sequence import Sequence as Seq
 from myserve.engine.step_timer import StepTimer
 from myserve.engine.stop import StopChecker
@@ -39,7 +40,7 @@ from myserve.runtime.compile_counter import compile_count, compile_counts
 from myserve.runtime.deployment import Deployment
 from myserve.runtime.executor import Executor
 from myserve.runtime.multihost import BroadcastingDevice, stop_followers
-from myserve.runtime.runner import Device
+from myserve.runtime.runner import Device, PendingStep, StepResults
 from myserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class GenerationService:
         max_model_len: int,
         max_waiting: int = 1024,
         on_shutdown: Callable[[], None] | None = None,
+        async_scheduling: bool = True,
     ):
         self.replicas = list(replicas)
         self.tokenizer = tokenizer
@@ -96,6 +98,11 @@ class GenerationService:
         """Called once, on the engine thread, after the engine died and failed every request; the
         serve entry point exits on it. Embedded services leave it unset: ``/health`` says 503."""
         self._steps = 0
+        self._iteration = 0
+        self._inflight: tuple[int, list[tuple[Replica, ScheduledBatch, PendingStep]]] | None = None
+        """The last iteration's dispatched steps, not read yet (overlapped loop)."""
+        self.async_scheduling = async_scheduling
+        """Plan and dispatch step N+1 before reading step N (``engine.async_scheduling``)."""
         self.timer = StepTimer()
         """Host time of the engine loop by phase, and the gap between steps (metrics)."""
         self._max_decode_batch = 0
@@ -131,6 +138,7 @@ class GenerationService:
             max_model_len=dep.max_model_len,
             max_waiting=cfg.max_waiting,
             on_shutdown=stop_followers if leader else None,
+            async_scheduling=cfg.async_scheduling,
         )
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -282,7 +290,7 @@ class GenerationService:
             self._finish_request(req, "abort")
 
     def _has_work(self) -> bool:
-        return any(r.scheduler.has_work() for r in self.replicas)
+        return self._inflight is not None or any(r.scheduler.has_work() for r in self.replicas)
 
     def _drain_inbox(self, *, block: bool) -> None:
         try:
@@ -322,43 +330,64 @@ class GenerationService:
             req.replica.scheduler.add(seq)
 
     def _step(self) -> None:
+        """One loop iteration: schedule and dispatch every replica's next step, then read the steps
+        dispatched by the iteration before (overlapped: the host plans step N+1 and handles step
+        N's tokens while the device runs N+1) or, without ``async_scheduling``, this one's."""
         timer = self.timer
+        self._iteration += 1
         t = timer.now()
-        # Every replica's step is dispatched before any result is read: they compute together.
-        dispatched = []
+        timer.plan_started(self._iteration, t)
+        dispatched: list[tuple[Replica, ScheduledBatch, PendingStep]] = []
         for rep in self.replicas:
             if not rep.scheduler.has_work():
                 continue
             batch = rep.scheduler.schedule()
-            if not batch.empty:
-                planned = rep.runner.plan(batch)
-                t = timer.lap("plan", t)
-                timer.dispatching(t)
-                dispatched.append((rep, batch, rep.runner.dispatch(planned)))
-                t = timer.lap("dispatch", t)
-        if not dispatched:
-            timer.idle()  # nothing ran (every waiting sequence is blocked): no gap to count
-        for rep, batch, pending in dispatched:
-            t = timer.now()
-            results = rep.runner.collect(pending)
-            t = timer.lap("read", t)
+            if batch.empty:
+                continue  # e.g. every running sequence waits for its token in flight
+            planned = rep.runner.plan(batch)
+            t = timer.lap("plan", t)
+            timer.dispatching(self._iteration, t)
+            dispatched.append((rep, batch, rep.runner.dispatch(planned)))
+            # Counted as computed now, its samples in flight: the next step is planned on that.
             rep.scheduler.after_step(batch)
+            t = timer.lap("dispatch", t)
             self._steps += 1
             self._max_decode_batch = max(self._max_decode_batch, len(batch.decodes))
             self._prompt_computed += sum(c.num_tokens for c in batch.prefills)
-            for seq, start, lps, ids, tlps in results.prompt_scores:
-                self._record_prompt_scores(seq, start, lps, ids, tlps)
-            for seq, samples in results.sampled.items():
-                req = self._requests.get(seq.request_id)
-                if req is None or seq.finish_reason is not None:
-                    continue
-                if seq.params.max_tokens == 0:  # only the prompt was wanted (scored): done without a token
-                    req.stream.put(self._prompt_output(req, seq, finish="length"))
-                    self._finish_seq(req, seq, "length")
-                    continue
-                for token, logprob, top_ids, top_lps in samples:
-                    self._append(req, seq, token, logprob, top_ids, top_lps)
+        previous = self._inflight
+        if self.async_scheduling:
+            self._inflight = (self._iteration, dispatched) if dispatched else None
+        else:
+            previous, self._inflight = ((self._iteration, dispatched) if dispatched else None), None
+        if previous is None:
+            if not dispatched:
+                timer.idle()  # nothing ran (every waiting sequence is blocked): no gap to count
+            return
+        iteration, steps = previous
+        for _, _, pending in steps:
+            t = timer.now()
+            timer.timeline.append((iteration, "wait", t))
+            results = pending.runner.collect(pending)
+            t = timer.lap("read", t)
+            timer.read_done(iteration, t)
+            self._postprocess(results)
             timer.lap("postprocess", t)
+
+    def _postprocess(self, results: StepResults) -> None:
+        """Append a read step's tokens: detokenize, check stops, deliver, finish sequences."""
+        for seq, start, lps, ids, tlps in results.prompt_scores:
+            self._record_prompt_scores(seq, start, lps, ids, tlps)
+        for seq, samples in results.sampled.items():
+            seq.num_inflight -= len(samples)
+            req = self._requests.get(seq.request_id)
+            if req is None or seq.finish_reason is not None:
+                continue  # finished or aborted while its token was in flight: the token is dropped
+            if seq.params.max_tokens == 0:  # only the prompt was wanted (scored): done without a token
+                req.stream.put(self._prompt_output(req, seq, finish="length"))
+                self._finish_seq(req, seq, "length")
+                continue
+            for token, logprob, top_ids, top_lps in samples:
+                self._append(req, seq, token, logprob, top_ids, top_lps)
 
     def _record_prompt_scores(self, seq: Seq, start: int, lps, ids, tlps) -> None:
         """Keep the logprob of each prompt token (after the first) computed by a scored chunk."""
@@ -401,7 +430,7 @@ class GenerationService:
             text, stopped = req.stops[seq].feed(req.detok[seq].add([token]))
             if stopped:
                 finish, stop_reason = "stop", req.stops[seq].matched
-        if finish is None and (len(seq.output_ids) >= (params.max_tokens or 1 << 30) or seq.num_tokens >= seq.max_len):
+        if finish is None and (len(seq.output_ids) >= (params.max_tokens or 1 << 30) or seq.num_known >= seq.max_len):
             finish = "length"
         if finish is not None and not req.stops[seq].stopped:
             # Ending for another reason than a stop string: release held-back text.

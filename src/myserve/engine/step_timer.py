@@ -3,8 +3,12 @@
 The device idles from the moment one step's results are ready until the next step is dispatched; on
 an accelerator, and on CPU with a tiny model, that gap is what limits throughput. The host cannot
 see when the device finished, so the *host-measured gap* runs from the end of reading step N's
-results to the start of step N+1's dispatch (post-processing N, planning N+1): an upper bound on
-what an overlapped (pipelined) loop could hide.
+results to the dispatch of step N+1. One step at a time, it is post-processing N and planning N+1;
+with overlapped steps (``engine.async_scheduling``) step N+1 is dispatched before N is read, and
+the gap is negative: the device had its next step queued before the host saw the last one end.
+
+``timeline`` keeps the recent loop events with their times (``plan`` start, ``dispatched``,
+``wait`` start, ``read``), a trace of the overlap: ``python -m myserve.bench.timeline`` prints it.
 """
 
 from __future__ import annotations
@@ -21,11 +25,15 @@ checks, delivering outputs, freeing finished sequences."""
 class StepTimer:
     """Cumulative host seconds per phase of the engine loop, and the recent gaps between steps."""
 
-    def __init__(self, window: int = 100):
+    def __init__(self, window: int = 100, timeline: int = 512):
         self.seconds = dict.fromkeys(PHASES, 0.0)
         """Host seconds spent in each phase so far."""
         self._gaps: collections.deque[float] = collections.deque(maxlen=window)
-        self._read_end: float | None = None
+        self._dispatched: dict[int, float] = {}  # iteration -> when its steps were dispatched
+        self._read_end: tuple[int, float] | None = None  # the last read iteration and when it ended
+        self.timeline: collections.deque[tuple[int, str, float]] = collections.deque(maxlen=timeline)
+        """Recent (iteration, event, perf_counter time) of the loop: plan (scheduling starts),
+        dispatched, wait (the host starts waiting for the iteration's results), read (it has them)."""
 
     @staticmethod
     def now() -> float:
@@ -36,19 +44,36 @@ class StepTimer:
         """Add the time since ``since`` to ``phase``; returns now, the start of the next phase."""
         now = time.perf_counter()
         self.seconds[phase] += now - since
-        if phase == "read":
-            self._read_end = now
         return now
 
-    def dispatching(self, at: float) -> None:
-        """A step is about to be dispatched at ``at``: records the gap since the last results were read."""
-        if self._read_end is not None:
-            self._gaps.append(at - self._read_end)
+    def dispatching(self, iteration: int, at: float) -> None:
+        """Iteration ``iteration``'s first step is dispatched at ``at`` (planned from ``plan_started``)."""
+        if iteration in self._dispatched:
+            return
+        self._dispatched[iteration] = at
+        self.timeline.append((iteration, "dispatched", at))
+        if self._read_end is not None and self._read_end[0] == iteration - 1:
+            self._gaps.append(at - self._read_end[1])  # dispatched after the previous step was read
             self._read_end = None
+
+    def plan_started(self, iteration: int, at: float) -> None:
+        """Iteration ``iteration`` starts scheduling and planning at ``at``."""
+        self.timeline.append((iteration, "plan", at))
+
+    def read_done(self, iteration: int, at: float) -> None:
+        """Iteration ``iteration``'s results were read by ``at``."""
+        self.timeline.append((iteration, "read", at))
+        following = self._dispatched.pop(iteration + 1, None)
+        self._dispatched.pop(iteration, None)
+        if following is not None:
+            self._gaps.append(following - at)  # the next step was queued before this one was read
+        else:
+            self._read_end = (iteration, at)
 
     def idle(self) -> None:
         """The engine had nothing to do: the next dispatch does not follow a step (no gap to count)."""
         self._read_end = None
+        self._dispatched.clear()
 
     @property
     def mean_gap(self) -> float:

@@ -46,12 +46,15 @@ class Buckets:
     chunk_pages: int = 1
 
     @staticmethod
-    def from_config(cfg: EngineConfig, max_model_len: int) -> Buckets:
-        """Buckets from the config: ``engine.token_buckets``, or powers of two up to the step budget."""
+    def from_config(cfg: EngineConfig, max_model_len: int, min_tokens: int = 1) -> Buckets:
+        """Buckets from the config: ``engine.token_buckets``, or powers of two up to the step budget.
+
+        ``min_tokens``: steps are padded to at least this many tokens (int8 matmuls are slow below 8 rows).
+        """
         top = cfg.max_num_batched_tokens
-        tokens = (
-            tuple(sorted({t for t in cfg.token_buckets if t < top} | {top})) if cfg.token_buckets else _powers(1, top)
-        )
+        chosen = set(cfg.token_buckets) if cfg.token_buckets else set(_powers(1, top))
+        floor = min(min_tokens, top)
+        tokens = tuple(sorted({max(t, floor) for t in chosen if t < top} | {top}))
         return Buckets(
             tokens=tokens,
             max_num_seqs=cfg.max_num_seqs,

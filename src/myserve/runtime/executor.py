@@ -128,13 +128,16 @@ class Executor:
         zeros = functools.partial(jax.device_put, device=self.replicated)
         self.counts = zeros(np.zeros((num_slots, model.spec.vocab_size), np.int32))
         self.prompt_mask = zeros(np.zeros((num_slots, model.spec.vocab_size), np.bool_))
+        # The last step's sampled tokens, on the device: the next step takes a token still in
+        # flight on the host from here (one row per sequence a step can hold: num_slots rows).
+        self.fed = zeros(np.zeros(num_slots, np.int32))
 
     def run(self, ops: Sequence[Op]) -> list[StepOutput]:
         """Apply ``ops`` in order (dispatched, not awaited); the outputs of its steps, in order."""
         outputs: list[StepOutput] = []
         for op in ops:
             if isinstance(op, StepCall):
-                out, self.kv_cache, self.counts = model_step(
+                out, self.kv_cache, self.counts, self.fed = model_step(
                     op.shape,
                     op.fast,
                     self.treedef,
@@ -145,6 +148,7 @@ class Executor:
                     self.kv_cache,
                     self.counts,
                     self.prompt_mask,
+                    self.fed,
                     op.batch,
                     op.ints,
                     op.floats,

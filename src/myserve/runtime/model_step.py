@@ -52,7 +52,7 @@ def constrain_cache(cache: KVCache, sharding: NamedSharding | None) -> KVCache:
     return KVCache(*(jax.lax.with_sharding_constraint(a, sharding) for a in (cache.k, cache.v)))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7, 8))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7, 8, 10))
 def model_step(
     shape: StepShape,
     fast: bool,
@@ -64,16 +64,21 @@ def model_step(
     cache: KVCache,
     counts: jax.Array,
     prompt_mask: jax.Array,
+    fed: jax.Array,
     flat: jax.Array,
     ints: jax.Array,
     floats: jax.Array,
-) -> tuple[StepOutput, KVCache, jax.Array]:
+) -> tuple[StepOutput, KVCache, jax.Array, jax.Array]:
     """One engine step. ``outer`` is the model without its layers, ``layers`` each layer's leaves
     (flattened once by the executor: a tuple of arrays flattens in C++, equinox modules in Python).
-    ``flat`` is ``HostStep.pack()``; ``ints``/``floats`` the sampling rows [N1, ...]."""
+    ``flat`` is ``HostStep.pack()``; ``ints``/``floats`` the sampling rows [N1, ...]. ``fed`` [F]
+    holds the previous step's sampled tokens (F = max_num_seqs + 1 rows, whatever its bucket):
+    tokens still in flight on the host are taken from it. Returns this step's, padded the same way.
+    """
     if replicated is not None:
         flat = jax.lax.with_sharding_constraint(flat, replicated)
-    tokens, batch, sample_idx, following = unpack(flat, shape)
+    tokens, batch, sample_idx, following, feed = unpack(flat, shape)
+    tokens = jnp.where(feed >= 0, fed[jnp.maximum(feed, 0)], tokens)
     spec = outer.spec
     sharded = cache_sharding is not None and cache_sharding.spec[1:2] not in ((), (None,))
     x = outer.embed_tokens(tokens[None])  # one row of T tokens: [1, T, embed]
@@ -102,7 +107,8 @@ def model_step(
             jnp.any(following >= 0), lambda: _score(outer, x, following), lambda: _no_scores(tokens.shape[0])
         )
     counts = counts.at[slots, out.tokens].add(weight)
-    return StepOutput(out, scores), cache, counts
+    next_fed = jnp.zeros_like(fed).at[: out.tokens.shape[0]].set(out.tokens)
+    return StepOutput(out, scores), cache, counts, next_fed
 
 
 def _score(outer: LlamaModel, x: hax.NamedArray, following: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -60,6 +60,8 @@ class PendingStep:
 
     planned: PlannedStep
     outputs: list[StepOutput]
+    runner: ModelRunner
+    """The runner that dispatched it (and reads it)."""
 
 
 @dataclasses.dataclass
@@ -70,6 +72,20 @@ class StepResults:
     """Sequences whose chunk ended their known tokens: (token, logprob, top ids, top logprobs)."""
     prompt_scores: list[tuple[Seq, int, np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
     """Scored prompt chunks: (sequence, start, logprob of each position's next token [n], top ids, top logprobs)."""
+
+
+def span_of(chunk: ScheduledChunk, inflight_rows: dict[Seq, int]) -> Span:
+    """A scheduled chunk as a span of the flat batch. Its last token may still be in flight (a
+    decode planned while the step sampling its token runs): the device feeds it from that step's
+    sampling row, ``inflight_rows[seq]``."""
+    seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+    tokens = seq.tokens(start, start + n)
+    feed = -1
+    if len(tokens) < n:
+        assert len(tokens) == n - 1 and seq.num_inflight == 1, "only the last token can be in flight"
+        tokens, feed = [*tokens, 0], inflight_rows[seq]
+    following = seq.tokens(start + 1, start + n + 1) if seq.scores_prompt(start) else None
+    return Span(tokens, start, seq.pages, chunk.samples, following, feed)
 
 
 class ModelRunner:
@@ -91,6 +107,8 @@ class ModelRunner:
         """The penalty slot of rows without penalties (the executor has ``max_num_seqs + 1`` slots;
         the scheduler's ``SlotPool`` hands out the others)."""
         self.warmed_up = False
+        self._inflight_rows: dict[Seq, int] = {}
+        """Sampling row of each sequence in the last planned step (whose tokens may be in flight)."""
 
     # -- penalty slots ------------------------------------------------------------------------
     @staticmethod
@@ -114,7 +132,7 @@ class ModelRunner:
             seq, p = chunk.seq, chunk.seq.params
             packed.floats[i, : len(FLOAT_PARAMS)] = [getattr(p, name) for name in FLOAT_PARAMS]
             packed.ints[i, TOP_K], packed.ints[i, WEIGHT] = p.top_k, 1
-            generated = len(seq.output_ids)
+            generated = len(seq.output_ids) + seq.num_inflight  # the token in flight is generated
             packed.ints[i, CHOICE], packed.ints[i, POSITION] = seq.choice, generated
             packed.set_seed(i, seq.seed)
             if p.logit_bias:
@@ -127,21 +145,17 @@ class ModelRunner:
                 packed.ints[i, SLOT] = seq.slot
         return packed
 
-    @staticmethod
-    def _span(chunk: ScheduledChunk) -> Span:
-        seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
-        following = seq.tokens(start + 1, start + n + 1) if seq.scores_prompt(start) else None
-        return Span(seq.tokens(start, start + n), start, seq.pages, chunk.samples, following)
-
     def plan(self, batch: ScheduledBatch) -> PlannedStep:
         """One scheduler step as ops: page copies, slot fills, then the step call (host only)."""
         ops: list[Op] = [CopyPage(src, dst) for src, dst in batch.copies]
         for seq in batch.fill_slots:
             ops.extend(self._fill_slot(seq))
         chunks = [*batch.decodes, *batch.prefills]
-        spans = [self._span(c) for c in chunks]
+        spans = [span_of(c, self._inflight_rows) for c in chunks]
         shape = self.buckets.fit(spans)
         host = layout(spans, shape, self.page_size)
+        # This step's sampling rows: the next step's spans feed on them while this one is in flight.
+        self._inflight_rows = {c.seq: row for c, row in zip(chunks, host.sample_rows, strict=True) if row is not None}
         sampling = [c for c in chunks if c.samples]
         fast = not host.scored and all(
             c.seq.params.temperature <= 0 and c.seq.params.logprobs is None for c in sampling
@@ -158,7 +172,7 @@ class ModelRunner:
 
     def dispatch(self, planned: PlannedStep) -> PendingStep:
         """Hand a planned step to the device (not awaited)."""
-        return PendingStep(planned, self.device.run(planned.ops))
+        return PendingStep(planned, self.device.run(planned.ops), self)
 
     def collect(self, pending: PendingStep) -> StepResults:
         """Wait for a dispatched step: sampled tokens, and prompt scores of chunks that asked for them."""

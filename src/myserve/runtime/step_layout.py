@@ -9,7 +9,8 @@ Layout (see ``ops/ragged_attention.py``): spans are laid out in order, their tok
 the flat batch. A one-token span (a decode, or a sibling's last prompt token) is a row of the
 single view; a longer span is cut into blocks of ``block_tokens`` tokens of the block view. A
 span that ends its sequence's known tokens samples: its last token's hidden state goes through the
-LM head and the sampler, as sampling row ``k`` for the ``k``-th such span.
+LM head and the sampler, as sampling row ``k`` for the ``k``-th such span. A token sampled by
+the step still in flight is fed on the device: ``feed`` names the previous step's sampling row.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class StepShape:
             (n2, q), (n2, q), (n2,), (n2, w),  # block view
             (n1,),  # sample_idx
             (t,),  # following (scored prompt positions' next token, -1 elsewhere)
+            (t,),  # feed (the previous step's sampling row whose token this token is, -1 elsewhere)
         )  # fmt: skip
 
 
@@ -88,6 +90,9 @@ class Span:
     pages: Sequence[int]
     samples: bool
     following: Sequence[int] | None = None
+    feed: int = -1
+    """The span's last token is still in flight: the previous step's sampling row that samples it
+    (the device takes it from there; ``token_ids`` holds a placeholder)."""
 
     def blocks(self, block_tokens: int) -> int:
         """Blocks of ``block_tokens`` this span takes in the block view (0: it is a single-view row)."""
@@ -134,6 +139,7 @@ def layout(spans: Sequence[Span], shape: StepShape, page_size: int) -> HostStep:
     b_pages = np.zeros((shape.blocks, w), np.int32)
     sample_idx = np.zeros(shape.singles, np.int32)
     following = np.full(t, -1, np.int32)
+    feed = np.full(t, -1, np.int32)
     sample_rows: list[int | None] = []
     at = n_single = n_block = n_sample = 0
     scored = False
@@ -157,6 +163,8 @@ def layout(spans: Sequence[Span], shape: StepShape, page_size: int) -> HostStep:
                 b_kv[n_block] = kv_len
                 b_pages[n_block, : len(pages)] = pages
                 n_block += 1
+        if span.feed >= 0:
+            feed[at + n - 1] = span.feed
         if span.following is not None:
             following[at : at + len(span.following)] = span.following
             scored = True
@@ -169,19 +177,20 @@ def layout(spans: Sequence[Span], shape: StepShape, page_size: int) -> HostStep:
         at += n
     arrays = [
         tokens, positions[None], np.array([at], np.int32), write_pages[None],
-        s_idx, s_pos, s_kv, s_pages, b_idx, b_pos, b_kv, b_pages, sample_idx, following,
+        s_idx, s_pos, s_kv, s_pages, b_idx, b_pos, b_kv, b_pages, sample_idx, following, feed,
     ]  # fmt: skip
     return HostStep(arrays, sample_rows, scored)
 
 
-def unpack(flat: jax.Array, shape: StepShape) -> tuple[jax.Array, RaggedBatch, jax.Array, jax.Array]:
-    """Inside the jit: (tokens [T], RaggedBatch, sample_idx [N1], following [T]) from ``HostStep.pack``."""
+def unpack(flat: jax.Array, shape: StepShape) -> tuple[jax.Array, RaggedBatch, jax.Array, jax.Array, jax.Array]:
+    """Inside the jit: (tokens [T], RaggedBatch, sample_idx [N1], following [T], feed [T]) from
+    ``HostStep.pack``."""
     parts, at = [], 0
     for dims in shape.array_shapes():
         size = math.prod(dims)
         parts.append(flat[at : at + size].reshape(dims))
         at += size
-    tokens, positions, q_lens, write_pages, *views, sample_idx, following = parts
+    tokens, positions, q_lens, write_pages, *views, sample_idx, following, feed = parts
     batch = RaggedBatch(
         positions,
         q_lens,
@@ -190,4 +199,4 @@ def unpack(flat: jax.Array, shape: StepShape) -> tuple[jax.Array, RaggedBatch, j
         AttentionView(*views[4:]),
         chunk_pages=shape.chunk_pages,
     )
-    return tokens, batch, sample_idx, following
+    return tokens, batch, sample_idx, following, feed
