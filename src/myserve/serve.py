@@ -80,8 +80,16 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return with_overrides(config, overrides, source="command line") if overrides else config
 
 
+GIL_SWITCH_INTERVAL_S = 0.0005
+"""The engine thread and the HTTP event loop share this process's GIL: when the engine thread
+wakes from waiting on the device it waits for the event loop to hand the GIL over, by default up
+to 5 ms, which delays the next step's dispatch. Measured on the yardstick at 64 concurrent streams:
++10 % tokens/s at 0.5 ms (3 alternating rounds). Issue 17 moves the engine to its own process."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Load, warm up, serve until signalled; returns the exit code."""
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
