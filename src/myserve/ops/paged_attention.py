@@ -61,15 +61,9 @@ class KVCache(eqx.Module):
 class PageBatch(eqx.Module):
     """Attention metadata of one step: where each query token is and which pages hold its context.
 
-    All fields are int32 device arrays; padding rows have ``q_lens == kv_lens == 0``. The context
-    of the rows is described in one of two layouts:
-
-    - rows: ``page_table`` [B, P] lists each row's pages (prefill rows, any backend);
-    - grouped (decode steps, ``T == 1``, reference backend): rows ``g * k .. g * k + g - 1`` form
-      group ``k``, whose pages are concatenated in ``group_pages`` [B / g, PG]; ``slot_rows``
-      [B / g, PG * page_size] says which row of the group owns each slot (-1: none). Groups are
-      balanced by the host, so a step reads about its rows' real context instead of every row
-      padded to the longest one; ``page_table`` is then [B, 0].
+    All fields are int32 device arrays; padding rows have ``q_lens == kv_lens == 0``; each row
+    reads its pages ``page_table`` [B, P]. The padded-row layout of ``python -m myserve.generate``
+    and the parity tests; the serving engine's steps are ragged (``ops/ragged_attention.py``).
     """
 
     positions: jax.Array
@@ -82,15 +76,6 @@ class PageBatch(eqx.Module):
     """[B, T] page receiving each query token's K/V (at offset position % page_size)."""
     page_table: jax.Array
     """[B, P] page ids of each row's sequence, in order; entries past its length are ignored."""
-    group_pages: jax.Array
-    """[B / g, PG] pages of each group of decode rows (grouped layout), else [0, 0]."""
-    slot_rows: jax.Array
-    """[B / g, PG * page_size] row within its group owning each slot, or -1 (grouped layout)."""
-
-    @property
-    def grouped(self) -> bool:
-        """Whether the context is in the grouped decode layout (static: decided by shapes)."""
-        return self.group_pages.shape[0] > 0
 
 
 class TokenSlots(Protocol):
@@ -158,9 +143,9 @@ def reference_paged_attention(
 ) -> jax.Array:
     """Pure-JAX paged attention; runs everywhere and is the numerical reference for kernels.
 
-    Gathers the context pages per KV head into contiguous ``[context, head_dim]`` blocks (per row,
-    or per group of decode rows), then does masked grouped-query attention with a float32 softmax;
-    the scores are computed context-major (``K @ q^T``) so the gathered keys are used as they lie.
+    Gathers each row's context pages per KV head into contiguous ``[context, head_dim]`` blocks,
+    then does masked grouped-query attention with a float32 softmax; the scores are computed
+    context-major (``K @ q^T``) so the gathered keys are used as they lie.
 
     Args:
         q: [B, T, heads, head_dim]
@@ -174,32 +159,20 @@ def reference_paged_attention(
     b, t, h, d = q.shape
     kvh = cache.k.shape[1]
     group = h // kvh
-    if batch.grouped:
-        # Group k's queries are rows g*k .. g*k+g-1; a query sees the slots its own row owns.
-        n = batch.group_pages.shape[0]
-        rows = b // n
-        pages = batch.group_pages
-        qm = q.reshape(n, rows, kvh, group, d).transpose(0, 2, 1, 3, 4).reshape(n, kvh, rows * group, d)
-        owner = jnp.arange(rows * group) // group  # [M]: the group-local row of each query
-        mask = batch.slot_rows[:, :, None] == owner[None, None, :]  # [N, S, M]
-    else:
-        # Each row is its own group; a query sees its row's context up to its position (causal).
-        n, rows, pages = b, 1, batch.page_table
-        qm = q.reshape(b, t, kvh, group, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, t * group, d)
-        kv_pos = jnp.arange(pages.shape[1] * cache.page_size)
-        mask = (kv_pos[None, :, None] <= batch.positions[:, None, :]) & (
-            kv_pos[None, :, None] < batch.kv_lens[:, None, None]
-        )  # [B, S, T]
-        mask = jnp.repeat(mask, group, axis=2)  # [B, S, T * group]
-    keys, values = (_gather_pages(x, layer, pages, heads_sharded).reshape(kvh, n, -1, d) for x in (cache.k, cache.v))
+    # A query sees its row's context up to its own position (causal).
+    pages = batch.page_table
+    qm = q.reshape(b, t, kvh, group, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, t * group, d)
+    kv_pos = jnp.arange(pages.shape[1] * cache.page_size)
+    mask = (kv_pos[None, :, None] <= batch.positions[:, None, :]) & (
+        kv_pos[None, :, None] < batch.kv_lens[:, None, None]
+    )  # [B, S, T]
+    mask = jnp.repeat(mask, group, axis=2)  # [B, S, T * group]
+    keys, values = (_gather_pages(x, layer, pages, heads_sharded).reshape(kvh, b, -1, d) for x in (cache.k, cache.v))
     scores = jnp.einsum("knsd,nkmd->knsm", keys, qm, preferred_element_type=jnp.float32) * sm_scale
     scores = jnp.where(mask[None], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=2).astype(values.dtype)
     out = jnp.einsum("knsm,knsd->nkmd", probs, values, preferred_element_type=jnp.float32)
-    if batch.grouped:
-        out = out.reshape(n, kvh, rows, group, d).transpose(0, 2, 1, 3, 4)
-    else:
-        out = out.reshape(b, kvh, t, group, d).transpose(0, 2, 1, 3, 4)
+    out = out.reshape(b, kvh, t, group, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 

@@ -1,6 +1,8 @@
-"""Jitted model steps over the paged KV cache, dispatched a group of layers at a time.
+"""Padded-row forwards over the paged KV cache, a group of layers per jitted call: what
+``python -m myserve.generate`` and the parity tests run. The serving engine's step is
+``runtime/model_step.py``.
 
-A step is ``embed -> decoder blocks -> head``, each a jitted function called from Python. The
+A forward is ``embed -> decoder blocks -> head``, each a jitted function called from Python. The
 decoder layers run in groups of about ``LAYERS_PER_CALL``: ``_blocks`` unrolls one group and is
 compiled once per step shape (and group size), then called for every group with that group's
 weights and first layer index; the cache is donated, so XLA writes each layer's K/V in place.
@@ -22,13 +24,11 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
-from jax.typing import ArrayLike
 
 from myserve.models.llama import DecoderLayer, LlamaModel, decoder_block
 from myserve.models.spec import ModelSpec
 from myserve.ops.paged_attention import KVCache, PageBatch
 from myserve.runtime.batch_layout import Entry, row_batch
-from myserve.runtime.sampler import token_logprobs
 
 LAYERS_PER_CALL = 6
 """Decoder layers unrolled into one jitted call (see the module docstring)."""
@@ -82,18 +82,6 @@ def _last_logits(outer: LlamaModel, x: hax.NamedArray, batch: PageBatch) -> jax.
 @jax.jit
 def _all_logits(outer: LlamaModel, x: hax.NamedArray) -> jax.Array:
     return outer.logits(outer.norm(x)).array
-
-
-@functools.partial(jax.jit, static_argnums=4)
-def _scored_logits(
-    outer: LlamaModel, x: hax.NamedArray, batch: PageBatch, next_tokens: jax.Array, k: int
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
-    logits = outer.logits(outer.norm(x)).array  # [R, T, V]
-    r, t, v = logits.shape
-    lp, top_ids, top_lps = token_logprobs(logits.reshape(r * t, v), next_tokens.reshape(r * t), k)
-    last = jnp.clip(batch.q_lens - 1, 0, None)
-    last_logits = logits[jnp.arange(r), last]
-    return last_logits, (lp.reshape(r, t), top_ids.reshape(r, t, k), top_lps.reshape(r, t, k))
 
 
 def outer_part(model: LlamaModel) -> LlamaModel:
@@ -175,24 +163,6 @@ def forward_all_logits(
     outer = outer_part(model)
     x, kv_cache = run_layers(model, _embed(outer, tokens), batch, kv_cache)
     return _all_logits(outer, x), kv_cache
-
-
-def forward_scored(
-    model: LlamaModel,
-    tokens: jax.Array,
-    batch: PageBatch,
-    kv_cache: KVCache,
-    next_tokens: ArrayLike,
-    k: int,
-    outer: LlamaModel | None = None,
-    groups: LayerGroups | None = None,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array], KVCache]:
-    """Prompt rows [R, T] that are also scored: each row's last-token logits [R, V], each position's
-    logprob of ``next_tokens`` [R, T] (the prompt's following token) with the top ``k``, the cache."""
-    outer = outer_part(model) if outer is None else outer
-    x, kv_cache = run_layers(model, _embed(outer, tokens), batch, kv_cache, groups)
-    logits, scores = _scored_logits(outer, x, batch, next_tokens, k)
-    return logits, scores, kv_cache
 
 
 def page_batch(
