@@ -1,18 +1,18 @@
 """Test-only launcher: ``python -m myserve.serve`` with a fault injected, for the supervision tests.
 
-``MYSERVE_TEST_FAULT=dispatch:N`` makes the engine's N-th step raise (so requests are in flight);
+``MYSERVE_TEST_FAULT=dispatch:N`` makes the first engine step that holds N sequences raise (so
+that many requests are in flight, however fast the steps are);
 ``MYSERVE_TEST_FAULT=warmup`` makes warmup raise. The product has no such switch: the fault is
 patched in here, before the real entry point runs with this process's arguments.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import sys
 
 from myserve import serve
-from myserve.runtime.runner import ModelRunner
+from myserve.runtime.runner import ModelRunner, PendingStep, PlannedStep
 
 
 def inject(fault: str) -> None:
@@ -26,12 +26,12 @@ def inject(fault: str) -> None:
         return
     kind, _, after = fault.partition(":")
     assert kind == "dispatch", fault
-    real, calls = ModelRunner.dispatch, itertools.count(1)
+    real = ModelRunner.dispatch
 
-    def failing_dispatch(self: ModelRunner, planned: object) -> object:
-        if next(calls) >= int(after):
+    def failing_dispatch(self: ModelRunner, planned: PlannedStep) -> PendingStep:
+        if len({chunk.seq for chunk, _, _ in planned.chunks}) >= int(after):
             raise RuntimeError("injected device failure")
-        return real(self, planned)  # type: ignore[arg-type]
+        return real(self, planned)
 
     ModelRunner.dispatch = failing_dispatch  # type: ignore[method-assign,assignment]
 
