@@ -204,7 +204,7 @@ class Scheduler:
             self._start_running(seq, fill_slots)
             chunks[seq] = ScheduledChunk(seq, seq.num_computed, first)
             budget -= first
-        # Single tokens run in the decode call, unless they are prompt tokens to be scored.
+        # Decodes: one-token chunks that score no prompt position (the runner lays out both kinds alike).
         decodes = [c for c in chunks.values() if c.num_tokens == 1 and not c.seq.scores_prompt(c.start)]
         prefills = [c for c in chunks.values() if c.num_tokens > 1 or c.seq.scores_prompt(c.start)]
         return ScheduledBatch(decodes, prefills, preempted, copies, fill_slots)

@@ -25,9 +25,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from myserve.models.llama import LlamaModel
 from myserve.ops.paged_attention import KVCache
-from myserve.runtime.kv_cache import init_kv_cache
+from myserve.runtime.kv_cache import constrain_cache, init_kv_cache
 from myserve.runtime.mesh import kv_cache_sharding, replicated
-from myserve.runtime.model_step import StepOutput, constrain_cache, model_step
+from myserve.runtime.model_step import StepOutput, model_step
 from myserve.runtime.step_layout import StepShape
 from myserve.runtime.steps import outer_part
 

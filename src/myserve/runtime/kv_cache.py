@@ -1,4 +1,4 @@
-"""Allocation of the paged KV cache on the mesh."""
+"""Allocation of the paged KV cache on the mesh, and keeping its sharding through the jitted steps."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from myserve.models.spec import ModelSpec
 from myserve.ops.paged_attention import KVCache
@@ -34,3 +34,10 @@ def kv_cache_bytes(spec: ModelSpec, num_pages: int, page_size: int, dtype: jnp.d
     for d in kv_cache_shape(spec, num_pages, page_size):
         n *= d
     return n * jnp.dtype(dtype).itemsize
+
+
+def constrain_cache(cache: KVCache, sharding: NamedSharding | None) -> KVCache:
+    """Inside a jit: the updated cache leaves with the sharding it came in with (no step reshards it)."""
+    if sharding is None:
+        return cache
+    return KVCache(*(jax.lax.with_sharding_constraint(a, sharding) for a in (cache.k, cache.v)))

@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding
 from myserve.engine.params import MAX_TOP_LOGPROBS
 from myserve.models.llama import BATCH, POS, DecoderLayer, LlamaModel, decoder_block
 from myserve.ops.paged_attention import KVCache
+from myserve.runtime.kv_cache import constrain_cache
 from myserve.runtime.sampler import SampleOutput, sample, token_logprobs
 from myserve.runtime.sampling_rows import unpack as unpack_rows
 from myserve.runtime.step_layout import StepShape, unpack
@@ -43,13 +44,6 @@ class StepOutput(NamedTuple):
     """tokens [N1], logprobs [N1], top ids and top logprobs [N1, K] (K = 0 in the fast variant)."""
     scores: tuple[jax.Array, jax.Array, jax.Array] | None
     """(logprob of the following token [T], top ids [T, K], top logprobs [T, K]); None when fast."""
-
-
-def constrain_cache(cache: KVCache, sharding: NamedSharding | None) -> KVCache:
-    """Inside a jit: the updated cache leaves with the sharding it came in with (no step reshards it)."""
-    if sharding is None:
-        return cache
-    return KVCache(*(jax.lax.with_sharding_constraint(a, sharding) for a in (cache.k, cache.v)))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7, 8, 10))

@@ -29,6 +29,7 @@ from myserve.models.llama import DecoderLayer, LlamaModel, decoder_block
 from myserve.models.spec import ModelSpec
 from myserve.ops.paged_attention import KVCache, PageBatch
 from myserve.runtime.batch_layout import Entry, row_batch
+from myserve.runtime.kv_cache import constrain_cache
 
 LAYERS_PER_CALL = 6
 """Decoder layers unrolled into one jitted call (see the module docstring)."""
@@ -51,13 +52,6 @@ def _blocks(
     for j, layer in enumerate(layers):
         x, cache = decoder_block(spec, backend, layer, x, batch, cache, first_layer + j, sharded)
     return x, constrain_cache(cache, cache_sharding)
-
-
-def constrain_cache(cache: KVCache, sharding: NamedSharding | None) -> KVCache:
-    """Inside a jit: the updated cache leaves with the sharding it came in with (no step reshards it)."""
-    if sharding is None:
-        return cache
-    return KVCache(*(jax.lax.with_sharding_constraint(a, sharding) for a in (cache.k, cache.v)))
 
 
 @jax.jit
