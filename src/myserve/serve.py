@@ -96,13 +96,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
         logging.getLogger().setLevel(config.server.log_level.upper())
 
+        import jax
+
         from myserve.bundled import BUNDLED_MODEL_NAME
         from myserve.engine.service import GenerationService
         from myserve.runtime import multihost
         from myserve.runtime.deployment import Deployment
+        from myserve.runtime.host_memory import keep_freed_memory
         from myserve.server.app import create_app
 
         multihost.initialize(config.mesh)  # before anything touches a JAX backend
+        if jax.default_backend() == "cpu":
+            keep_freed_memory()  # the steps' temporaries live in host memory: reuse it
         dep = Deployment.load(config)
         if not multihost.is_leader():
             return _follow(dep)

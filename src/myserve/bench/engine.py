@@ -216,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from myserve.config import load_config
     from myserve.engine.service import GenerationService
     from myserve.runtime.deployment import Deployment
+    from myserve.runtime.host_memory import keep_freed_memory
 
     overrides = list(args.set)
     hf_device = args.hf_device or ("cpu" if jax.default_backend() == "cpu" else "cuda")
@@ -228,6 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         directory = make_random_llama(args.random, Path(tmp.name) / args.random, dtype=dtype)
         overrides = [f"model.checkpoint={directory}", *overrides]
     config = load_config(None, overrides)
+    if jax.default_backend() == "cpu":
+        keep_freed_memory()  # as `serve` does
     dep = Deployment.load(config)
     service = GenerationService.from_deployment(dep)
     t0 = time.perf_counter()
