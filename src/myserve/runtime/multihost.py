@@ -3,16 +3,10 @@
 JAX is multi-controller: each process launches the jitted computations on its own devices, so
 every process must call the same functions, in the same order, with the same arguments. myserve
 keeps that simple by making a step plain data (``runtime/executor.py``): process 0 runs HTTP and
-the scheduler and, before applying a replica's ops, broadcasts them to the other processes with a
-JAX collective (``broadcast_one_to_all``, as MaxText does); followers apply what they receive to
-their identical executors. A ``None`` message ends the followers' loop.
-
-The step protocol, per ``Device.run`` on the leader:
-
-1. header: int32 [2] = (payload bytes, replica index), broadcast from process 0;
-2. payload: the pickled op list, padded to a power of two (>= 4 KiB) so broadcasts compile a
-   handful of shapes, broadcast from process 0;
-3. every process applies the ops to its executor of that replica.
+the scheduler and, before applying a replica's ops, sends them to the other processes over a host
+socket (``runtime/step_channel.py``: not a device collective, which would queue behind the step in
+flight and end the overlap of planning with device work); followers apply what they receive to
+their identical executors, in order. A stop message ends the followers' loop.
 """
 
 from __future__ import annotations
@@ -20,21 +14,21 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import socket
 from collections.abc import Sequence
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
 from myserve.config import MeshConfig
 from myserve.errors import ConfigError
-from myserve.runtime.executor import Executor, Op
+from myserve.runtime.executor import Executor, Op, Progress
 from myserve.runtime.model_step import StepOutput
+from myserve.runtime.step_channel import StepChannel
 
 logger = logging.getLogger(__name__)
 
-_MIN_PAYLOAD = 4096
-_STOP = -1  # replica index of the message that ends the followers' loop
+_channel: StepChannel | None = None
+"""This process's end of the step channel, opened by ``initialize`` on a multi-process run."""
 
 _ENV = {
     "coordinator_address": "MYSERVE_COORDINATOR_ADDRESS",
@@ -49,6 +43,7 @@ def initialize(mesh: MeshConfig) -> None:
     Nothing happens for one process (``mesh.num_processes: 1``, the default). ``num_processes: null``
     leaves the coordinator, count and id to JAX's detection (TPU pod slices, SLURM).
     """
+    global _channel
     values = {key: os.environ.get(env, getattr(mesh, key)) for key, env in _ENV.items()}
     num = values["num_processes"]
     if num is not None and int(num) == 1:
@@ -65,6 +60,12 @@ def initialize(mesh: MeshConfig) -> None:
         )
     except (RuntimeError, ValueError) as e:
         raise ConfigError(f"jax.distributed.initialize failed: {' '.join(str(e).split())}") from None
+    # The leader runs the coordinator, so the followers reach it at the coordinator's host.
+    host = (values["coordinator_address"] or "").rpartition(":")[0] or socket.gethostbyname(socket.gethostname())
+    try:
+        _channel = StepChannel.open(is_leader(), host, jax.process_count() - 1, mesh.heartbeat_timeout_s * 10)
+    except ConnectionError as e:
+        raise ConfigError(f"the step channel to the followers failed: {e}") from None
     logger.info(
         "process %d of %d: %d of %d devices are local",
         jax.process_index(),
@@ -79,23 +80,6 @@ def is_leader() -> bool:
     return jax.process_index() == 0
 
 
-def _broadcast(message: bytes | None) -> bytes | None:
-    """Process 0's message to every process (``message`` is ignored elsewhere)."""
-    leader = is_leader()
-    size = len(message) if leader and message is not None else 0
-    header = np.array([size, 0 if leader and message is not None else _STOP], np.int32)
-    header = np.asarray(multihost_utils.broadcast_one_to_all(header, is_source=leader))
-    if header[1] == _STOP:
-        return None
-    size = int(header[0])
-    padded = max(_MIN_PAYLOAD, 1 << (size - 1).bit_length())
-    buf = np.zeros(padded, np.uint8)
-    if leader and message is not None:
-        buf[:size] = np.frombuffer(message, np.uint8)
-    buf = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=leader))
-    return buf[:size].tobytes()
-
-
 class BroadcastingDevice:
     """The leader's ``Device`` for one replica: broadcasts each op list, then applies it locally."""
 
@@ -103,22 +87,27 @@ class BroadcastingDevice:
         self.executor = executor
         self.replica = replica
 
-    def run(self, ops: Sequence[Op]) -> list[StepOutput]:
+    def run(self, ops: Sequence[Op], progress: Progress | None = None) -> list[StepOutput]:
         """Send ``ops`` to the followers, then apply them here; the model calls' outputs."""
-        _broadcast(pickle.dumps((self.replica, list(ops)), protocol=pickle.HIGHEST_PROTOCOL))
-        return self.executor.run(ops)
+        _step_channel().send(pickle.dumps((self.replica, list(ops)), protocol=pickle.HIGHEST_PROTOCOL))
+        return self.executor.run(ops, progress)
+
+
+def _step_channel() -> StepChannel:
+    assert _channel is not None, "multihost.initialize opens the step channel of a multi-process run"
+    return _channel
 
 
 def stop_followers() -> None:
     """Leader: end every follower's loop (they return from ``follow``)."""
-    _broadcast(None)
+    _step_channel().send(None)
 
 
 def follow(executors: Sequence[Executor]) -> int:
     """Follower: apply every op list the leader broadcasts until it says stop; returns the lists applied."""
     applied = 0
     while True:
-        message = _broadcast(None)
+        message = _step_channel().recv()
         if message is None:
             return applied
         replica, ops = pickle.loads(message)  # from our own leader process
