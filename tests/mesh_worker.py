@@ -32,16 +32,8 @@ PROMPTS = [[(7 * i + 3 * j) % 200 + 10 for j in range(3 + 5 * i)] for i in range
 
 def decode_collectives(service) -> list[str]:
     """Collective ops (kind and shape) in the compiled step executable of an 8-token step."""
-    from myserve.runtime.model_step import model_step
-    from myserve.runtime.step_layout import layout
-
     runner = service.replicas[0].runner
-    executor = runner.device
-    shape = runner.buckets.shape(8)
-    call = runner._step_call(layout([], shape, runner.page_size), shape, [], True)
-    args = (shape, True, executor.treedef, executor.cache_sharding, executor.replicated, executor.outer)
-    state = (executor.layers, executor.kv_cache, executor.counts, executor.prompt_mask, executor.fed)
-    hlo = model_step.lower(*args, *state, call.batch, call.ints, call.floats).compile().as_text()
+    hlo = runner.device.lower_step(runner.buckets.shape(8)).compile().as_text()
     kinds = "all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter"
     return [f"{k} {shape}" for shape, k in re.findall(rf"= (\S+\[[^\]]*\])\S* ({kinds})[-a-z]*\(", hlo)]
 

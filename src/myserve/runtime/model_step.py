@@ -5,17 +5,23 @@ every decoder layer over them (ragged paged attention), takes each sampling row'
 state through the final norm and the LM head, samples, and counts the samples in the penalty
 slots. The KV cache and the penalty counts are donated, so XLA updates them in place.
 
-Layers are unrolled in the one trace. A ``lax.scan`` over weights stacked along a layer axis
+Layers are unrolled in the one executable. A ``lax.scan`` over weights stacked along a layer axis
 compiles one layer instead of all of them, but XLA:CPU copies each layer's weights out of the
 stack on every step (its dot kernels do not read a dynamic slice in place): measured on SmolLM2
 (30 layers, 2-core CPU), one decode row 34.3 ms scanned against 22.4 ms unrolled, 64 rows 237
 against 212 ms; the scan compiled in 0.9 s against 3.7 s. The step count is small (one
-executable per token bucket and sampler variant), so the run-time cost decides.
+executable per token bucket), so the run-time cost decides. Each layer is traced as a nested
+``jax.jit`` (``_layer``) called once per layer with its weights and index: JAX traces and lowers
+the layer once per bucket instead of once per layer (0.15 s instead of 0.7-1.1 s per bucket for
+SmolLM2's 30 layers), and XLA inlines the calls, so the compiled program is the same instruction
+for instruction as a Python-unrolled one.
 
-Two sampler variants per bucket, chosen by the host (``fast``): every row greedy with no logprobs
-and no prompt scoring (argmax only: the common serving case), or the full sampler, which draws
-non-greedy rows, computes logprobs and the top ``MAX_TOP_LOGPROBS``, and scores prompt positions
-when a row asked for prompt logprobs (each behind a ``lax.cond`` on the rows' parameters).
+One executable per bucket serves every sampling mode: whether any row draws (temperature > 0),
+whether any row wants logprobs and the top ``MAX_TOP_LOGPROBS``, and whether any prompt position
+is scored are each a ``lax.cond`` on the rows' parameters, so a greedy batch without logprobs
+pays only the argmax. Two variants per bucket (an argmax-only one chosen by the host) would avoid
+the conditionals but double what warmup builds and a warm start loads (0.4-0.9 s per executable
+on the 2-core CPU, most of start-up).
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ from jax.sharding import NamedSharding
 
 from myserve.engine.params import MAX_TOP_LOGPROBS
 from myserve.models.llama import BATCH, POS, DecoderLayer, LlamaModel, decoder_block
+from myserve.models.spec import ModelSpec
 from myserve.ops.paged_attention import KVCache
+from myserve.ops.ragged_attention import RaggedBatch
 from myserve.runtime.kv_cache import constrain_cache
 from myserve.runtime.sampler import SampleOutput, sample, token_logprobs
 from myserve.runtime.sampling_rows import unpack as unpack_rows
@@ -41,15 +49,31 @@ class StepOutput(NamedTuple):
     """A step's device results: the sampling rows' samples, and prompt scores per flat token."""
 
     sampled: SampleOutput
-    """tokens [N1], logprobs [N1], top ids and top logprobs [N1, K] (K = 0 in the fast variant)."""
-    scores: tuple[jax.Array, jax.Array, jax.Array] | None
-    """(logprob of the following token [T], top ids [T, K], top logprobs [T, K]); None when fast."""
+    """tokens [N1], logprobs [N1], top ids and top logprobs [N1, K] (zeros when no row asked for logprobs)."""
+    scores: tuple[jax.Array, jax.Array, jax.Array]
+    """(logprob of the following token [T], top ids [T, K], top logprobs [T, K]); zeros when nothing is scored."""
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7, 8, 10))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 7))
+def _layer(
+    spec: ModelSpec,
+    backend: str,
+    treedef: jax.tree_util.PyTreeDef,
+    leaves: tuple[jax.Array, ...],
+    x: hax.NamedArray,
+    batch: RaggedBatch,
+    cache: KVCache,
+    sharded: bool,
+    index: jax.Array,
+) -> tuple[hax.NamedArray, KVCache]:
+    """One decoder layer (weights ``leaves``, layer ``index`` of the cache), traced once per bucket."""
+    layer: DecoderLayer = jax.tree_util.tree_unflatten(treedef, leaves)
+    return decoder_block(spec, backend, layer, x, batch, cache, index, sharded)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7, 9))
 def model_step(
     shape: StepShape,
-    fast: bool,
     treedef: jax.tree_util.PyTreeDef,
     cache_sharding: NamedSharding | None,
     replicated: NamedSharding | None,
@@ -77,29 +101,25 @@ def model_step(
     sharded = cache_sharding is not None and cache_sharding.spec[1:2] not in ((), (None,))
     x = outer.embed_tokens(tokens[None])  # one row of T tokens: [1, T, embed]
     for i, leaves in enumerate(layers):
-        layer: DecoderLayer = jax.tree_util.tree_unflatten(treedef, leaves)
-        x, cache = decoder_block(spec, outer.attention_backend, layer, x, batch, cache, i, sharded)
+        x, cache = _layer(spec, outer.attention_backend, treedef, leaves, x, batch, cache, sharded, jnp.int32(i))
     cache = constrain_cache(cache, cache_sharding)
     hidden = x.rearrange((BATCH, POS, "embed")).array[0]  # [T, embed]
     last = hax.named(hidden[sample_idx], (BATCH, "embed"))
     logits = outer.logits(outer.norm(last)).array  # [N1, V]
-    sampling, slots, weight = unpack_rows(ints, floats)
-    if fast:
-        out = sample(
-            logits, sampling, counts, prompt_mask, num_top_logprobs=0, all_greedy=True, logprobs=False, slots=slots
-        )
-        scores = None
-    else:
-        out = jax.lax.cond(
-            jnp.any(sampling.temperature > 0),
-            lambda: sample(logits, sampling, counts, prompt_mask, num_top_logprobs=MAX_TOP_LOGPROBS, slots=slots),
-            lambda: sample(
-                logits, sampling, counts, prompt_mask, num_top_logprobs=MAX_TOP_LOGPROBS, all_greedy=True, slots=slots
-            ),
-        )
-        scores = jax.lax.cond(
-            jnp.any(following >= 0), lambda: _score(outer, x, following), lambda: _no_scores(tokens.shape[0])
-        )
+    sampling, slots, weight, wants_logprobs = unpack_rows(ints, floats)
+    out = sample(
+        logits,
+        sampling,
+        counts,
+        prompt_mask,
+        num_top_logprobs=MAX_TOP_LOGPROBS,
+        all_greedy=jnp.all(sampling.temperature <= 0),
+        logprobs=jnp.any(wants_logprobs),
+        slots=slots,
+    )
+    scores = jax.lax.cond(
+        jnp.any(following >= 0), lambda: _score(outer, x, following), lambda: _no_scores(tokens.shape[0])
+    )
     counts = counts.at[slots, out.tokens].add(weight)
     next_fed = jnp.zeros_like(fed).at[: out.tokens.shape[0]].set(out.tokens)
     return StepOutput(out, scores), cache, counts, next_fed

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -23,9 +22,19 @@ import numpy as np
 from myserve.engine.scheduler import ScheduledBatch, ScheduledChunk
 from myserve.engine.sequence import Sequence as Seq
 from myserve.runtime.buckets import Buckets
-from myserve.runtime.executor import SLOT_CHUNK, ClearSlot, CopyPage, Op, StepCall, WriteSlot, fetch
+from myserve.runtime.executor import (
+    SLOT_CHUNK,
+    ClearSlot,
+    CompileSteps,
+    CopyPage,
+    Op,
+    Progress,
+    StepCall,
+    WriteSlot,
+    fetch,
+)
 from myserve.runtime.model_step import StepOutput
-from myserve.runtime.sampling_rows import CHOICE, FLOAT_PARAMS, POSITION, SLOT, TOP_K, WEIGHT, SamplingRows
+from myserve.runtime.sampling_rows import CHOICE, FLOAT_PARAMS, LOGPROBS, POSITION, SLOT, TOP_K, WEIGHT, SamplingRows
 from myserve.runtime.step_layout import HostStep, Span, StepShape, layout
 
 logger = logging.getLogger(__name__)
@@ -36,8 +45,9 @@ _NO_TOP = np.zeros(0, np.int32)  # top logprobs of a row when no row of its step
 class Device(Protocol):
     """Where a runner's ops run: ``Executor`` or a multi-host broadcaster in front of one."""
 
-    def run(self, ops: Sequence[Op]) -> list[StepOutput]:
-        """Apply ``ops`` in order; the outputs of the steps among them."""
+    def run(self, ops: Sequence[Op], progress: Progress | None = None) -> list[StepOutput]:
+        """Apply ``ops`` in order; the outputs of the steps among them. ``progress(done, total)``
+        is told of each step executable built by a ``CompileSteps``."""
         ...
 
 
@@ -132,6 +142,7 @@ class ModelRunner:
             seq, p = chunk.seq, chunk.seq.params
             packed.floats[i, : len(FLOAT_PARAMS)] = [getattr(p, name) for name in FLOAT_PARAMS]
             packed.ints[i, TOP_K], packed.ints[i, WEIGHT] = p.top_k, 1
+            packed.ints[i, LOGPROBS] = p.logprobs is not None
             generated = len(seq.output_ids) + seq.num_inflight  # the token in flight is generated
             packed.ints[i, CHOICE], packed.ints[i, POSITION] = seq.choice, generated
             packed.set_seed(i, seq.seed)
@@ -157,18 +168,15 @@ class ModelRunner:
         # This step's sampling rows: the next step's spans feed on them while this one is in flight.
         self._inflight_rows = {c.seq: row for c, row in zip(chunks, host.sample_rows, strict=True) if row is not None}
         sampling = [c for c in chunks if c.samples]
-        fast = not host.scored and all(
-            c.seq.params.temperature <= 0 and c.seq.params.logprobs is None for c in sampling
-        )
-        ops.append(self._step_call(host, shape, sampling, fast))
+        ops.append(self._step_call(host, shape, sampling))
         offsets = np.cumsum([0, *(c.num_tokens for c in chunks)])
         placed = [(c, int(at), row) for c, at, row in zip(chunks, offsets, host.sample_rows, strict=False)]
         tops = any(bool(c.seq.params.logprobs) for c in sampling)
         return PlannedStep(ops, placed, host.scored, tops)
 
-    def _step_call(self, host: HostStep, shape: StepShape, sampling: Sequence[ScheduledChunk], fast: bool) -> StepCall:
+    def _step_call(self, host: HostStep, shape: StepShape, sampling: Sequence[ScheduledChunk]) -> StepCall:
         packed = self._sampling_rows(sampling, shape.singles)
-        return StepCall(host.pack(), shape, packed.ints, packed.floats, fast)
+        return StepCall(host.pack(), shape, packed.ints, packed.floats)
 
     def dispatch(self, planned: PlannedStep) -> PendingStep:
         """Hand a planned step to the device (not awaited)."""
@@ -183,7 +191,6 @@ class ModelRunner:
         if planned.tops:
             arrays += [sampled.top_ids, sampled.top_logprobs]
         if planned.scored:
-            assert out.scores is not None
             arrays += list(out.scores)
         fetched = fetch(arrays)  # one transfer for the step's results
         tokens, logprobs = fetched[0], fetched[1]
@@ -201,19 +208,11 @@ class ModelRunner:
 
     # -- warmup -------------------------------------------------------------------------------
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Compile every step shape in both sampler variants (padding only: the cache is not
-        touched), and the page copy and penalty-slot writers. The service counts what was compiled
-        and what was loaded from the compilation cache (``compile_counter``)."""
-        shapes = self.buckets.shapes()
-        for i, shape in enumerate(shapes):
-            host = layout([], shape, self.page_size)
-            for fast in (True, False):
-                t0 = time.perf_counter()
-                jax.block_until_ready(self.device.run([self._step_call(host, shape, [], fast)]))
-                logger.debug("step shape %s (fast=%s) ready in %.1fs", shape, fast, time.perf_counter() - t0)
-            if progress is not None:
-                progress(i + 1, len(shapes))
+        """Build the executable of every step shape (``CompileSteps``: compiled, or loaded from the
+        persistent compilation cache), then the page copy and penalty-slot writers. The service
+        counts what was compiled and what was loaded (``compile_counter``)."""
+        self.device.run([CompileSteps(tuple(self.buckets.shapes()))], progress)
         zeros = np.zeros(SLOT_CHUNK, np.int32)
         slot = self.scratch_slot
-        self.device.run([CopyPage(0, 0), ClearSlot(slot), WriteSlot(slot, zeros, 0, True)])
+        jax.block_until_ready(self.device.run([CopyPage(0, 0), ClearSlot(slot), WriteSlot(slot, zeros, 0, True)]))
         self.warmed_up = True
