@@ -348,3 +348,13 @@ def token_logprobs(logits: jax.Array, targets: jax.Array, k: int) -> tuple[jax.A
         top_vals, top_ids = _top_k(logits, k)
         return chosen, top_ids, top_vals - lse[:, None]
     return chosen, jnp.zeros((logits.shape[0], 0), jnp.int32), jnp.zeros((logits.shape[0], 0), jnp.float32)
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Disallowed tokens to -inf: logits f32 [B, V], bitmask int32 [B, ceil(V / 32)] with bit
+    ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed (llguidance's format,
+    ``engine/grammar.py``); an unconstrained row is all ones (-1)."""
+    b, v = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32], little-endian
+    allowed = bits.reshape(b, -1)[:, :v].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
