@@ -20,12 +20,13 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, cast
-
-from transformers import PreTrainedTokenizerFast
+from typing import TYPE_CHECKING, Any, cast
 
 from myserve.errors import CheckpointError, ConfigError, MyserveError
 from myserve.models.gguf_file import read_gguf
+
+if TYPE_CHECKING:  # transformers is imported when a tokenizer loads (0.6 s): off the start-up path
+    from transformers import PreTrainedTokenizerFast
 
 
 class ChatTemplateError(MyserveError):
@@ -115,6 +116,8 @@ def _from_directory(directory: Path, source: str) -> Tokenizer:
     if not (directory / "tokenizer.json").is_file():
         raise CheckpointError(f"{directory}: no tokenizer files (tokenizer.json) in this directory")
     try:
+        from transformers import PreTrainedTokenizerFast
+
         hf = PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
     except Exception as e:  # malformed JSON, unknown tokenizer model type, ...
         raise CheckpointError(f"{directory}: cannot load tokenizer ({type(e).__name__}: {e})") from None
@@ -199,6 +202,8 @@ def _from_gguf(path: Path) -> Tokenizer:
             init_kwargs[name] = tokenizer_dict["tokens"][metadata[key]] if key in metadata else None
         architecture = metadata.get("general.architecture", "")
         backend, extra_kwargs = convert_gguf_tokenizer(architecture, tokenizer_dict)
+        from transformers import PreTrainedTokenizerFast
+
         hf = PreTrainedTokenizerFast(tokenizer_object=backend, **init_kwargs, **extra_kwargs)
     except (ValueError, KeyError, IndexError) as e:  # a tokenizer transformers cannot build, a bad id
         raise CheckpointError(f"{path}: cannot build a tokenizer from this GGUF ({e})") from None

@@ -29,10 +29,10 @@ import llguidance
 import llguidance.hf
 import llguidance.numpy
 import numpy as np
-from transformers import PreTrainedTokenizerFast
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict of the type stubs only
+    from transformers import PreTrainedTokenizerFast
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
