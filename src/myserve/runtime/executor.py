@@ -162,17 +162,7 @@ class Executor:
                 step = self._steps.get(op.shape)
                 if step is None:  # not warmed up (tests, tools): built on first use
                     step = self._steps[op.shape] = self._build([op.shape])[op.shape]
-                out, self.kv_cache, self.counts, self.fed = step(
-                    self.outer,
-                    self.layers,
-                    self.kv_cache,
-                    self.counts,
-                    self.prompt_mask,
-                    self.fed,
-                    op.batch,
-                    op.ints,
-                    op.floats,
-                )
+                out, self.kv_cache, self.counts, self.fed = step(*self._state(), op.batch, op.ints, op.floats)
                 outputs.append(out)
             elif isinstance(op, CompileSteps):
                 self._steps.update(self._build(op.shapes, progress))
@@ -190,21 +180,13 @@ class Executor:
         """The step of ``shape`` traced and lowered for this executor's arrays (not compiled)."""
         host = layout([], shape, self.page_size)
         rows = SamplingRows.empty(shape.singles, self.scratch_slot)
-        return model_step.lower(
-            shape,
-            self.treedef,
-            self.cache_sharding,
-            self.replicated,
-            self.outer,
-            self.layers,
-            self.kv_cache,
-            self.counts,
-            self.prompt_mask,
-            self.fed,
-            host.pack(),
-            rows.ints,
-            rows.floats,
-        )
+        static = (shape, self.treedef, self.cache_sharding, self.replicated)
+        return model_step.lower(*static, *self._state(), host.pack(), rows.ints, rows.floats)
+
+    def _state(self) -> tuple[object, ...]:
+        """What every step takes after its static arguments: the weights, the cache (donated), the
+        penalty tables and the last step's samples."""
+        return self.outer, self.layers, self.kv_cache, self.counts, self.prompt_mask, self.fed
 
     def _build(self, shapes: Sequence[StepShape], progress: Progress | None = None) -> dict[StepShape, Step]:
         """The executables of ``shapes``. Tracing and lowering hold the GIL and run here; compiling
