@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         multihost.initialize(config.mesh)  # before anything touches a JAX backend
         if jax.default_backend() == "cpu":
             keep_freed_memory()  # the steps' temporaries live in host memory: reuse it
-        dep = Deployment.load(config)
+        dep = Deployment.load(config, prebuild=True)  # step executables build while the weights load
         if not multihost.is_leader():
             return _follow(dep)
         service = GenerationService.from_deployment(dep)

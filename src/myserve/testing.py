@@ -90,8 +90,9 @@ def hf_logits(directory: Path, token_ids: list[int]):
     return out.logits[0].float().numpy()
 
 
-def start_service(checkpoint: Path | None, *overrides: str):
+def start_service(checkpoint: Path | None, *overrides: str, prebuild: bool = False):
     """A started GenerationService (float32, warmed up) for ``checkpoint`` (None = bundled SmolLM2).
+    ``prebuild``: the deployment builds its steps before reading the weights, as ``serve`` does.
 
     Tiny random checkpoints carry no tokenizer, so they borrow the bundled SmolLM2 one (their
     token ids are all inside its vocabulary). ``overrides`` are config ``section.key=value`` strings.
@@ -105,7 +106,7 @@ def start_service(checkpoint: Path | None, *overrides: str):
     if checkpoint is not None:
         base += [f"model.checkpoint={checkpoint}", f"model.tokenizer={bundled_gguf_path()}"]
     config = load_config(None, [*base, *overrides])
-    service = GenerationService.from_deployment(Deployment.load(config))
+    service = GenerationService.from_deployment(Deployment.load(config, prebuild=prebuild))
     service.start()
     return service
 

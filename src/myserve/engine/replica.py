@@ -20,9 +20,8 @@ import logging
 
 from myserve.engine.pages import PageAllocator
 from myserve.engine.scheduler import Scheduler
-from myserve.models.quant import MIN_ROWS
 from myserve.runtime.buckets import Buckets
-from myserve.runtime.deployment import Deployment
+from myserve.runtime.deployment import Deployment, executor_for
 from myserve.runtime.executor import Executor
 from myserve.runtime.runner import Device, ModelRunner
 
@@ -45,23 +44,15 @@ class Replica:
 
 def engine_buckets(dep: Deployment) -> Buckets:
     """The deployment's step shapes (token buckets); int8 steps are at least MIN_ROWS tokens."""
-    min_tokens = MIN_ROWS if dep.config.model.quantization == "int8" else 1
-    return Buckets.from_config(dep.config.engine, dep.max_model_len, min_tokens)
+    return Buckets.for_deployment(dep.config, dep.max_model_len)
 
 
 def make_executors(dep: Deployment) -> list[Executor]:
-    """One executor per replica: its weights, KV cache and penalty state on its slice of the mesh."""
-    cfg = dep.config.engine
+    """One executor per replica: its weights, KV cache and penalty state on its slice of the mesh
+    (with the step executables the deployment started building early, if it did)."""
     return [
-        Executor(
-            model,
-            mesh,
-            dep.mapping,
-            num_pages=cfg.num_pages,
-            page_size=cfg.page_size,
-            num_slots=cfg.max_num_seqs + 1,
-        )
-        for model, mesh in zip(dep.models, dep.meshes, strict=True)
+        executor_for(dep.config, model, mesh, dep.mapping, prebuilt=dep.prebuilt[i] if dep.prebuilt else None)
+        for i, (model, mesh) in enumerate(zip(dep.models, dep.meshes, strict=True))
     ]
 
 

@@ -102,6 +102,9 @@ class GenerationService:
         self._inflight: tuple[int, list[tuple[Replica, ScheduledBatch, PendingStep]]] | None = None
         """The last iteration's dispatched steps, not read yet (overlapped loop)."""
         self.async_scheduling = async_scheduling
+        self.warmup_since: tuple[float, int, int] | None = None
+        """(perf_counter, compiled, loaded) when the deployment began building steps early: the
+        warmup log counts from there."""
         """Plan and dispatch step N+1 before reading step N (``engine.async_scheduling``)."""
         self.timer = StepTimer()
         """Host time of the engine loop by phase, and the gap between steps (metrics)."""
@@ -130,7 +133,7 @@ class GenerationService:
             cfg.max_num_seqs,
             buckets.tokens,
         )
-        return GenerationService(
+        service = GenerationService(
             [make_replica(dep, device, buckets) for device in devices],
             dep.tokenizer,
             vocab_size=dep.spec.vocab_size,
@@ -140,6 +143,8 @@ class GenerationService:
             on_shutdown=stop_followers if leader else None,
             async_scheduling=cfg.async_scheduling,
         )
+        service.warmup_since = dep.prebuild_started
+        return service
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self, *, warmup: bool = True, progress: Callable[[int, int], None] | None = None) -> None:
@@ -157,7 +162,9 @@ class GenerationService:
                 from tqdm import tqdm
 
                 bar = tqdm(total=total, desc="warmup (compiling step shapes)", unit="shape")
-            compiled, loaded = compile_counts()
+            # Counted from when the deployment started building steps early, if it did.
+            t0, *before = self.warmup_since or (t0, *compile_counts())
+            compiled, loaded = before
             for k, runner in enumerate(runners):
 
                 def report(done: int, _: int, k: int = k) -> None:

@@ -201,16 +201,21 @@ _CONTRACTED: dict[str, tuple[int, ...]] = {
 
 
 class _Placer:
-    """Reads, converts and shards tensors onto the mesh one (fused) weight at a time."""
+    """Reads, converts and shards tensors onto the mesh one (fused) weight at a time. ``abstract``:
+    reads nothing and places nothing; every weight is a ``jax.ShapeDtypeStruct`` with its sharding."""
 
-    def __init__(self, source: TensorSource, mesh: Mesh, mapping: Mapping[str, str], dtype: jnp.dtype):
-        self.source, self.mesh, self.mapping, self.dtype = source, mesh, mapping, dtype
+    def __init__(
+        self, source: TensorSource, mesh: Mesh, mapping: Mapping[str, str], dtype: jnp.dtype, abstract: bool = False
+    ):
+        self.source, self.mesh, self.mapping, self.dtype, self.abstract = source, mesh, mapping, dtype, abstract
 
     def host(self, hf_names: tuple[str, ...], axes: tuple, combine: Combine | None = None) -> np.ndarray:
         """Read ``hf_names`` and combine them into our layout (float32 or the stored dtype), on the host."""
+        expected = tuple(a.size for a in axes)
+        if self.abstract:  # a zero-stride stand-in with the weight's shape: no memory, nothing read
+            return np.broadcast_to(np.zeros((), np.float32), expected)
         tensors = [self.source.read(name) for name in hf_names]
         w = combine(*tensors) if combine is not None else tensors[0]
-        expected = tuple(a.size for a in axes)
         if w.shape != expected:
             shapes = ", ".join(f"{n} {t.shape}" for n, t in zip(hf_names, tensors, strict=True))
             raise CheckpointError(f"tensor(s) {shapes} do not give the expected shape {expected}")
@@ -218,14 +223,24 @@ class _Placer:
 
     def put(self, host: np.ndarray, axes: tuple, dtype: jnp.dtype | None = None) -> hax.NamedArray:
         """Cast and place one host array on the mesh, sharded by the rules."""
-        array = np.ascontiguousarray(host.astype(dtype or self.dtype))
         sharding = named_sharding([a.name for a in axes], self.mapping, self.mesh)
+        if self.abstract:
+            return hax.NamedArray(jax.ShapeDtypeStruct(host.shape, dtype or self.dtype, sharding=sharding), axes)
+        array = np.ascontiguousarray(host.astype(dtype or self.dtype))
         return hax.named(jax.device_put(array, sharding), axes)
 
     def put_quantized(self, host: np.ndarray, axes: tuple, contracted: tuple[int, ...]) -> QuantizedWeight:
         """Quantize a matmul weight to int8 per output channel and place both parts."""
-        q, scale = quantize(host, contracted)
         out_axes = tuple(a for i, a in enumerate(axes) if i not in contracted)
+        if self.abstract:
+            scale_shape = tuple(a.size for a in out_axes)
+            return QuantizedWeight(
+                q=self.put(host, axes, jnp.dtype(jnp.int8)),
+                scale=self.put(
+                    np.broadcast_to(np.zeros((), np.float32), scale_shape), out_axes, jnp.dtype(jnp.float32)
+                ),
+            )
+        q, scale = quantize(host, contracted)
         return QuantizedWeight(
             q=self.put(q, axes, jnp.dtype(jnp.int8)), scale=self.put(scale, out_axes, jnp.dtype(jnp.float32))
         )
@@ -238,15 +253,17 @@ def load_model(
     dtype: jnp.dtype = jnp.float32,
     attention_backend: str = "reference",
     quantization: str = "none",
+    abstract: bool = False,
 ) -> LlamaModel:
     """Build a ``LlamaModel`` from a tensor source, every weight placed on ``mesh`` by ``mapping``.
 
     ``quantization="int8"`` stores the matmul weights (and the LM head) as int8 with per-channel
-    scales (``models/quant.py``).
+    scales (``models/quant.py``). ``abstract=True`` reads nothing: every weight is a
+    ``jax.ShapeDtypeStruct`` with the sharding it would have (enough to lower the steps early).
     """
     spec = source.spec
     ax = ModelAxes.of(spec)
-    placer = _Placer(source, mesh, mapping, jnp.dtype(dtype))
+    placer = _Placer(source, mesh, mapping, jnp.dtype(dtype), abstract)
     int8 = quantization == "int8"
 
     def weight(field: str, hf_names: tuple[str, ...], axes: tuple, combine: Combine | None) -> Weight:

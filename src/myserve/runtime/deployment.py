@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +16,12 @@ from jax.sharding import Mesh
 from myserve.config import Config
 from myserve.errors import ConfigError
 from myserve.models.llama import LlamaModel
-from myserve.models.loading import load_model, open_source, resolve_checkpoint
+from myserve.models.loading import TensorSource, load_model, open_source, resolve_checkpoint
 from myserve.models.spec import ModelSpec, check_max_len
 from myserve.ops.paged_attention import resolve_backend
+from myserve.runtime.buckets import Buckets
+from myserve.runtime.compile_counter import compile_counts
+from myserve.runtime.executor import Executor, Prebuilt
 from myserve.runtime.mesh import axis_mapping, make_mesh, replica_meshes
 from myserve.tokenizer import Tokenizer
 
@@ -56,6 +59,11 @@ class Deployment:
     mapping: Mapping[str, str]
     dtype: jnp.dtype
     max_model_len: int
+    prebuilt: tuple[Future[Prebuilt], ...] = ()
+    """Per replica, the step executables being built from the model's shapes since before its
+    weights were read (``load(prebuild=True)``); ``CompileSteps`` takes them."""
+    prebuild_started: tuple[float, int, int] | None = None
+    """(perf_counter, compiled, loaded executables so far) when the early build began."""
 
     @property
     def model(self) -> LlamaModel:
@@ -68,8 +76,12 @@ class Deployment:
         return replica_meshes(self.mesh)
 
     @staticmethod
-    def load(config: Config) -> Deployment:
-        """Resolve the checkpoint, build the mesh, load weights onto it, load the tokenizer."""
+    def load(config: Config, *, prebuild: bool = False) -> Deployment:
+        """Resolve the checkpoint, build the mesh, load weights onto it, load the tokenizer.
+
+        ``prebuild``: first start building every step executable from the model's shapes alone, on
+        a background thread, so that compiling (or loading them from the persistent cache) overlaps
+        reading the weights (a server's start-up; the engine's warmup then takes them)."""
         t0 = time.perf_counter()
         enable_compilation_cache(config.engine.compilation_cache_dir)
         # The mesh first: a mesh the visible devices cannot hold fails before anything is read.
@@ -95,6 +107,8 @@ class Deployment:
             head_dim=spec.head_dim,
             page_size=config.engine.page_size,
         )
+        started = (time.perf_counter(), *compile_counts()) if prebuild else None
+        prebuilt = _prebuild(config, source, mesh, mapping, dtype, backend, max_len) if prebuild else ()
         # The tokenizer loads on a thread meanwhile: its Python work overlaps the weights' numpy work
         # (most of which runs without the GIL), about half a second off a start on 2 cores.
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as loader:
@@ -117,4 +131,44 @@ class Deployment:
             backend,
             time.perf_counter() - t0,
         )
-        return Deployment(config, spec, models, tokenizer, mesh, mapping, dtype, max_len)
+        return Deployment(config, spec, models, tokenizer, mesh, mapping, dtype, max_len, prebuilt, started)
+
+
+def executor_for(
+    config: Config,
+    model: LlamaModel,
+    mesh: Mesh,
+    mapping: Mapping[str, str],
+    prebuilt: Future[Prebuilt] | None = None,
+) -> Executor:
+    """One replica's executor of ``model`` (real or abstract) on ``mesh``, sized by the config."""
+    cfg = config.engine
+    return Executor(
+        model,
+        mesh,
+        mapping,
+        num_pages=cfg.num_pages,
+        page_size=cfg.page_size,
+        num_slots=cfg.max_num_seqs + 1,
+        prebuilt=prebuilt,
+    )
+
+
+def _prebuild(
+    config: Config,
+    source: TensorSource,
+    mesh: Mesh,
+    mapping: Mapping[str, str],
+    dtype: jnp.dtype,
+    backend: str,
+    max_len: int,
+) -> tuple[Future[Prebuilt], ...]:
+    """Start building each replica's step executables from abstract weights (nothing read)."""
+    shapes = Buckets.for_deployment(config, max_len).shapes()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="prebuild")
+    futures = []
+    for replica_mesh in replica_meshes(mesh):
+        model = load_model(source, replica_mesh, mapping, dtype, backend, config.model.quantization, abstract=True)
+        futures.append(pool.submit(executor_for(config, model, replica_mesh, mapping).build_all, shapes))
+    pool.shutdown(wait=False)  # the thread ends when its builds are done
+    return tuple(futures)

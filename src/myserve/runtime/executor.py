@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,12 +29,14 @@ from jax.sharding import Mesh, NamedSharding
 
 from myserve.models.llama import LlamaModel
 from myserve.ops.paged_attention import KVCache
-from myserve.runtime.kv_cache import constrain_cache, init_kv_cache
+from myserve.runtime.kv_cache import constrain_cache, init_kv_cache, kv_cache_shape
 from myserve.runtime.mesh import kv_cache_sharding, replicated
 from myserve.runtime.model_step import StepOutput, model_step
 from myserve.runtime.sampling_rows import SamplingRows
 from myserve.runtime.step_layout import StepShape, layout
 from myserve.runtime.steps import outer_part
+
+logger = logging.getLogger(__name__)
 
 SLOT_CHUNK = 256
 """Token ids written into a penalty slot per ``WriteSlot``."""
@@ -131,8 +135,13 @@ class Executor:
         num_pages: int,
         page_size: int,
         num_slots: int,
+        prebuilt: Future[Prebuilt] | None = None,
     ):
+        """``model`` may be abstract (``load_model(abstract=True)``): the executor then holds no
+        arrays, only their shapes and shardings, and serves to build step executables early.
+        ``prebuilt``: such an executor's builds, taken by ``CompileSteps`` when they match."""
         self.model = model
+        self._prebuilt = prebuilt
         self.mesh = mesh
         self.page_size = page_size
         self.scratch_slot = num_slots - 1
@@ -144,15 +153,26 @@ class Executor:
         # Each layer's weights flattened once: a tuple of arrays flattens in C++ on every call.
         self.layers = tuple(tuple(jax.tree_util.tree_leaves(layer)) for layer in model.layers)
         self.treedef = jax.tree_util.tree_structure(model.layers[0])
-        self.kv_cache = init_kv_cache(model.spec, num_pages, page_size, model.embed.array.dtype, mesh, mapping)
         # Penalty state is small next to the cache: replicated, so every row's slot is local.
         self.replicated = replicated(mesh)
-        zeros = functools.partial(jax.device_put, device=self.replicated)
-        self.counts = zeros(np.zeros((num_slots, model.spec.vocab_size), np.int32))
-        self.prompt_mask = zeros(np.zeros((num_slots, model.spec.vocab_size), np.bool_))
+        dtype, vocab = model.embed.array.dtype, model.spec.vocab_size
+        abstract = isinstance(model.embed.array, jax.ShapeDtypeStruct)  # shapes and shardings only
+
+        def place(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> Any:
+            if abstract:
+                return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+            return jax.device_put(np.zeros(shape, dtype), sharding)
+
+        if abstract:
+            cache_shape = kv_cache_shape(model.spec, num_pages, page_size)
+            self.kv_cache = KVCache(*(place(cache_shape, dtype, self.cache_sharding) for _ in "kv"))
+        else:
+            self.kv_cache = init_kv_cache(model.spec, num_pages, page_size, dtype, mesh, mapping)
+        self.counts = place((num_slots, vocab), np.int32, self.replicated)
+        self.prompt_mask = place((num_slots, vocab), np.bool_, self.replicated)
         # The last step's sampled tokens, on the device: the next step takes a token still in
         # flight on the host from here (one row per sequence a step can hold: num_slots rows).
-        self.fed = zeros(np.zeros(num_slots, np.int32))
+        self.fed = place((num_slots,), np.int32, self.replicated)
 
     def run(self, ops: Sequence[Op], progress: Progress | None = None) -> list[StepOutput]:
         """Apply ``ops`` in order (dispatched, not awaited); the outputs of its steps, in order."""
@@ -165,7 +185,11 @@ class Executor:
                 out, self.kv_cache, self.counts, self.fed = step(*self._state(), op.batch, op.ints, op.floats)
                 outputs.append(out)
             elif isinstance(op, CompileSteps):
-                self._steps.update(self._build(op.shapes, progress))
+                self._steps.update(self._take_prebuilt())
+                missing = [shape for shape in op.shapes if shape not in self._steps]
+                self._steps.update(self._build(missing, progress))
+                if progress is not None and not missing:
+                    progress(len(op.shapes), len(op.shapes))
             elif isinstance(op, CopyPage):
                 self.kv_cache = _copy_page(self.kv_cache, np.int32(op.src), np.int32(op.dst), self.cache_sharding)
             elif isinstance(op, ClearSlot):
@@ -182,6 +206,22 @@ class Executor:
         rows = SamplingRows.empty(shape.singles, self.scratch_slot)
         static = (shape, self.treedef, self.cache_sharding, self.replicated)
         return model_step.lower(*static, *self._state(), host.pack(), rows.ints, rows.floats)
+
+    def build_all(self, shapes: Sequence[StepShape]) -> Prebuilt:
+        """``_build`` for an abstract executor's early start: its builds, and the signature they
+        were built for (shapes, dtypes and shardings of every state array)."""
+        return self._build(shapes), _signature(self._state())
+
+    def _take_prebuilt(self) -> dict[StepShape, Step]:
+        """The early builds if they were made for exactly this executor's arrays (else none)."""
+        if self._prebuilt is None:
+            return {}
+        built, signature = self._prebuilt.result()
+        self._prebuilt = None
+        if signature != _signature(self._state()):
+            logger.warning("step executables built early do not match the loaded model: building them again")
+            return {}
+        return built
 
     def _state(self) -> tuple[object, ...]:
         """What every step takes after its static arguments: the weights, the cache (donated), the
@@ -204,6 +244,14 @@ class Executor:
 
 Step = Callable[..., tuple[StepOutput, KVCache, jax.Array, jax.Array]]
 """A compiled ``model_step`` of one shape, called with the executor's state and a ``StepCall``'s arrays."""
+
+Prebuilt = tuple[dict[StepShape, Step], list[tuple[object, ...]]]
+"""Step executables built before the weights were read, and the state signature they were built for."""
+
+
+def _signature(state: object) -> list[tuple[object, ...]]:
+    """Shape, dtype and sharding of every array (or abstract array) in ``state``."""
+    return [(a.shape, a.dtype, a.sharding) for a in jax.tree_util.tree_leaves(state)]
 
 
 def fetch(arrays: Sequence[jax.Array]) -> list[np.ndarray]:
