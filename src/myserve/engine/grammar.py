@@ -26,7 +26,6 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy
 import numpy as np
 
@@ -75,8 +74,10 @@ class GrammarSpec:
 class GrammarMatcher:
     """One constrained sequence's grammar state, advanced by the tokens it accepted."""
 
-    def __init__(self, matcher: llguidance.LLMatcher):
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
         self._matcher = matcher
+        self.vocab_size = vocab_size
+        """The model's vocabulary: the width of this matcher's bitmask rows (in bits)."""
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar did not allow it (the matcher is then
@@ -90,7 +91,7 @@ class GrammarMatcher:
 
     def fork(self) -> GrammarMatcher:
         """An independent copy in the same state (the choices of an n > 1 request)."""
-        return GrammarMatcher(self._matcher.deep_copy())
+        return GrammarMatcher(self._matcher.deep_copy(), self.vocab_size)
 
     @property
     def finished(self) -> bool:
@@ -113,9 +114,10 @@ class Grammars:
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast, vocab_size: int, eos_ids: Iterable[int]):
         """``vocab_size``: the model's (its logits' width, which may exceed the tokenizer's)."""
+        import llguidance.hf  # imports transformers: only where a tokenizer is at hand
+
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
-        self.executor = llguidance.LLExecutor()
         self._templates: collections.OrderedDict[GrammarSpec, llguidance.LLMatcher] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -125,7 +127,7 @@ class Grammars:
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
         """A fresh matcher for one sequence constrained by ``spec``."""
-        return GrammarMatcher(self._template(spec).deep_copy())
+        return GrammarMatcher(self._template(spec).deep_copy(), self.vocab_size)
 
     def _template(self, spec: GrammarSpec) -> llguidance.LLMatcher:
         with self._lock:
@@ -148,11 +150,28 @@ class Grammars:
 
     def allocate_bitmask(self, rows: int) -> np.ndarray:
         """int32 [rows, ceil(vocab / 32)], every token allowed (all bits set)."""
-        return llguidance.numpy.allocate_token_bitmask(rows, self.vocab_size)
+        return allocate_bitmask(rows, self.vocab_size)
 
     def fill_bitmask(self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
-        """Write each matcher's allowed next tokens into its row of ``bitmask`` (in parallel, without
-        the GIL); rows not named keep what they hold."""
-        if rows:
-            pairs = [(m._matcher, row) for m, row in rows]
-            llguidance.numpy.fill_next_token_bitmask_par(self.executor, pairs, bitmask)
+        """``fill_bitmask`` (the module's)."""
+        fill_bitmask(rows, bitmask)
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> np.ndarray:
+    """int32 [rows, ceil(vocab_size / 32)], every token allowed (all bits set)."""
+    return np.full((rows, -(-vocab_size // 32)), -1, np.int32)
+
+
+_executor: llguidance.LLExecutor | None = None
+
+
+def fill_bitmask(rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
+    """Write each matcher's allowed next tokens into its row of ``bitmask`` (in parallel, without
+    the GIL); rows not named keep what they hold."""
+    global _executor
+    if not rows:
+        return
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    pairs = [(m._matcher, row) for m, row in rows]
+    llguidance.numpy.fill_next_token_bitmask_par(_executor, pairs, bitmask)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from myserve.engine.grammar import GrammarSpec
+
 MAX_TOP_LOGPROBS = 20
 """Most top logprobs a request may ask for (OpenAI's limit); the step always computes this many."""
 
@@ -50,6 +52,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """None = none; k = logprob of every prompt token after the first, plus the top k (k <= 20)."""
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None
+    """Constrains the output (a JSON schema, a regex, ...): ``engine/grammar.py``."""
 
     def __post_init__(self) -> None:
         def check(ok: bool, param: str, message: str) -> None:

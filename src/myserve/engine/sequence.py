@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import itertools
 import random
+from typing import TYPE_CHECKING
 
 from myserve.engine.outputs import TokenLogprob
 from myserve.engine.pages import PageHash, chain_hashes
 from myserve.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from myserve.engine.grammar import GrammarMatcher
 
 _admission_counter = itertools.count()
 
@@ -69,6 +73,8 @@ class Sequence:
         self.finish_reason: str | None = None
         # Logprobs of prompt tokens by position, when the request scores its prompt.
         self.prompt_scores: dict[int, TokenLogprob] | None = None
+        # Grammar state of a constrained request (``params.grammar``), advanced by its output tokens.
+        self.matcher: GrammarMatcher | None = None
 
     @property
     def num_tokens(self) -> int:

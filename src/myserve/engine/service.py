@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import jax
 
 from myserve.engine.detokenizer import IncrementalDetokenizer
+from myserve.engine.grammar import Grammars, InvalidGrammar
 from myserve.engine.outputs import (
     ContextLengthExceeded,
     EngineDead,
@@ -102,6 +103,8 @@ class GenerationService:
         self._inflight: tuple[int, list[tuple[Replica, ScheduledBatch, PendingStep]]] | None = None
         """The last iteration's dispatched steps, not read yet (overlapped loop)."""
         self.async_scheduling = async_scheduling
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
         self.warmup_since: tuple[float, int, int] | None = None
         """(perf_counter, compiled, loaded) when the deployment began building steps early: the
         warmup log counts from there."""
@@ -230,6 +233,13 @@ class GenerationService:
                 raise InvalidParams(name, f"{name} token ids must be in [0, {self.vocab_size})")
         if len(params.stop_token_ids) > 16:
             raise InvalidParams("stop_token_ids", "at most 16 stop_token_ids")
+        if params.grammar is not None:
+            if params.ignore_eos:  # once the grammar is complete only EOS is allowed
+                raise InvalidParams("ignore_eos", "ignore_eos cannot be combined with a grammar")
+            try:
+                self.grammars().validate(params.grammar)  # compiled once per grammar, then cached
+            except InvalidGrammar as e:
+                raise InvalidParams("grammar", str(e)) from None
         wanted = len(prompt) + (params.max_tokens or 1)
         if wanted > self.max_model_len:
             raise ContextLengthExceeded(
@@ -237,6 +247,13 @@ class GenerationService:
                 f"{wanted} tokens ({len(prompt)} in the messages, {params.max_tokens or 1} in the completion). "
                 "Please reduce the length of the messages or completion."
             )
+
+    def grammars(self) -> Grammars:
+        """The engine's grammar compiler, built on first use (its tokenizer table takes ~0.25 s)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer.hf, self.vocab_size, self.tokenizer.eos_token_ids)
+            return self._grammars
 
     def _num_waiting(self) -> int:
         return sum(len(r.scheduler.waiting) for r in self.replicas)
@@ -334,6 +351,8 @@ class GenerationService:
                 self.tokenizer, req.prompt_ids, skip_special_tokens=req.params.skip_special_tokens
             )
             req.stops[seq] = StopChecker(req.params.stop)
+            if req.params.grammar is not None:
+                seq.matcher = self.grammars().matcher(req.params.grammar)
             req.replica.scheduler.add(seq)
 
     def _step(self) -> None:
@@ -341,6 +360,10 @@ class GenerationService:
         dispatched by the iteration before (overlapped: the host plans step N+1 and handles step
         N's tokens while the device runs N+1) or, without ``async_scheduling``, this one's."""
         timer = self.timer
+        if self._inflight is not None and self._constrained_running():
+            # A constrained row's mask depends on its token in flight: read it before planning.
+            waiting_for, self._inflight = self._inflight, None
+            self._read(*waiting_for)
         self._iteration += 1
         t = timer.now()
         timer.plan_started(self._iteration, t)
@@ -370,7 +393,11 @@ class GenerationService:
             if not dispatched:
                 timer.idle()  # nothing ran (every waiting sequence is blocked): no gap to count
             return
-        iteration, steps = previous
+        self._read(*previous)
+
+    def _read(self, iteration: int, steps: list[tuple[Replica, ScheduledBatch, PendingStep]]) -> None:
+        """Wait for a dispatched iteration's steps and post-process their tokens."""
+        timer = self.timer
         for _, _, pending in steps:
             t = timer.now()
             timer.timeline.append((iteration, "wait", t))
@@ -379,6 +406,9 @@ class GenerationService:
             timer.read_done(iteration, t)
             self._postprocess(results)
             timer.lap("postprocess", t)
+
+    def _constrained_running(self) -> bool:
+        return any(seq.matcher is not None for rep in self.replicas for seq in rep.scheduler.running)
 
     def _postprocess(self, results: StepResults) -> None:
         """Append a read step's tokens: detokenize, check stops, deliver, finish sequences."""
@@ -421,6 +451,8 @@ class GenerationService:
             req.stream.put(self._prompt_output(req, seq))
         seq.output_ids.append(token)
         self._generated += 1
+        if seq.matcher is not None and not seq.matcher.accept(token):  # the mask allowed only valid tokens
+            logger.error("request %s: token %d broke its grammar: %s", req.request_id, token, seq.matcher.error)
         logprobs = None
         if params.logprobs is not None:
             k = params.logprobs

@@ -92,6 +92,9 @@ class StepCall:
     """``SamplingRows.ints`` [N1, ...]."""
     floats: np.ndarray
     """``SamplingRows.floats`` [N1, ...]."""
+    bitmask: np.ndarray | None = None
+    """int32 [N1, ceil(V / 32)]: the grammar masks of the step's constrained rows (all ones in the
+    others); None when no row is constrained (the executor passes its own all-ones mask)."""
 
 
 Op = CopyPage | ClearSlot | WriteSlot | CompileSteps | StepCall
@@ -173,6 +176,9 @@ class Executor:
         # The last step's sampled tokens, on the device: the next step takes a token still in
         # flight on the host from here (one row per sequence a step can hold: num_slots rows).
         self.fed = place((num_slots,), np.int32, self.replicated)
+        self.mask_words = -(-vocab // 32)
+        """Words per row of a grammar bitmask."""
+        self._no_masks: dict[int, Any] = {}
 
     def run(self, ops: Sequence[Op], progress: Progress | None = None) -> list[StepOutput]:
         """Apply ``ops`` in order (dispatched, not awaited); the outputs of its steps, in order."""
@@ -182,7 +188,11 @@ class Executor:
                 step = self._steps.get(op.shape)
                 if step is None:  # not warmed up (tests, tools): built on first use
                     step = self._steps[op.shape] = self._build([op.shape])[op.shape]
-                out, self.kv_cache, self.counts, self.fed = step(*self._state(), op.batch, op.ints, op.floats)
+                if op.bitmask is None:
+                    bitmask = self._no_mask(op.shape.singles)
+                else:  # placed as the all-ones one is: the executable takes one sharding
+                    bitmask = jax.device_put(op.bitmask, self.replicated)
+                out, self.kv_cache, self.counts, self.fed = step(*self._state(), op.batch, op.ints, op.floats, bitmask)
                 outputs.append(out)
             elif isinstance(op, CompileSteps):
                 self._steps.update(self._take_prebuilt())
@@ -205,7 +215,17 @@ class Executor:
         host = layout([], shape, self.page_size)
         rows = SamplingRows.empty(shape.singles, self.scratch_slot)
         static = (shape, self.treedef, self.cache_sharding, self.replicated)
-        return model_step.lower(*static, *self._state(), host.pack(), rows.ints, rows.floats)
+        bitmask = jax.ShapeDtypeStruct((shape.singles, self.mask_words), np.int32, sharding=self.replicated)
+        return model_step.lower(*static, *self._state(), host.pack(), rows.ints, rows.floats, bitmask)
+
+    def _no_mask(self, rows: int) -> Any:
+        """The all-ones bitmask of a step with ``rows`` sampling rows, kept on the device."""
+        mask = self._no_masks.get(rows)
+        if mask is None:
+            mask = self._no_masks[rows] = jax.device_put(
+                np.full((rows, self.mask_words), -1, np.int32), self.replicated
+            )
+        return mask
 
     def build_all(self, shapes: Sequence[StepShape]) -> Prebuilt:
         """``_build`` for an abstract executor's early start: its builds, and the signature they

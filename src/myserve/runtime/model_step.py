@@ -86,10 +86,12 @@ def model_step(
     flat: jax.Array,
     ints: jax.Array,
     floats: jax.Array,
+    bitmask: jax.Array,
 ) -> tuple[StepOutput, KVCache, jax.Array, jax.Array]:
     """One engine step. ``outer`` is the model without its layers, ``layers`` each layer's leaves
     (flattened once by the executor: a tuple of arrays flattens in C++, equinox modules in Python).
-    ``flat`` is ``HostStep.pack()``; ``ints``/``floats`` the sampling rows [N1, ...]. ``fed`` [F]
+    ``flat`` is ``HostStep.pack()``; ``ints``/``floats`` the sampling rows [N1, ...]; ``bitmask``
+    int32 [N1, ceil(V / 32)] the grammar masks of the constrained rows (all ones elsewhere). ``fed`` [F]
     holds the previous step's sampled tokens (F = max_num_seqs + 1 rows, whatever its bucket):
     tokens still in flight on the host are taken from it. Returns this step's, padded the same way.
     """
@@ -116,6 +118,7 @@ def model_step(
         all_greedy=jnp.all(sampling.temperature <= 0),
         logprobs=jnp.any(wants_logprobs),
         slots=slots,
+        bitmask=bitmask,
     )
     scores = jax.lax.cond(
         jnp.any(following >= 0), lambda: _score(outer, x, following), lambda: _no_scores(tokens.shape[0])

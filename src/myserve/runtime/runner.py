@@ -19,6 +19,7 @@ from typing import Protocol
 import jax
 import numpy as np
 
+from myserve.engine.grammar import allocate_bitmask, fill_bitmask
 from myserve.engine.scheduler import ScheduledBatch, ScheduledChunk
 from myserve.engine.sequence import Sequence as Seq
 from myserve.runtime.buckets import Buckets
@@ -34,7 +35,17 @@ from myserve.runtime.executor import (
     fetch,
 )
 from myserve.runtime.model_step import StepOutput
-from myserve.runtime.sampling_rows import CHOICE, FLOAT_PARAMS, LOGPROBS, POSITION, SLOT, TOP_K, WEIGHT, SamplingRows
+from myserve.runtime.sampling_rows import (
+    CHOICE,
+    CONSTRAINED,
+    FLOAT_PARAMS,
+    LOGPROBS,
+    POSITION,
+    SLOT,
+    TOP_K,
+    WEIGHT,
+    SamplingRows,
+)
 from myserve.runtime.step_layout import HostStep, Span, StepShape, layout
 
 logger = logging.getLogger(__name__)
@@ -176,7 +187,13 @@ class ModelRunner:
 
     def _step_call(self, host: HostStep, shape: StepShape, sampling: Sequence[ScheduledChunk]) -> StepCall:
         packed = self._sampling_rows(sampling, shape.singles)
-        return StepCall(host.pack(), shape, packed.ints, packed.floats)
+        constrained = [(c.seq.matcher, i) for i, c in enumerate(sampling) if c.seq.matcher is not None]
+        bitmask = None
+        if constrained:  # each constrained row's next-token mask, from its grammar state
+            bitmask = allocate_bitmask(shape.singles, constrained[0][0].vocab_size)
+            fill_bitmask(constrained, bitmask)
+            packed.ints[[i for _, i in constrained], CONSTRAINED] = 1
+        return StepCall(host.pack(), shape, packed.ints, packed.floats, bitmask)
 
     def dispatch(self, planned: PlannedStep) -> PendingStep:
         """Hand a planned step to the device (not awaited)."""

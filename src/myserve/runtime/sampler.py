@@ -76,6 +76,7 @@ class SamplingArrays(eqx.Module):
     bias_ids: jax.Array  # i32 [B, NB]; logit_bias token ids, padding = -1
     bias_values: jax.Array  # f32 [B, NB]
     banned_ids: jax.Array  # i32 [B, NS]; tokens forced to -inf this step, padding = -1
+    constrained: jax.Array | None = None  # bool [B]; the row's grammar bitmask applies
 
 
 class SampleOutput(eqx.Module):
@@ -114,6 +115,7 @@ def process_logits(
     output_counts: jax.Array,
     prompt_mask: jax.Array,
     slots: jax.Array | None = None,
+    bitmask: jax.Array | None = None,
 ) -> jax.Array:
     """Steps 1-3 of the module docstring: bias, bans, penalties.
 
@@ -141,10 +143,16 @@ def process_logits(
         return x - params.presence_penalty[:, None] * (counts > 0)
 
     # Disabled penalties are an exact identity, so skipping them changes no bits (batch-invariant).
-    active = jnp.any(
-        (params.repetition_penalty != 1) | (params.frequency_penalty != 0) | (params.presence_penalty != 0)
-    )
-    return lax.cond(active, penalise, lambda x: x, logits)
+    penalties = (params.repetition_penalty != 1) | (params.frequency_penalty != 0) | (params.presence_penalty != 0)
+    if bitmask is None or params.constrained is None:
+        return lax.cond(jnp.any(penalties), penalise, lambda x: x, logits)
+    mask = bitmask
+
+    # Grammar masks ride in the same conditional: a step without constrained rows pays nothing.
+    def penalise_and_mask(x: jax.Array) -> jax.Array:
+        return apply_token_bitmask(lax.cond(jnp.any(penalties), penalise, lambda y: y, x), mask)
+
+    return lax.cond(jnp.any(penalties) | jnp.any(params.constrained), penalise_and_mask, lambda x: x, logits)
 
 
 def _thresholds(
@@ -281,12 +289,14 @@ def sample(
     all_greedy: bool | jax.Array = False,
     logprobs: bool | jax.Array = True,
     slots: jax.Array | None = None,
+    bitmask: jax.Array | None = None,
 ) -> SampleOutput:
     """Sample one token per row.
 
     logits f32 [B, V] (raw model output); output_counts i32 [B, V]: tokens generated so far;
     prompt_mask bool [B, V]: tokens in the prompt (or both tables [S, V] read at ``slots`` [B], see
-    ``process_logits``). ``num_top_logprobs`` (static) sets K of ``top_ids``/``top_logprobs``;
+    ``process_logits``); ``bitmask`` int32 [B, ceil(V / 32)]: the grammar masks of the rows marked
+    ``params.constrained``. ``num_top_logprobs`` (static) sets K of ``top_ids``/``top_logprobs``;
     ``candidates`` (static) is the top-k/top-p prefilter size. ``all_greedy``: every row has
     ``temperature <= 0`` (argmax only, no noise); ``logprobs``: some row wants logprobs (otherwise
     ``logprobs`` and the top entries are zeros: K of them for a traced flag, none for ``False``).
@@ -294,7 +304,7 @@ def sample(
     ``lax.switch`` (the engine step: one executable for every mix of rows).
     """
     logits = logits.astype(jnp.float32)
-    processed = process_logits(logits, params, output_counts, prompt_mask, slots)
+    processed = process_logits(logits, params, output_counts, prompt_mask, slots, bitmask)
     greedy_rows = params.temperature <= 0
 
     b, k = logits.shape[0], num_top_logprobs

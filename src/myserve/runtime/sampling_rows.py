@@ -22,9 +22,9 @@ MAX_BANNED = 32  # EOS + stop_token_ids banned while min_tokens is not reached
 # ids and MAX_BANNED banned ids). Float columns are SamplingParams fields copied as they are.
 FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _FLOAT_DEFAULTS = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)  # greedy, nothing filtered, no penalty
-INT_FIELDS = ("top_k", "seed", "choice", "position", "slot", "weight", "logprobs")
+INT_FIELDS = ("top_k", "seed", "choice", "position", "slot", "weight", "logprobs", "constrained")
 _NF, _NI = len(FLOAT_PARAMS), len(INT_FIELDS)
-TOP_K, SEED, CHOICE, POSITION, SLOT, WEIGHT, LOGPROBS = range(_NI)
+TOP_K, SEED, CHOICE, POSITION, SLOT, WEIGHT, LOGPROBS, CONSTRAINED = range(_NI)
 
 
 @dataclasses.dataclass
@@ -32,8 +32,8 @@ class SamplingRows:
     """The host side: ``rows`` rows, padding rows greedy and inert (weight 0, the scratch slot)."""
 
     ints: np.ndarray
-    """[B, 7 + MAX_BIAS + MAX_BANNED] int32: INT_FIELDS (seed as its uint32 bits; logprobs 1 when the
-    row's request asked for logprobs), bias ids, banned ids."""
+    """[B, 8 + MAX_BIAS + MAX_BANNED] int32: INT_FIELDS (seed as its uint32 bits; logprobs 1 when the
+    row's request asked for logprobs; constrained 1 when a grammar masks the row), bias ids, banned ids."""
     floats: np.ndarray
     """[B, 6 + MAX_BIAS] float32: FLOAT_PARAMS, bias values."""
 
@@ -65,7 +65,7 @@ class SamplingRows:
 
 def unpack(ints: jax.Array, floats: jax.Array) -> tuple[SamplingArrays, jax.Array, jax.Array, jax.Array]:
     """Inside the jit: (SamplingArrays, penalty slot [B], sampled-row weight [B], wants logprobs [B])
-    from the two matrices."""
+    from the two matrices (``SamplingArrays.constrained`` marks the rows a grammar masks)."""
     f = {name: floats[:, i] for i, name in enumerate(FLOAT_PARAMS)}
     arrays = SamplingArrays(
         **f,
@@ -76,5 +76,6 @@ def unpack(ints: jax.Array, floats: jax.Array) -> tuple[SamplingArrays, jax.Arra
         bias_ids=ints[:, _NI : _NI + MAX_BIAS],
         bias_values=floats[:, _NF:],
         banned_ids=ints[:, _NI + MAX_BIAS :],
+        constrained=ints[:, CONSTRAINED] > 0,
     )
     return arrays, ints[:, SLOT], ints[:, WEIGHT], ints[:, LOGPROBS] > 0
