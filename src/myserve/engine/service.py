@@ -20,9 +20,8 @@ from collections.abc import Callable, Sequence
 import jax
 
 from myserve.engine.detokenizer import IncrementalDetokenizer
-from myserve.engine.grammar import Grammars, InvalidGrammar
+from myserve.engine.grammar import Grammars
 from myserve.engine.outputs import (
-    ContextLengthExceeded,
     EngineDead,
     EngineStats,
     Overloaded,
@@ -30,13 +29,14 @@ from myserve.engine.outputs import (
     TokenLogprob,
     Usage,
 )
-from myserve.engine.params import InvalidParams, SamplingParams
+from myserve.engine.params import SamplingParams
 from myserve.engine.replica import Replica, engine_buckets, make_executors, make_replica
 from myserve.engine.scheduler import ScheduledBatch
 from myserve.engine.sequence import Sequence as Seq
 from myserve.engine.step_timer import StepTimer
 from myserve.engine.stop import StopChecker
 from myserve.engine.stream import RequestStream
+from myserve.engine.validation import validate_request
 from myserve.runtime.compile_counter import compile_count, compile_counts
 from myserve.runtime.deployment import Deployment
 from myserve.runtime.executor import Executor
@@ -207,7 +207,9 @@ class GenerationService:
         if self.dead is not None:
             raise EngineDead(f"engine stopped: {self.dead}")
         prompt = [int(t) for t in prompt_ids]
-        self._validate(prompt, params)
+        validate_request(
+            prompt, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len, grammars=self.grammars
+        )
         with self._pending_lock:
             if self._pending + self._num_waiting() >= self.max_waiting:
                 raise Overloaded(f"the waiting queue is full ({self.max_waiting} requests)")
@@ -222,31 +224,6 @@ class GenerationService:
     def abort(self, request_id: str) -> None:
         """Abort a request: its sequences are freed at the start of the next engine step."""
         self._inbox.put(("abort", request_id))
-
-    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
-        if not prompt:
-            raise InvalidParams("prompt", "the prompt must contain at least one token")
-        if any(t < 0 or t >= self.vocab_size for t in prompt):
-            raise InvalidParams("prompt", f"prompt token ids must be in [0, {self.vocab_size})")
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
-            if any(t < 0 or t >= self.vocab_size for t in ids):
-                raise InvalidParams(name, f"{name} token ids must be in [0, {self.vocab_size})")
-        if len(params.stop_token_ids) > 16:
-            raise InvalidParams("stop_token_ids", "at most 16 stop_token_ids")
-        if params.grammar is not None:
-            if params.ignore_eos:  # once the grammar is complete only EOS is allowed
-                raise InvalidParams("ignore_eos", "ignore_eos cannot be combined with a grammar")
-            try:
-                self.grammars().validate(params.grammar)  # compiled once per grammar, then cached
-            except InvalidGrammar as e:
-                raise InvalidParams("grammar", str(e)) from None
-        wanted = len(prompt) + (params.max_tokens or 1)
-        if wanted > self.max_model_len:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{wanted} tokens ({len(prompt)} in the messages, {params.max_tokens or 1} in the completion). "
-                "Please reduce the length of the messages or completion."
-            )
 
     def grammars(self) -> Grammars:
         """The engine's grammar compiler, built on first use (its tokenizer table takes ~0.25 s)."""

@@ -1,0 +1,46 @@
+"""What the engine checks of a request before queueing it: token ids in range, the context length,
+and a constraint it can compile. Each failure is an ``InvalidParams`` (or ``ContextLengthExceeded``)
+that the HTTP layer turns into an OpenAI-shaped 400."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from myserve.engine.grammar import Grammars, InvalidGrammar
+from myserve.engine.outputs import ContextLengthExceeded
+from myserve.engine.params import InvalidParams, SamplingParams
+
+
+def validate_request(
+    prompt: list[int],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    grammars: Callable[[], Grammars],
+) -> None:
+    """Raise if the request cannot be served; ``grammars()`` gives the engine's grammar compiler
+    (built on first use, so only constrained requests pay for it)."""
+    if not prompt:
+        raise InvalidParams("prompt", "the prompt must contain at least one token")
+    if any(t < 0 or t >= vocab_size for t in prompt):
+        raise InvalidParams("prompt", f"prompt token ids must be in [0, {vocab_size})")
+    for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+        if any(t < 0 or t >= vocab_size for t in ids):
+            raise InvalidParams(name, f"{name} token ids must be in [0, {vocab_size})")
+    if len(params.stop_token_ids) > 16:
+        raise InvalidParams("stop_token_ids", "at most 16 stop_token_ids")
+    if params.grammar is not None:
+        if params.ignore_eos:  # once the grammar is complete only EOS is allowed
+            raise InvalidParams("ignore_eos", "ignore_eos cannot be combined with a grammar")
+        try:
+            grammars().validate(params.grammar)  # compiled once per grammar, then cached
+        except InvalidGrammar as e:
+            raise InvalidParams("grammar", str(e)) from None
+    wanted = len(prompt) + (params.max_tokens or 1)
+    if wanted > max_model_len:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{wanted} tokens ({len(prompt)} in the messages, {params.max_tokens or 1} in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
