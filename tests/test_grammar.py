@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from myserve.bundled import bundled_gguf_path
-from myserve.engine.grammar import GrammarMatcher, Grammars, GrammarSpec, InvalidGrammar
+from myserve.engine.grammar import GrammarMatcher, Grammars, GrammarSpec, InvalidGrammar, allocate_bitmask, fill_bitmask
 from myserve.runtime.sampler import apply_token_bitmask
 from myserve.tokenizer import Tokenizer
 
@@ -46,8 +46,8 @@ def grammars(tokenizer: Tokenizer) -> Grammars:
 
 def allowed(grammars: Grammars, matcher: GrammarMatcher) -> np.ndarray:
     """The token ids the matcher allows next."""
-    mask = grammars.allocate_bitmask(1)
-    grammars.fill_bitmask([(matcher, 0)], mask)
+    mask = allocate_bitmask(1, VOCAB)
+    fill_bitmask([(matcher, 0)], mask)
     bits = (mask[0][:, None] >> np.arange(32)) & 1
     return np.flatnonzero(bits.reshape(-1)[:VOCAB])
 
@@ -133,8 +133,8 @@ def test_apply_token_bitmask_leaves_exactly_the_allowed_tokens(grammars: Grammar
         grammars.matcher(GrammarSpec("choice", '["yes", "no"]')),
         grammars.matcher(GrammarSpec("json_object", "")),
     ]
-    mask = grammars.allocate_bitmask(3)  # row 2 stays unconstrained
-    grammars.fill_bitmask([(m, row) for row, m in enumerate(matchers)], mask)
+    mask = allocate_bitmask(3, VOCAB)  # row 2 stays unconstrained
+    fill_bitmask([(m, row) for row, m in enumerate(matchers)], mask)
     logits = jax.random.normal(jax.random.key(0), (3, VOCAB))
     out = np.asarray(jax.jit(apply_token_bitmask)(logits, jnp.asarray(mask)))
     for row, m in enumerate(matchers):

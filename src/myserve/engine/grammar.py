@@ -148,14 +148,6 @@ class Grammars:
                 self._templates.popitem(last=False)
         return template
 
-    def allocate_bitmask(self, rows: int) -> np.ndarray:
-        """int32 [rows, ceil(vocab / 32)], every token allowed (all bits set)."""
-        return allocate_bitmask(rows, self.vocab_size)
-
-    def fill_bitmask(self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
-        """``fill_bitmask`` (the module's)."""
-        fill_bitmask(rows, bitmask)
-
 
 def allocate_bitmask(rows: int, vocab_size: int) -> np.ndarray:
     """int32 [rows, ceil(vocab_size / 32)], every token allowed (all bits set)."""

@@ -70,7 +70,3 @@ class StepChannel:
         """Follower: the next op list (``None``: the leader said stop)."""
         message = self.socket.recv()
         return None if message == _STOP else message
-
-    def close(self) -> None:
-        """Close the socket, sending what is queued first (bounded wait)."""
-        self.socket.close(linger=2000)
