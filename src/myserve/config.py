@@ -37,6 +37,12 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+"""``server.tool_call_parser`` values (``server/tool_parsers.py``)."""
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+"""``server.reasoning_parser`` values (``server/reasoning.py``)."""
+
+
 def _check_choice(key: str, value: str, choices: Sequence[str]) -> None:
     _check(value in choices, f"{key} must be one of {', '.join(choices)}, got {_show(value)}")
 
@@ -153,6 +159,12 @@ class ServerConfig:
     request_timeout_s: float | None = None
     """Seconds a generation request may take from its arrival (queueing included) before it is aborted
     with HTTP 504 (or an error event, when streaming), > 0; null = no limit."""
+    tool_call_parser: str | None = None
+    """How tool calls are read out of the model's text: hermes, llama3_json or mistral; null = none."""
+    enable_auto_tool_choice: bool = False
+    """Serve tool_choice auto (the default with tools) by parsing calls with tool_call_parser."""
+    reasoning_parser: str | None = None
+    """Split a <think> block into reasoning_content: deepseek_r1 or qwen3; null = none."""
 
     def __post_init__(self) -> None:
         _check(self.drain_timeout_s >= 0, f"server.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
@@ -164,6 +176,14 @@ class ServerConfig:
         _check_not_empty("server.served_model_name", self.served_model_name)
         _check_not_empty("server.api_key", self.api_key)
         _check_choice("server.log_level", self.log_level, LOG_LEVELS)
+        if self.tool_call_parser is not None:
+            _check_choice("server.tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        _check(
+            not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+            "server.enable_auto_tool_choice needs server.tool_call_parser",
+        )
+        if self.reasoning_parser is not None:
+            _check_choice("server.reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from myserve.config import REASONING_PARSERS, TOOL_CALL_PARSERS
 from myserve.errors import MyserveError
 
 if TYPE_CHECKING:
@@ -43,6 +44,9 @@ _FLAGS = {
     "served_model_name": "server.served_model_name",
     "api_key": "server.api_key",
     "log_level": "server.log_level",
+    "tool_call_parser": "server.tool_call_parser",
+    "enable_auto_tool_choice": "server.enable_auto_tool_choice",
+    "reasoning_parser": "server.reasoning_parser",
 }
 
 
@@ -62,6 +66,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int)
     p.add_argument("--data-parallel-size", type=int, help="data-parallel replicas (mesh.data)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="how tool calls are read from the text")
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_const",
+        const=True,
+        help="serve tool_choice auto (needs --tool-call-parser)",
+    )
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, help="split <think> blocks off as reasoning")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key")
     return p.parse_args(argv)
 
@@ -127,6 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         api_key=config.server.api_key,
         max_body_bytes=config.server.max_body_bytes,
         request_timeout_s=config.server.request_timeout_s,
+        tool_call_parser=config.server.tool_call_parser,
+        enable_auto_tool_choice=config.server.enable_auto_tool_choice,
+        reasoning_parser=config.server.reasoning_parser,
     )
     url = f"http://{config.server.host}:{config.server.port}"
 

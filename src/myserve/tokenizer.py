@@ -95,13 +95,31 @@ class Tokenizer:
         tokens = self.hf.convert_ids_to_tokens(list(ids))
         return [tokens] if isinstance(tokens, str) else list(tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text the chat template makes of ``messages``."""
-        if not self.has_chat_template:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt text the chat template makes of ``messages`` (and ``tools``, for templates that
+        render them); ``chat_template`` replaces the tokenizer's own for this call, and
+        ``template_kwargs`` are extra template variables."""
+        template = chat_template or self.hf.chat_template
+        if not template:
             raise ChatTemplateError(f"{self.source}: the tokenizer has no chat template; pass chat_template")
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        except Exception as e:  # jinja errors, and templates that raise_exception() on bad roles
+            text = self.hf.apply_chat_template(
+                messages,
+                tools=cast(Any, tools),
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(template_kwargs or {}),
+            )
+        except Exception as e:  # jinja errors, templates that raise_exception() on bad roles, bad kwargs
             raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
         return cast(str, text)
 

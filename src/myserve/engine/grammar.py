@@ -54,6 +54,9 @@ class GrammarSpec:
     source: str
     """The JSON schema (JSON text; ignored for ``json_object``), the regex, the choices (a JSON list
     of strings), or the grammar in Lark or GBNF syntax."""
+    lenient: bool = False
+    """``json_schema`` only: keywords llguidance cannot enforce are ignored instead of refused
+    (OpenAI's ``strict: false``)."""
 
     def to_llguidance(self) -> str:
         """The llguidance grammar definition (not yet validated)."""
@@ -61,7 +64,8 @@ class GrammarSpec:
             if self.kind == "json_object":
                 return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=_JSON_OPTIONS)
             if self.kind == "json_schema":
-                return llguidance.LLMatcher.grammar_from_json_schema(self.source, overrides=_JSON_OPTIONS)
+                options: JsonCompileOptions = {**_JSON_OPTIONS, "lenient": self.lenient}
+                return llguidance.LLMatcher.grammar_from_json_schema(self.source, overrides=options)
             if self.kind == "choice":
                 choices = json.loads(self.source)
                 if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):

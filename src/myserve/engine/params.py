@@ -54,6 +54,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None
     """Constrains the output (a JSON schema, a regex, ...): ``engine/grammar.py``."""
+    grammar_after: tuple[int, ...] = ()
+    """The grammar applies only after the output contains these tokens (a reasoning block's end
+    marker); empty: from the first token."""
 
     def __post_init__(self) -> None:
         def check(ok: bool, param: str, message: str) -> None:
@@ -96,6 +99,7 @@ class SamplingParams:
             check(-100.0 <= bias <= 100.0, "logit_bias", "logit_bias values must be between -100 and 100")
         check(all(s for s in self.stop), "stop", "stop strings must not be empty")
         check(len(self.stop) <= 16, "stop", "at most 16 stop strings")
+        check(not self.grammar_after or self.grammar is not None, "grammar_after", "grammar_after needs a grammar")
 
     @staticmethod
     def bias_from_mapping(bias: Mapping[str, float] | Mapping[int, float] | None) -> tuple[tuple[int, float], ...]:

@@ -75,6 +75,23 @@ class Sequence:
         self.prompt_scores: dict[int, TokenLogprob] | None = None
         # Grammar state of a constrained request (``params.grammar``), advanced by its output tokens.
         self.matcher: GrammarMatcher | None = None
+        # A matcher waiting for ``params.grammar_after`` to appear in the output (reasoning first).
+        self.pending_matcher: GrammarMatcher | None = None
+
+    @property
+    def constrained(self) -> bool:
+        """Its next tokens are (or may soon be) masked by a grammar: a step's mask needs its last token."""
+        return self.matcher is not None or self.pending_matcher is not None
+
+    def advance_grammar(self, token: int) -> bool:
+        """Feed an appended output token to the grammar (activating a pending one once the output ends
+        with ``grammar_after``); False if the grammar refused it."""
+        if self.matcher is not None:
+            return self.matcher.accept(token)
+        after = self.params.grammar_after
+        if self.pending_matcher is not None and self.output_ids[-len(after) :] == list(after):
+            self.matcher, self.pending_matcher = self.pending_matcher, None
+        return True
 
     @property
     def num_tokens(self) -> int:

@@ -329,7 +329,11 @@ class GenerationService:
             )
             req.stops[seq] = StopChecker(req.params.stop)
             if req.params.grammar is not None:
-                seq.matcher = self.grammars().matcher(req.params.grammar)
+                matcher = self.grammars().matcher(req.params.grammar)
+                if req.params.grammar_after:
+                    seq.pending_matcher = matcher
+                else:
+                    seq.matcher = matcher
             req.replica.scheduler.add(seq)
 
     def _step(self) -> None:
@@ -385,7 +389,7 @@ class GenerationService:
             timer.lap("postprocess", t)
 
     def _constrained_running(self) -> bool:
-        return any(seq.matcher is not None for rep in self.replicas for seq in rep.scheduler.running)
+        return any(seq.constrained for rep in self.replicas for seq in rep.scheduler.running)
 
     def _postprocess(self, results: StepResults) -> None:
         """Append a read step's tokens: detokenize, check stops, deliver, finish sequences."""
@@ -428,8 +432,9 @@ class GenerationService:
             req.stream.put(self._prompt_output(req, seq))
         seq.output_ids.append(token)
         self._generated += 1
-        if seq.matcher is not None and not seq.matcher.accept(token):  # the mask allowed only valid tokens
-            logger.error("request %s: token %d broke its grammar: %s", req.request_id, token, seq.matcher.error)
+        if not seq.advance_grammar(token):  # the mask allowed only valid tokens
+            error = seq.matcher.error if seq.matcher is not None else ""
+            logger.error("request %s: token %d broke its grammar: %s", req.request_id, token, error)
         logprobs = None
         if params.logprobs is not None:
             k = params.logprobs

@@ -12,15 +12,18 @@ import asyncio
 import hmac
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from myserve.engine.grammar import GrammarSpec
 from myserve.engine.outputs import ContextLengthExceeded, EngineDead, Overloaded
 from myserve.engine.params import InvalidParams, SamplingParams
 from myserve.engine.service import GenerationService
 from myserve.engine.stream import RequestStream
+from myserve.server.chat_output import ChoiceParser
 from myserve.server.errors import APIError, install_error_handlers
 from myserve.server.formatting import LogprobFormatter
 from myserve.server.metrics import Metrics
@@ -30,7 +33,11 @@ from myserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from myserve.server.reasoning import FORMATS, ReasoningParser
 from myserve.server.responses import CompletionResponse, ServerState
+from myserve.server.structured import request_grammar
+from myserve.server.tool_parsers import PARSERS
+from myserve.server.tools import plan_tools, template_messages
 from myserve.tokenizer import ChatTemplateError
 
 _OPEN_PATHS = ("/health", "/healthz", "/metrics", "/docs", "/openapi.json", "/redoc")
@@ -43,12 +50,28 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = 4 * 1024 * 1024,
     request_timeout_s: float | None = None,
+    chat_template: str | None = None,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app for ``service`` (which the caller starts and stops).
 
     ``request_timeout_s``: a generation request still running this long after it reached its handler
     (time queued in the engine included) is aborted: HTTP 504, or an error event ending its stream.
+    ``chat_template``: Jinja text replacing the tokenizer's template. ``tool_call_parser`` (a name
+    of ``server/tool_parsers.py::PARSERS``) reads calls out of ``tool_choice: auto`` outputs when
+    ``enable_auto_tool_choice``; ``reasoning_parser`` (``server/reasoning.py::FORMATS``) splits off
+    ``reasoning_content``.
     """
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(PARSERS)}")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+    if reasoning_parser is not None and reasoning_parser not in FORMATS:
+        raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: {', '.join(FORMATS)}")
+    auto_parser = PARSERS[tool_call_parser] if enable_auto_tool_choice and tool_call_parser else None
+    reasoning = FORMATS[reasoning_parser] if reasoning_parser else None
     app = FastAPI(title="myserve", description="OpenAI-compatible LLM server on JAX", version="0.1.0")
     install_error_handlers(app)
     state = ServerState()
@@ -127,10 +150,30 @@ def create_app(
             raise APIError(400, f"token ids must be in [0, {service.vocab_size})", param="tokens")
         return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
-    def render_chat(messages: list, add_generation_prompt: bool = True) -> list[int]:
+    def render_chat(
+        messages: list,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        return tokenizer.encode(
+            render_text(messages, add_generation_prompt, tools, template_kwargs), add_special_tokens=False
+        )
+
+    def render_text(
+        messages: list,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         try:
-            return tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt=add_generation_prompt
+            # The template writes BOS and friends itself: the text is encoded without adding them.
+            return tokenizer.render_chat(
+                template_messages(messages),
+                add_generation_prompt,
+                tools=tools,
+                chat_template=chat_template,
+                template_kwargs=template_kwargs,
             )
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
@@ -140,6 +183,10 @@ def create_app(
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        *,
+        grammar: GrammarSpec | None = None,
+        grammar_after: tuple[int, ...] = (),
+        skip_special_tokens: bool | None = None,
     ) -> SamplingParams:
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         try:
@@ -161,12 +208,16 @@ def create_app(
                 min_tokens=req.min_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
-                skip_special_tokens=req.skip_special_tokens,
+                skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+                grammar=grammar,
+                grammar_after=grammar_after,
             )
         except InvalidParams as e:
             raise APIError(400, str(e), param=e.param, code="invalid_value") from None
 
-    def submit_all(prompts: list[list[int]], params: SamplingParams, request_id: str) -> list[RequestStream]:
+    def submit_all(
+        prompts: list[list[int]], params: SamplingParams, request_id: str, grammar_param: str | None
+    ) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
@@ -175,7 +226,8 @@ def create_app(
             for s in streams:
                 s.close()
             if isinstance(e, InvalidParams):
-                raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+                param = grammar_param if e.param == "grammar" else e.param  # the field that asked for it
+                raise APIError(400, str(e), param=param, code="invalid_value") from None
             if isinstance(e, ContextLengthExceeded):
                 raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
             if isinstance(e, Overloaded):
@@ -203,10 +255,12 @@ def create_app(
         include_usage: bool,
         expires: float | None,
         echo_texts: list[str] | None = None,
+        grammar_param: str | None = None,
+        choice_parser: Callable[[], ChoiceParser] | None = None,
     ) -> Response:
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         t0 = time.perf_counter()
-        streams = submit_all(prompts, params, request_id)
+        streams = submit_all(prompts, params, request_id, grammar_param)
         response = CompletionResponse(
             kind=kind,
             request_id=request_id,
@@ -222,6 +276,7 @@ def create_app(
             include_usage=include_usage,
             deadline=expires,
             timeout_s=request_timeout_s,
+            choice_parser=choice_parser,
         )
         if not stream:
             return await response.json(request)
@@ -239,10 +294,13 @@ def create_app(
         prompt_logprobs = None
         if req.echo and (req.logprobs is not None or req.max_tokens == 0):
             prompt_logprobs = req.logprobs or 0
-        params = sampling(req, req.max_tokens, req.logprobs, prompt_logprobs)
+        grammar = request_grammar(req.response_format, req.structured_outputs)
+        params = sampling(req, req.max_tokens, req.logprobs, prompt_logprobs, grammar=grammar)
         echo = [tokenizer.decode(p) for p in prompts] if req.echo else None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(request, "completion", prompts, params, req.stream, include_usage, expires, echo)
+        return await run(
+            request, "completion", prompts, params, req.stream, include_usage, expires, echo, _grammar_param(req)
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
@@ -253,12 +311,52 @@ def create_app(
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = sampling(req, max_tokens, logprobs)
-        ids = render_chat(req.messages)
+        grammar = request_grammar(req.response_format, req.structured_outputs)
+        plan = plan_tools(req, auto_parser)
+        if plan.grammar is not None:
+            if grammar is not None:
+                raise APIError(
+                    400,
+                    "a forced tool call (tool_choice required or a named function) cannot be combined with "
+                    "response_format or structured_outputs",
+                    param="tool_choice",
+                    code="invalid_value",
+                )
+            grammar = plan.grammar
+        text = render_text(req.messages, True, plan.template_tools, req.chat_template_kwargs)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        state = reasoning.initial_state(text) if reasoning else "content"
+        # With a reasoning parser, a grammar constrains only what follows the reasoning block.
+        after = tuple(tokenizer.encode(reasoning.end, add_special_tokens=False)) if reasoning else ()
+        params = sampling(
+            req,
+            max_tokens,
+            logprobs,
+            grammar=grammar,
+            grammar_after=after if grammar is not None and state != "content" else (),
+            skip_special_tokens=False if plan.keeps_special_tokens else None,
+        )
+        choice_parser = None
+        if reasoning is not None or plan.parser is not None:
+            new_tools = plan.parser
+
+            def choice_parser() -> ChoiceParser:
+                return ChoiceParser(
+                    ReasoningParser(reasoning, state) if reasoning else None,
+                    new_tools() if new_tools else None,
+                    parallel_tool_calls=req.parallel_tool_calls,
+                )
+
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(request, "chat", [ids], params, req.stream, include_usage, expires)
+        param = "tools" if plan.grammar is not None else _grammar_param(req)
+        return await run(request, "chat", [ids], params, req.stream, include_usage, expires, None, param, choice_parser)
 
     return app
+
+
+def _grammar_param(req: CompletionRequest | ChatCompletionRequest) -> str:
+    """The request field a grammar came from, for errors about it."""
+    return "structured_outputs" if req.structured_outputs is not None else "response_format"
 
 
 def _completion_prompts(prompt: Any, encode: Any) -> list[list[int]]:

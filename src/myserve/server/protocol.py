@@ -3,7 +3,7 @@
 OpenAI fields that would change the output but that we do not implement are declared so that a
 request using them is refused (400 ``unsupported_parameter``) rather than silently answered
 differently: each request class lists them in its ``UNSUPPORTED`` table. Fields that change nothing
-here (``metadata``, ``service_tier``, ``parallel_tool_calls``, ...) are ignored like unknown ones.
+here (``metadata``, ``service_tier``, ...) are ignored like unknown ones.
 """
 
 from __future__ import annotations
@@ -68,6 +68,10 @@ class _Sampling(_Request):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    response_format: dict[str, Any] | None = None
+    """OpenAI's output format: text, json_object or json_schema (``server/structured.py``)."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's constraint: one of json, json_object, regex, choice, grammar (``server/structured.py``)."""
 
     @field_validator("stream_options")
     @classmethod
@@ -100,6 +104,50 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    """The function an assistant message called: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Request):
+    """One call in an assistant message's ``tool_calls`` (conversation history)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Request):
+    """A callable function: its name, what it does, and its parameters' JSON schema."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    """An entry of ``tools``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    """The function a ``tool_choice`` object names."""
+
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """``tool_choice`` naming one function: the model must call it."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Request):
     """One message of a conversation."""
 
@@ -108,6 +156,9 @@ class ChatMessage(_Request):
     """Required (not null) except on assistant messages, which may carry only tool calls."""
     name: str | None = None
     tool_call_id: str | None = None
+    """A ``tool`` message: the id of the call it answers."""
+    tool_calls: list[MessageToolCall] | None = None
+    """An assistant message: the calls it made."""
 
     @field_validator("content")
     @classmethod
@@ -134,9 +185,12 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # vLLM extras
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (e.g. ``{"enable_thinking": false}`` for Qwen3)."""
     # Declared to be refused (UNSUPPORTED); the types only admit what OpenAI documents.
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -149,12 +203,6 @@ class ChatCompletionRequest(_Sampling):
     verbosity: str | None = None
 
     UNSUPPORTED = (
-        Unsupported("tools", bool, "tools are not supported yet"),
-        Unsupported(
-            "response_format",
-            lambda v: v is not None and v.get("type", "text") != "text",
-            "only response_format type text is supported",
-        ),
         Unsupported("functions", bool, "functions (legacy function calling) are not supported"),
         Unsupported("function_call", _given, "function_call (legacy function calling) is not supported"),
         Unsupported("audio", _given, "audio output is not supported"),

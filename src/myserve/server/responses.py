@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from myserve.engine.outputs import RequestOutput, Usage
 from myserve.engine.params import SamplingParams
 from myserve.engine.stream import RequestStream
+from myserve.server.chat_output import ChoiceMessage, ChoiceParser, finish_reason
 from myserve.server.errors import APIError
 from myserve.server.formatting import LogprobFormatter, usage_json
 from myserve.server.metrics import Metrics
@@ -61,6 +62,7 @@ class CompletionResponse:
         include_usage: bool = False,
         deadline: float | None = None,
         timeout_s: float | None = None,
+        choice_parser: Callable[[], ChoiceParser] | None = None,
     ):
         self.kind, self.request_id, self.streams, self.prompts = kind, request_id, streams, prompts
         self.params, self.n, self.echo_texts, self.fmt = params, params.n, echo_texts, fmt
@@ -69,6 +71,9 @@ class CompletionResponse:
         """Streaming: send a usage chunk (empty choices) before ``[DONE]`` (``stream_options.include_usage``)."""
         self.deadline, self.timeout_s = deadline, timeout_s
         """Event-loop time after which the request is aborted (None: never), and the timeout it came from."""
+        self._new_parser = choice_parser
+        """Chat: makes each choice's reasoning / tool-call parser (None: the text is the content)."""
+        self._parsers: dict[int, ChoiceParser] = {}
         self.created = int(time.time())
         self.model = model
         self.log = _RequestLog(request_id, sum(len(p) for p in prompts), t0)
@@ -98,6 +103,15 @@ class CompletionResponse:
         self.metrics.prompt_tokens.inc(usage.prompt_tokens)
         self.metrics.generation_tokens.inc(usage.completion_tokens)
         self.log.done(status, usage)
+
+    def _parser(self, index: int) -> ChoiceParser | None:
+        """Choice ``index``'s parser, made when its first output comes."""
+        if self._new_parser is None:
+            return None
+        parser = self._parsers.get(index)
+        if parser is None:
+            parser = self._parsers[index] = self._new_parser()
+        return parser
 
     def _timeout_error(self) -> APIError:
         return APIError(504, f"the request did not finish within {self.timeout_s:g} s", code="request_timeout")
@@ -133,14 +147,19 @@ class CompletionResponse:
                     self._finished("error")
                     raise APIError(500, out.error, code="engine_error")
                 continue
+            index = i * self.n + out.choice
             c = choices.setdefault(
-                i * self.n + out.choice, {"text": "", "logprobs": [], "finish": None, "first": None, "prompt": None}
+                index, {"text": "", "logprobs": [], "finish": None, "first": None, "prompt": None, "message": None}
             )
             if out.prompt_logprobs is not None:
                 c["prompt"] = out.prompt_logprobs
             if c["first"] is None and out.token_ids:
                 c["first"] = time.perf_counter()
             c["text"] += out.text
+            parser = self._parser(index)
+            if parser is not None:
+                c["message"] = c["message"] or ChoiceMessage()
+                c["message"].add(parser.feed(out.text, final=out.finish_reason is not None))
             c["logprobs"].extend(out.logprobs or ())
             c["finish"] = out.finish_reason or c["finish"]
         usage = sum_usage(usages)
@@ -166,11 +185,13 @@ class CompletionResponse:
     def _json_choice(self, index: int, c: dict[str, Any]) -> dict[str, Any]:
         logprobs_on = self.params.logprobs is not None
         if self.kind == "chat":
+            parser = self._parsers.get(index)
+            message = c["message"].json(parser) if c["message"] else {"role": "assistant", "content": c["text"]}
             return {
                 "index": index,
-                "message": {"role": "assistant", "content": c["text"]},
+                "message": message,
                 "logprobs": self.fmt.chat(c["logprobs"]) if logprobs_on else None,
-                "finish_reason": c["finish"],
+                "finish_reason": finish_reason(c["finish"], parser),
             }
         prefix = self.echo_texts[index // self.n] if self.echo_texts else ""
         logprobs_json = None
@@ -225,7 +246,7 @@ class CompletionResponse:
                         self.metrics.itl.observe(now - last_token_t)
                     last_token_t = now
                 choice = self._delta(index, out, offsets)
-                if out.text or out.finish_reason or choice["logprobs"]:
+                if choice.get("delta") or choice.get("text") or out.finish_reason or choice["logprobs"]:
                     event = _sse({**base, "choices": [choice]})
                     self.metrics.frontend_seconds.inc(time.perf_counter() - got)
                     yield event
@@ -267,11 +288,16 @@ class CompletionResponse:
         lp = list(out.logprobs or ())
         with_logprobs = self.params.logprobs is not None and bool(lp)
         if self.kind == "chat":
+            parser = self._parser(index)
+            if parser is None:
+                delta = {"content": out.text} if out.text else {}
+            else:
+                delta = parser.feed(out.text, final=out.finish_reason is not None).json()
             return {
                 "index": index,
-                "delta": {"content": out.text} if out.text else {},
+                "delta": delta,
                 "logprobs": self.fmt.chat(lp) if with_logprobs else None,
-                "finish_reason": out.finish_reason,
+                "finish_reason": finish_reason(out.finish_reason, parser),
             }
         start = offsets.get(index, 0)
         offsets[index] = start + len(out.text)
