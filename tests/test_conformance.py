@@ -109,10 +109,8 @@ def test_stream_options_need_streaming(live, path: str, body: dict, stream: obje
 # -- 5. unsupported and ignored OpenAI fields --------------------------------------------------
 
 REFUSED_CHAT = {
-    "tools": [{"type": "function", "function": {"name": "f"}}],
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": "auto",
-    "response_format": {"type": "json_object"},
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"},

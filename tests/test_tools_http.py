@@ -16,6 +16,7 @@ import pytest
 from test_server import LiveServer
 
 from myserve.server.app import create_app
+from myserve.testing import NESTED_SCHEMA
 
 MODEL = "smol-tools"
 TEMPLATE = (Path(__file__).parents[1] / "config" / "templates" / "hermes-tools.jinja").read_text()
@@ -43,27 +44,7 @@ TIME = {
     },
 }
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
-# Nested and bounded: objects, arrays, enums, required fields, bounded integers, a pattern.
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "address": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 10},
-                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-            },
-            "required": ["city", "zip"],
-            "additionalProperties": False,
-        },
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
-    },
-    "required": ["name", "age", "role", "address", "tags"],
-    "additionalProperties": False,
-}
+PERSON = NESTED_SCHEMA
 
 
 @pytest.fixture(scope="module")
@@ -283,3 +264,51 @@ def test_auto_tool_choice_needs_the_parser_flag(smol_service) -> None:
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("tool_calls", "length")
     finally:
         server.stop()
+
+
+# ChatML whose generation prompt opens a reasoning block (as DeepSeek-R1's does), or closes an
+# empty one (as Qwen3's does with enable_thinking false).
+THINKING = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def thinking(smol_service) -> Iterator[LiveServer]:
+    app = create_app(smol_service, served_model_name=MODEL, chat_template=THINKING, reasoning_parser="deepseek_r1")
+    server = LiveServer(app)
+    yield server
+    server.stop()
+
+
+def test_reasoning_parser_splits_and_the_grammar_waits_for_the_block_to_end(thinking) -> None:
+    """Inside an open block every token is reasoning (the small model does not close it within 40
+    tokens), and a grammar does not apply yet; with the block closed by the prompt, the output is
+    content and the grammar applies from its first token."""
+    client = openai.OpenAI(base_url=f"{thinking.url}/v1", api_key="none", max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": NESTED_SCHEMA, "strict": True}}
+    open_block = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=40, temperature=0, response_format=fmt
+    ).choices[0]
+    assert open_block.message.reasoning_content and not open_block.message.content
+    assert "</think>" not in open_block.message.reasoning_content
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=40, temperature=0, response_format=fmt, stream=True
+    ):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+    assert (reasoning, content) == (open_block.message.reasoning_content, "")
+    closed = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        max_tokens=160,
+        temperature=0,
+        response_format=fmt,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    ).choices[0]
+    assert closed.message.reasoning_content is None and closed.finish_reason == "stop"
+    jsonschema.validate(json.loads(closed.message.content), NESTED_SCHEMA)

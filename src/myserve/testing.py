@@ -51,6 +51,30 @@ TINY_ENGINE: tuple[str, ...] = (
 )
 
 
+NESTED_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+    },
+    "required": ["name", "age", "role", "address", "tags"],
+    "additionalProperties": False,
+}
+"""A nested JSON schema whose documents are bounded (objects, arrays, enums, required fields,
+bounded integers, a pattern): every constrained generation of it can finish."""
+
+
 def make_tiny_checkpoint(
     arch: str, directory: Path, *, seed: int = 0, dtype: str = "float32", vocab_size: int | None = None
 ) -> Path:

@@ -67,6 +67,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (vLLM, llama-server, myserve)")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--extra-body",
+        type=_json_object,
+        default={},
+        help='JSON object merged into every request, e.g. \'{"response_format": {"type": "json_object"}}\'',
+    )
     p.add_argument("--seed", type=int, help="sent as the request seed; also seeds Poisson arrivals (default 0)")
     p.add_argument("--api-key", help="sent as a Bearer token")
     p.add_argument("--label", help="this server's name in tables and plots (default: from the model id)")
@@ -91,6 +97,16 @@ def _levels(text: str) -> list[int]:
     if not levels or min(levels) < 1:
         raise argparse.ArgumentTypeError("concurrency levels must be positive integers")
     return levels
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--extra-body must be a JSON object")
+    return value
 
 
 def _rate(text: str) -> float:
@@ -122,7 +138,7 @@ def request_body(prompt: Prompt, args: argparse.Namespace, model: str) -> dict[s
         body["ignore_eos"] = True
     if args.seed is not None:
         body["seed"] = args.seed
-    return body
+    return {**body, **args.extra_body}
 
 
 async def sweep(args: argparse.Namespace, target: Target, bodies: list[dict[str, Any]]) -> list[LevelSummary]:
@@ -219,6 +235,7 @@ def run_benchmark(args: argparse.Namespace, serve_args: list[str], argv: Sequenc
             "ignore_eos": args.ignore_eos,
             "temperature": args.temperature,
             "seed": args.seed,
+            "extra_body": args.extra_body,
             "request_rate": None if math.isinf(args.request_rate) else args.request_rate,  # null = closed loop
             "num_prompts": args.num_prompts,  # null = max(32, 4 x concurrency) per level
             "concurrency": args.concurrency,

@@ -188,12 +188,13 @@ class ModelRunner:
     def _step_call(self, host: HostStep, shape: StepShape, sampling: Sequence[ScheduledChunk]) -> StepCall:
         packed = self._sampling_rows(sampling, shape.singles)
         constrained = [(c.seq.matcher, i) for i, c in enumerate(sampling) if c.seq.matcher is not None]
-        bitmask = None
+        bitmask = rows = None
         if constrained:  # each constrained row's next-token mask, from its grammar state
-            bitmask = allocate_bitmask(shape.singles, constrained[0][0].vocab_size)
-            fill_bitmask(constrained, bitmask)
-            packed.ints[[i for _, i in constrained], CONSTRAINED] = 1
-        return StepCall(host.pack(), shape, packed.ints, packed.floats, bitmask)
+            rows = np.array([i for _, i in constrained], np.int32)
+            bitmask = allocate_bitmask(len(constrained), constrained[0][0].vocab_size)
+            fill_bitmask([(m, k) for k, (m, _) in enumerate(constrained)], bitmask)
+            packed.ints[rows, CONSTRAINED] = 1
+        return StepCall(host.pack(), shape, packed.ints, packed.floats, bitmask, rows)
 
     def dispatch(self, planned: PlannedStep) -> PendingStep:
         """Hand a planned step to the device (not awaited)."""

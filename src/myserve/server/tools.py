@@ -74,9 +74,7 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: type[ToolParser] | None)
                 400, f"tool_choice names {choice.function.name!r}, which is not in tools", param="tool_choice"
             )
         fn = named.function
-        grammar = GrammarSpec(
-            "json_schema", json.dumps(fn.parameters or _ANY_OBJECT), lenient=not fn.strict
-        )
+        grammar = GrammarSpec("json_schema", json.dumps(fn.parameters or _ANY_OBJECT), lenient=not fn.strict)
         return ToolPlan(template_tools, grammar, lambda: NamedCallParser(fn.name))
     return ToolPlan(template_tools, _required_grammar(req), RequiredCallsParser)
 
