@@ -60,19 +60,32 @@ def make_service(tiny_checkpoints: dict[str, Path]):
         svc.shutdown()
 
 
+SMOL_TEST_ENGINE = (
+    "model.max_model_len=512",
+    "engine.num_pages=256",
+    "engine.max_num_seqs=16",
+    "engine.max_num_batched_tokens=128",
+    "engine.token_buckets=[1,16]",
+)
+
+
+@pytest.fixture(scope="session")
+def smol_client():
+    """The bundled SmolLM2 served by an engine core in its own process (``EngineClient``), with the
+    same engine settings as ``smol_service``: the front end's half of ``python -m myserve.serve``."""
+    from myserve.testing import start_client
+
+    client = start_client(None, *SMOL_TEST_ENGINE)
+    yield client
+    client.shutdown()
+
+
 @pytest.fixture(scope="session")
 def smol_service():
     """The bundled SmolLM2 behind a started GenerationService with small buckets (shared by modules)."""
     from myserve.testing import start_service
 
-    svc = start_service(
-        None,
-        "model.max_model_len=512",
-        "engine.num_pages=256",
-        "engine.max_num_seqs=16",
-        "engine.max_num_batched_tokens=128",
-        "engine.token_buckets=[1,16]",
-    )
+    svc = start_service(None, *SMOL_TEST_ENGINE)
     yield svc
     svc.shutdown()
 

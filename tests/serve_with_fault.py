@@ -3,7 +3,9 @@
 ``MYSERVE_TEST_FAULT=dispatch:N`` makes the first engine step that holds N sequences raise (so
 that many requests are in flight, however fast the steps are);
 ``MYSERVE_TEST_FAULT=warmup`` makes warmup raise. The product has no such switch: the fault is
-patched in here, before the real entry point runs with this process's arguments.
+patched in here, before the real entry point runs with this process's arguments, and in the engine
+core's process through its test-only hook (``MYSERVE_CORE_HOOK``), which calls ``inject_from_env``
+there before the core loads.
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ def inject(fault: str) -> None:
     ModelRunner.dispatch = failing_dispatch  # type: ignore[method-assign,assignment]
 
 
-if __name__ == "__main__":
+def inject_from_env() -> None:
+    """The core process's hook: the fault named by ``MYSERVE_TEST_FAULT``."""
     inject(os.environ["MYSERVE_TEST_FAULT"])
+
+
+if __name__ == "__main__":
+    from myserve.engine.core_process import CORE_HOOK_ENV
+
+    inject_from_env()  # for a server that runs the engine in this process
+    os.environ[CORE_HOOK_ENV] = "serve_with_fault:inject_from_env"
     sys.exit(serve.main(sys.argv[1:]))

@@ -45,9 +45,10 @@ class LiveServer:
         self.thread.join(timeout=10)
 
 
-@pytest.fixture(scope="module")
-def service(smol_service):
-    return smol_service
+@pytest.fixture(scope="module", params=["in_process", "core_process"])
+def service(request):
+    """Every test here runs against the engine in this process and against a core process."""
+    return request.getfixturevalue("smol_service" if request.param == "in_process" else "smol_client")
 
 
 @pytest.fixture(scope="module")

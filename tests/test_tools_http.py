@@ -47,10 +47,13 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 PERSON = NESTED_SCHEMA
 
 
-@pytest.fixture(scope="module")
-def live(smol_service) -> Iterator[LiveServer]:
+@pytest.fixture(scope="module", params=["in_process", "core_process"])
+def live(request) -> Iterator[LiveServer]:
+    """The app over the engine in this process, and over an engine core process (grammars are then
+    validated in the front end and enforced in the core)."""
+    service = request.getfixturevalue("smol_service" if request.param == "in_process" else "smol_client")
     app = create_app(
-        smol_service,
+        service,
         served_model_name=MODEL,
         chat_template=TEMPLATE,
         tool_call_parser="hermes",
@@ -197,7 +200,7 @@ def test_structured_output_kinds_over_http(live, extra, check) -> None:
     assert check(text), text
     completion = httpx.post(
         f"{live.url}/v1/completions",
-        json={"model": MODEL, "prompt": "Answer: ", "max_tokens": 120, **extra},
+        json={"model": MODEL, "prompt": "Answer: ", "max_tokens": 120, "temperature": 0, **extra},
         timeout=120,
     )
     assert completion.status_code == 200, completion.text

@@ -165,6 +165,9 @@ class ServerConfig:
     """Serve tool_choice auto (the default with tools) by parsing calls with tool_call_parser."""
     reasoning_parser: str | None = None
     """Split a <think> block into reasoning_content: deepseek_r1 or qwen3; null = none."""
+    engine_process: bool = True
+    """Run the engine core in its own process (HTTP, tokenization and text never share its GIL);
+    false = one process. A multi-host deployment always runs it in the server process."""
 
     def __post_init__(self) -> None:
         _check(self.drain_timeout_s >= 0, f"server.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")

@@ -108,22 +108,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
         logging.getLogger().setLevel(config.server.log_level.upper())
 
-        import jax
-
         from myserve.bundled import BUNDLED_MODEL_NAME
+        from myserve.engine.core_client import EngineClient
         from myserve.engine.service import GenerationService
         from myserve.runtime import multihost
         from myserve.runtime.deployment import Deployment
         from myserve.runtime.host_memory import keep_freed_memory
         from myserve.server.app import create_app
 
-        multihost.initialize(config.mesh)  # before anything touches a JAX backend
-        if jax.default_backend() == "cpu":
-            keep_freed_memory()  # the steps' temporaries live in host memory: reuse it
-        dep = Deployment.load(config, prebuild=True)  # step executables build while the weights load
-        if not multihost.is_leader():
-            return _follow(dep)
-        service = GenerationService.from_deployment(dep)
+        service: GenerationService | EngineClient
+        if config.server.engine_process and config.mesh.num_processes == 1:
+            # The core loads the model and owns the device; this process only needs the tokenizer.
+            service = EngineClient(config, lambda: front_tokenizer(config))
+            try:
+                service.wait_loaded()  # the core's verdict on the configuration first
+            except BaseException:
+                service.shutdown()
+                raise
+        else:
+            import jax
+
+            multihost.initialize(config.mesh)  # before anything touches a JAX backend
+            if jax.default_backend() == "cpu":
+                keep_freed_memory()  # the steps' temporaries live in host memory: reuse it
+            dep = Deployment.load(config, prebuild=True)  # step executables build while the weights load
+            if not multihost.is_leader():
+                return _follow(dep)
+            service = GenerationService.from_deployment(dep)
     except MyserveError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -192,7 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             service.start()
         except BaseException as e:
-            logger.exception("warmup failed")
+            if isinstance(service, EngineClient):  # the core process logged its traceback
+                logger.error("warmup failed: %s", e)
+            else:
+                logger.exception("warmup failed")
             service.dead = e  # /health answers 503 until the exit
             fatal(f"warmup failed ({type(e).__name__})")
             return
@@ -201,8 +215,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     threading.Thread(target=warm, name="myserve-warmup", daemon=True).start()
     server.run()
     service.shutdown()  # on a multi-host mesh this also ends the followers' loops
-    _end_distributed()
+    if isinstance(service, GenerationService):  # the front end of a core process has no JAX backend
+        _end_distributed()
     return 1 if failed.is_set() else 0
+
+
+def front_tokenizer(config: Config):  # noqa: ANN201 - a Tokenizer
+    """The tokenizer the front end needs, loaded as the deployment would (no weights, no device)."""
+    from myserve.models.loading import resolve_checkpoint
+    from myserve.tokenizer import Tokenizer
+
+    source = config.model.tokenizer or resolve_checkpoint(config.model.checkpoint).path
+    return Tokenizer.load(source, chat_template=config.model.chat_template)
 
 
 def _follow(dep) -> int:

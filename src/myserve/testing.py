@@ -135,6 +135,24 @@ def start_service(checkpoint: Path | None, *overrides: str, prebuild: bool = Fal
     return service
 
 
+def start_client(checkpoint: Path | None, *overrides: str):
+    """A started ``EngineClient`` (float32, warmed up): the engine core in a child process, as
+    ``python -m myserve.serve`` runs it; arguments as ``start_service``."""
+    from myserve.bundled import bundled_gguf_path
+    from myserve.config import load_config
+    from myserve.engine.core_client import EngineClient
+    from myserve.serve import front_tokenizer
+
+    base = ["model.dtype=float32"]
+    if checkpoint is not None:
+        base += [f"model.checkpoint={checkpoint}", f"model.tokenizer={bundled_gguf_path()}"]
+    config = load_config(None, [*base, *overrides])
+    client = EngineClient(config, lambda: front_tokenizer(config))
+    client.wait_loaded()
+    client.start()
+    return client
+
+
 def collect(stream: Any) -> tuple[list[int], str, str | None]:
     """Drain a single-choice request stream: (token ids, text, finish reason)."""
     tokens: list[int] = []

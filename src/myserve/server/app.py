@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI routes over a GenerationService.
+"""The FastAPI app: OpenAI routes over a GenerationService (or an EngineClient, whose core runs in its own process).
 
 Each route validates (pydantic, the unsupported-field tables, then SamplingParams), renders chat
 templates, tokenizes, checks the context length, submits one engine request per prompt and either
@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from myserve.engine.core_client import EngineClient
 from myserve.engine.grammar import GrammarSpec
 from myserve.engine.outputs import ContextLengthExceeded, EngineDead, Overloaded
 from myserve.engine.params import InvalidParams, SamplingParams
@@ -44,7 +45,7 @@ _OPEN_PATHS = ("/health", "/healthz", "/metrics", "/docs", "/openapi.json", "/re
 
 
 def create_app(
-    service: GenerationService,
+    service: GenerationService | EngineClient,
     *,
     served_model_name: str,
     api_key: str | None = None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from myserve.engine.core_client import EngineClient
 from myserve.engine.service import GenerationService
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -12,7 +13,7 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 class Metrics:
     """Request counters and latency histograms, plus engine gauges refreshed on every scrape."""
 
-    def __init__(self, service: GenerationService):
+    def __init__(self, service: GenerationService | EngineClient):
         self.service = service
         self.registry = CollectorRegistry()
         r = self.registry

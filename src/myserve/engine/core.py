@@ -1,0 +1,499 @@
+"""EngineCore: the engine thread that runs continuous batching over token ids.
+
+``add`` (any thread) validates a request and puts it in the inbox; the engine thread drains the
+inbox and aborts, plans a step with the scheduler, runs it on the runner, then post-processes:
+append sampled tokens, advance grammars, end choices on EOS, stop token ids or length, free
+finished sequences' pages, and hand the iteration's token deltas (``RequestOutput``s without text)
+to its ``sink`` in one call. The core never detokenizes: text, stop strings and streams belong to
+the front half (``engine/output_processor.py``), which runs beside it in ``GenerationService`` or in
+another process (``engine/core_process.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Self, cast
+
+import jax
+
+from myserve.engine.grammar import Grammars
+from myserve.engine.outputs import (
+    EngineDead,
+    EngineStats,
+    Overloaded,
+    RequestOutput,
+    TokenLogprob,
+    Usage,
+)
+from myserve.engine.params import SamplingParams
+from myserve.engine.replica import Replica, engine_buckets, make_executors, make_replica
+from myserve.engine.scheduler import ScheduledBatch
+from myserve.engine.sequence import Sequence as Seq
+from myserve.engine.step_timer import StepTimer
+from myserve.engine.validation import validate_request
+from myserve.runtime.compile_counter import compile_count, compile_counts
+from myserve.runtime.deployment import Deployment
+from myserve.runtime.executor import Executor
+from myserve.runtime.multihost import BroadcastingDevice, stop_followers
+from myserve.runtime.runner import Device, PendingStep, StepResults
+from myserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+Sink = Callable[[list[RequestOutput]], None]
+"""Where an engine iteration's token deltas go (called on the engine thread)."""
+
+
+class _Request:
+    """Engine-thread state of one request: its choices."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.seqs: list[Seq] = []
+        self.unfinished = params.n
+        self.replica: Replica  # set at admission
+
+
+class EngineCore:
+    """Continuous batching over the paged KV cache, driven by one background thread.
+
+    The device work is done by one ``Replica`` per data-parallel row of the mesh (usually one).
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        tokenizer: Tokenizer,
+        *,
+        vocab_size: int,
+        num_pages: int,
+        max_model_len: int,
+        max_waiting: int = 1024,
+        on_shutdown: Callable[[], None] | None = None,
+        async_scheduling: bool = True,
+    ):
+        self.replicas = list(replicas)
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.num_pages = num_pages
+        self.max_waiting = max_waiting
+        self._on_shutdown = on_shutdown
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._pending = 0  # submitted but not yet admitted to the scheduler (bounded by max_waiting)
+        self._pending_lock = threading.Lock()
+        self._requests: dict[str, _Request] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.ready = threading.Event()
+        self.dead: BaseException | None = None
+        self.on_dead: Callable[[BaseException], None] | None = None
+        """Called once, on the engine thread, after the engine died and failed every request; the
+        serve entry point exits on it. Embedded services leave it unset: ``/health`` says 503."""
+        self._steps = 0
+        self._iteration = 0
+        self._inflight: tuple[int, list[tuple[Replica, ScheduledBatch, PendingStep]]] | None = None
+        """The last iteration's dispatched steps, not read yet (overlapped loop)."""
+        self.async_scheduling = async_scheduling
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
+        self.warmup_since: tuple[float, int, int] | None = None
+        """(perf_counter, compiled, loaded) when the deployment began building steps early: the
+        warmup log counts from there."""
+        """Plan and dispatch step N+1 before reading step N (``engine.async_scheduling``)."""
+        self.timer = StepTimer()
+        """Host time of the engine loop by phase, and the gap between steps (metrics)."""
+        self._max_decode_batch = 0
+        self._generated = 0
+        self._prompt_computed = 0
+        self._ids = itertools.count()
+        self.sink: Sink = lambda outputs: None
+        """Receives each iteration's token deltas; set before ``start``."""
+        self._outbox: list[RequestOutput] = []
+
+    @classmethod
+    def from_deployment(cls, dep: Deployment, executors: Sequence[Executor] | None = None) -> Self:
+        """A service (not yet started) for a loaded deployment, sized by its engine config.
+
+        On a multi-host mesh this is the leader's service: every replica's ops are broadcast to
+        the other processes first (which run ``multihost.follow`` on their own executors).
+        """
+        cfg = dep.config.engine
+        buckets = engine_buckets(dep)
+        executors = make_executors(dep) if executors is None else executors
+        leader = jax.process_count() > 1
+        devices: list[Device] = [BroadcastingDevice(e, i) if leader else e for i, e in enumerate(executors)]
+        logger.info(
+            "engine: %d replica(s) of %d pages x %d tokens, max_num_seqs=%d, token buckets %s",
+            len(executors),
+            cfg.num_pages,
+            cfg.page_size,
+            cfg.max_num_seqs,
+            buckets.tokens,
+        )
+        service = cls(
+            [make_replica(dep, device, buckets) for device in devices],
+            dep.tokenizer,
+            vocab_size=dep.spec.vocab_size,
+            num_pages=cfg.num_pages,
+            max_model_len=dep.max_model_len,
+            max_waiting=cfg.max_waiting,
+            on_shutdown=stop_followers if leader else None,
+            async_scheduling=cfg.async_scheduling,
+        )
+        service.warmup_since = dep.prebuild_started
+        return service
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self, *, warmup: bool = True, progress: Callable[[int, int], None] | None = None) -> None:
+        """Start the engine thread; with ``warmup`` compile every bucket first (``ready`` is set after).
+
+        ``progress(done, total)`` is called per compiled shape; by default a tqdm bar shows it.
+        """
+        runners = [r.runner for r in self.replicas if not r.runner.warmed_up]
+        if warmup and runners:
+            t0 = time.perf_counter()
+            per_runner = len(runners[0].buckets.shapes())
+            total = per_runner * len(runners)
+            bar = None
+            if progress is None:
+                from tqdm import tqdm
+
+                bar = tqdm(total=total, desc="warmup (compiling step shapes)", unit="shape")
+            # Counted from when the deployment started building steps early, if it did.
+            t0, *before = self.warmup_since or (t0, *compile_counts())
+            compiled, loaded = before
+            for k, runner in enumerate(runners):
+
+                def report(done: int, _: int, k: int = k) -> None:
+                    if bar is not None:
+                        bar.update(k * per_runner + done - bar.n)
+                    elif progress is not None:
+                        progress(k * per_runner + done, total)
+
+                runner.warmup(report)
+            if bar is not None:
+                bar.close()
+            compiled, loaded = (now - before for now, before in zip(compile_counts(), (compiled, loaded), strict=True))
+            logger.info(
+                "warmup: %d executables (%d compiled, %d loaded from the compilation cache) in %.1fs",
+                compiled + loaded,
+                compiled,
+                loaded,
+                time.perf_counter() - t0,
+            )
+        self._thread = threading.Thread(target=self._loop, name="myserve-engine", daemon=True)
+        self._thread.start()
+        self.ready.set()
+
+    def shutdown(self) -> None:
+        """Stop the engine thread (in-flight requests are aborted)."""
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if self._on_shutdown is not None and not (self._thread is not None and self._thread.is_alive()):
+            self._on_shutdown()
+            self._on_shutdown = None
+
+    # -- front (any thread) -------------------------------------------------------------------
+    def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Queue a request, its token deltas to come through ``sink``. Raises on invalid or excess
+        requests (``InvalidParams``, ``ContextLengthExceeded``, ``Overloaded``, ``EngineDead``)."""
+        if self.dead is not None:
+            raise EngineDead(f"engine stopped: {self.dead}")
+        prompt = [int(t) for t in prompt_ids]
+        validate_request(
+            prompt, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len, grammars=self.grammars
+        )
+        with self._pending_lock:
+            if self._pending + self._num_waiting() >= self.max_waiting:
+                raise Overloaded(f"the waiting queue is full ({self.max_waiting} requests)")
+            self._pending += 1
+        self._inbox.put(("submit", _Request(request_id, prompt, params)))
+        if self.dead is not None:  # died between the check above and the put: nobody will drain it
+            raise EngineDead(f"engine stopped: {self.dead}")
+
+    def abort(self, request_id: str, choice: int | None = None) -> None:
+        """Abort a request, or one of its choices: freed at the start of the next engine step."""
+        self._inbox.put(("abort", (request_id, choice)))
+
+    def grammars(self) -> Grammars:
+        """The engine's grammar compiler, built on first use (its tokenizer table takes ~0.25 s)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer.hf, self.vocab_size, self.tokenizer.eos_token_ids)
+            return self._grammars
+
+    def _num_waiting(self) -> int:
+        return sum(len(r.scheduler.waiting) for r in self.replicas)
+
+    def stats(self) -> EngineStats:
+        """Counters for metrics, summed over replicas (read without locking: each is a single int read)."""
+        allocators = [r.allocator for r in self.replicas]
+        queries = sum(a.prefix_queries for a in allocators)
+        hits = sum(a.prefix_hits for a in allocators)
+        return EngineStats(
+            waiting=self._num_waiting() + self._pending,
+            running=sum(len(r.scheduler.running) for r in self.replicas),
+            pages_used=sum(a.num_used for a in allocators),
+            pages_free=sum(a.num_free for a in allocators),
+            pages_total=self.num_pages * len(self.replicas),
+            prefix_cache_hit_rate=hits / queries if queries else 0.0,
+            prefix_cache_hit_tokens=hits,
+            prompt_tokens_computed=self._prompt_computed,
+            compile_count=compile_count(),
+            cache_load_count=compile_counts()[1],
+            num_preemptions=sum(r.scheduler.num_preemptions for r in self.replicas),
+            steps=self._steps,
+            max_decode_batch=self._max_decode_batch,
+            generated_tokens=self._generated,
+            host_seconds=dict(self.timer.seconds),
+            step_gap_seconds=self.timer.mean_gap,
+        )
+
+    # -- engine thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox(block=not self._has_work())
+                self._flush()
+                if self._stop.is_set():
+                    break
+                if self._has_work():
+                    self._step()
+                    self._flush()
+                    continue
+                self.timer.idle()  # the next step follows a wait for requests, not a step
+        except BaseException as e:  # the engine must never die silently: fail every request
+            logger.exception("engine thread crashed")
+            self.dead = e
+            message = f"engine error: {type(e).__name__}: {e}"
+            for req in list(self._requests.values()):
+                self._fail(req, message)
+            # Requests still in the inbox were never admitted: fail them too, or their streams hang.
+            while True:
+                try:
+                    kind, payload = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "submit":
+                    self._fail(payload, message)  # type: ignore[arg-type]
+            self._flush()
+            if self.on_dead is not None:
+                self.on_dead(e)
+            return
+        for req in list(self._requests.values()):
+            self._finish_request(req, "abort")
+        self._flush()
+
+    def _emit(self, output: RequestOutput) -> None:
+        self._outbox.append(output)
+
+    def _flush(self) -> None:
+        """Hand the deltas gathered since the last flush to the sink, in one call."""
+        if self._outbox:
+            outputs, self._outbox = self._outbox, []
+            self.sink(outputs)
+
+    def _has_work(self) -> bool:
+        return self._inflight is not None or any(r.scheduler.has_work() for r in self.replicas)
+
+    def _drain_inbox(self, *, block: bool) -> None:
+        try:
+            item = self._inbox.get(block=block)
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            if kind == "submit":
+                self._admit(payload)  # type: ignore[arg-type]
+            elif kind == "abort":
+                request_id, choice = cast(tuple[str, int | None], payload)
+                req = self._requests.get(request_id)
+                if req is not None:
+                    self._finish_request(req, "abort", choice)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _admit(self, req: _Request) -> None:
+        with self._pending_lock:
+            self._pending -= 1
+        max_len = min(self.max_model_len, len(req.prompt_ids) + (req.params.max_tokens or self.max_model_len))
+        self._requests[req.request_id] = req
+        # All choices of a request on one replica: they share its prompt pages.
+        req.replica = min(self.replicas, key=lambda r: r.load)
+        for choice in range(req.params.n):
+            parent = req.seqs[0] if req.seqs else None
+            seq = Seq(req.request_id, choice, req.prompt_ids, req.params, max_len, parent=parent)
+            req.seqs.append(seq)
+            if req.params.grammar is not None:
+                matcher = self.grammars().matcher(req.params.grammar)
+                if req.params.grammar_after:
+                    seq.pending_matcher = matcher
+                else:
+                    seq.matcher = matcher
+            req.replica.scheduler.add(seq)
+
+    def _step(self) -> None:
+        """One loop iteration: schedule and dispatch every replica's next step, then read the steps
+        dispatched by the iteration before (overlapped: the host plans step N+1 and handles step
+        N's tokens while the device runs N+1) or, without ``async_scheduling``, this one's."""
+        timer = self.timer
+        if self._inflight is not None and self._constrained_running():
+            # A constrained row's mask depends on its token in flight: read it before planning.
+            waiting_for, self._inflight = self._inflight, None
+            self._read(*waiting_for)
+        self._iteration += 1
+        t = timer.now()
+        timer.plan_started(self._iteration, t)
+        dispatched: list[tuple[Replica, ScheduledBatch, PendingStep]] = []
+        for rep in self.replicas:
+            if not rep.scheduler.has_work():
+                continue
+            batch = rep.scheduler.schedule()
+            if batch.empty:
+                continue  # e.g. every running sequence waits for its token in flight
+            planned = rep.runner.plan(batch)
+            t = timer.lap("plan", t)
+            timer.dispatching(self._iteration, t)
+            dispatched.append((rep, batch, rep.runner.dispatch(planned)))
+            # Counted as computed now, its samples in flight: the next step is planned on that.
+            rep.scheduler.after_step(batch)
+            t = timer.lap("dispatch", t)
+            self._steps += 1
+            self._max_decode_batch = max(self._max_decode_batch, len(batch.decodes))
+            self._prompt_computed += sum(c.num_tokens for c in batch.prefills)
+        previous = self._inflight
+        if self.async_scheduling:
+            self._inflight = (self._iteration, dispatched) if dispatched else None
+        else:
+            previous, self._inflight = ((self._iteration, dispatched) if dispatched else None), None
+        if previous is None:
+            if not dispatched:
+                timer.idle()  # nothing ran (every waiting sequence is blocked): no gap to count
+            return
+        self._read(*previous)
+
+    def _read(self, iteration: int, steps: list[tuple[Replica, ScheduledBatch, PendingStep]]) -> None:
+        """Wait for a dispatched iteration's steps and post-process their tokens."""
+        timer = self.timer
+        for _, _, pending in steps:
+            t = timer.now()
+            timer.timeline.append((iteration, "wait", t))
+            results = pending.runner.collect(pending)
+            t = timer.lap("read", t)
+            timer.read_done(iteration, t)
+            self._postprocess(results)
+            timer.lap("postprocess", t)
+
+    def _constrained_running(self) -> bool:
+        return any(seq.constrained for rep in self.replicas for seq in rep.scheduler.running)
+
+    def _postprocess(self, results: StepResults) -> None:
+        """Append a read step's tokens: advance grammars, deliver, finish sequences."""
+        for seq, start, lps, ids, tlps in results.prompt_scores:
+            self._record_prompt_scores(seq, start, lps, ids, tlps)
+        for seq, samples in results.sampled.items():
+            seq.num_inflight -= len(samples)
+            req = self._requests.get(seq.request_id)
+            if req is None or seq.finish_reason is not None:
+                continue  # finished or aborted while its token was in flight: the token is dropped
+            if seq.params.max_tokens == 0:  # only the prompt was wanted (scored): done without a token
+                self._emit(self._prompt_output(req, seq, finish="length"))
+                self._finish_seq(req, seq, "length")
+                continue
+            for token, logprob, top_ids, top_lps in samples:
+                self._append(req, seq, token, logprob, top_ids, top_lps)
+
+    def _record_prompt_scores(self, seq: Seq, start: int, lps, ids, tlps) -> None:
+        """Keep the logprob of each prompt token (after the first) computed by a scored chunk."""
+        if seq.prompt_scores is None:
+            seq.prompt_scores = {}
+        k = seq.params.prompt_logprobs or 0
+        last = len(seq.prompt_ids) - 1  # position whose next token is still a prompt token, at most
+        for j in range(len(lps)):
+            pos = start + j
+            if pos >= last:
+                break
+            top = tuple((int(i), float(v)) for i, v in zip(ids[j][:k], tlps[j][:k], strict=True))
+            seq.prompt_scores[pos + 1] = TokenLogprob(seq.prompt_ids[pos + 1], float(lps[j]), top)
+
+    def _prompt_output(self, req: _Request, seq: Seq, finish: str | None = None) -> RequestOutput:
+        """The delta carrying the prompt's logprobs (first prompt token: None)."""
+        scores = seq.prompt_scores or {}
+        entries = (None, *(scores.get(i) for i in range(1, len(seq.prompt_ids))))
+        return RequestOutput(req.request_id, seq.choice, prompt_logprobs=entries, finish_reason=finish)
+
+    def _append(self, req: _Request, seq: Seq, token: int, logprob: float, top_ids, top_lps) -> None:
+        params = seq.params
+        if params.prompt_logprobs is not None and not seq.output_ids:
+            self._emit(self._prompt_output(req, seq))
+        seq.output_ids.append(token)
+        self._generated += 1
+        if not seq.advance_grammar(token):  # the mask allowed only valid tokens
+            error = seq.matcher.error if seq.matcher is not None else ""
+            logger.error("request %s: token %d broke its grammar: %s", req.request_id, token, error)
+        logprobs = None
+        if params.logprobs is not None:
+            k = params.logprobs
+            top = tuple((int(i), float(v)) for i, v in zip(top_ids[:k], top_lps[:k], strict=True))
+            logprobs = (TokenLogprob(token, logprob, top),)
+        # "stop" only for EOS and stop token ids (never text); stop strings are the front's.
+        finish: str | None = None
+        stop_reason: int | None = None
+        if token in params.stop_token_ids:
+            finish, stop_reason = "stop", token
+        elif not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+            finish = "stop"
+        elif len(seq.output_ids) >= (params.max_tokens or 1 << 30) or seq.num_known >= seq.max_len:
+            finish = "length"
+        self._emit(RequestOutput(req.request_id, seq.choice, (token,), "", logprobs, finish, stop_reason))
+        if finish is not None:
+            self._finish_seq(req, seq, finish)
+
+    def _finish_seq(self, req: _Request, seq: Seq, reason: str) -> None:
+        seq.finish_reason = reason
+        req.replica.scheduler.finish(seq)
+        req.unfinished -= 1
+        if req.unfinished == 0:
+            self._close(req)
+
+    def _close(self, req: _Request, error: str | None = None) -> None:
+        self._requests.pop(req.request_id, None)
+        usage = Usage(
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=sum(len(s.output_ids) for s in req.seqs),
+            cached_tokens=max((s.num_prefix_hit_tokens for s in req.seqs), default=0),
+        )
+        self._emit(RequestOutput(req.request_id, -1, usage=usage, error=error))
+
+    def _finish_request(self, req: _Request, reason: str, choice: int | None = None) -> None:
+        """Abort every unfinished choice of ``req`` (or just ``choice``; pages freed now); the
+        request is closed once none is left."""
+        for seq in req.seqs:
+            if seq.finish_reason is None and choice in (None, seq.choice):
+                self._emit(RequestOutput(req.request_id, seq.choice, finish_reason=reason))
+                self._finish_seq(req, seq, reason)
+
+    def _fail(self, req: _Request, message: str) -> None:
+        """End a request with an engine error; its sequences' resources go back like any other's."""
+        for seq in req.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = "error"
+                try:
+                    req.replica.scheduler.finish(seq)
+                except Exception:  # the bookkeeping may be what broke: the client hears of it anyway
+                    logger.debug("could not release %r after the engine error", seq, exc_info=True)
+                self._emit(RequestOutput(req.request_id, seq.choice, finish_reason="error", error=message))
+        self._close(req, error=message)

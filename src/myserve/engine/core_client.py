@@ -1,0 +1,263 @@
+"""EngineClient: the HTTP front end's handle on an engine core running in its own process.
+
+It has the face of ``GenerationService`` that the app, the metrics and ``serve`` use (``submit``,
+``abort``, ``stats``, ``ready``, ``dead``, ``on_dead``, ``start``, ``shutdown``, ``tokenizer``,
+``max_model_len``, ``vocab_size``), and keeps the front half of generation in this process:
+requests are validated here (token ranges, context length, grammars: compiled here to be checked,
+and again in the core, which holds the matchers), and the core's token deltas become text in an
+``OutputProcessor`` on a receiver thread, which also watches the core: if its process dies, every
+open request ends with an engine error, ``dead`` is set and ``on_dead`` runs, within a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import zmq
+
+from myserve.engine import core_messages as msg
+from myserve.engine.grammar import Grammars
+from myserve.engine.output_processor import OutputProcessor
+from myserve.engine.outputs import EngineDead, EngineStats, Overloaded, RequestOutput, Usage
+from myserve.engine.params import SamplingParams
+from myserve.engine.stream import RequestStream
+from myserve.engine.validation import validate_request
+from myserve.errors import ConfigError
+from myserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from myserve.config import Config
+
+logger = logging.getLogger(__name__)
+
+_WATCH_S = 0.2
+"""How often the receiver checks that the core process is alive while no message comes."""
+
+
+class EngineClient:
+    """A ``GenerationService`` look-alike whose engine core runs in a child process."""
+
+    def __init__(self, config: Config, load_tokenizer: Callable[[], Tokenizer]):
+        """Start the core process; ``load_tokenizer`` runs on a thread meanwhile (``wait_loaded``
+        joins both)."""
+        self.config = config
+        self.ready = threading.Event()
+        self.dead: BaseException | None = None
+        self.on_dead: Callable[[BaseException], None] | None = None
+        """Called once (receiver thread) after the core died and every open request was failed."""
+        self.vocab_size = 0
+        self.max_model_len = 0
+        self.max_waiting = config.engine.max_waiting
+        self._stats: EngineStats | None = None
+        self._added_since_stats = 0
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._dir = tempfile.mkdtemp(prefix="myserve-")
+        self._to_core = f"ipc://{self._dir}/to-core"
+        self._from_core = f"ipc://{self._dir}/from-core"
+        self._context = zmq.Context()
+        self._context.setsockopt(zmq.LINGER, 0)  # nothing to deliver to a core that has gone
+        # No send limit: a send never waits on a live core. A send with no core connected (it died,
+        # or has not connected yet) fails at once instead of blocking (_send).
+        self._context.setsockopt(zmq.SNDHWM, 0)
+        self._out = self._context.socket(zmq.PUSH)
+        self._out.bind(self._to_core)
+        self._in = self._context.socket(zmq.PULL)
+        self._in.bind(self._from_core)
+        self._open: dict[str, RequestStream] = {}
+        self._open_lock = threading.Lock()
+        self._stopping = False
+        self._loaded = threading.Event()
+        self._started = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._tokenizer: Tokenizer | None = None
+        self._tokenizer_error: BaseException | None = None
+
+        def load() -> None:
+            try:
+                self._tokenizer = load_tokenizer()
+            except BaseException as e:  # reported by wait_loaded, after the core's own verdict
+                self._tokenizer_error = e
+
+        self._tokenizer_thread = threading.Thread(target=load, name="tokenizer", daemon=True)
+        self._tokenizer_thread.start()
+        from myserve.engine.core_process import run_core
+
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_core, args=(config, self._to_core, self._from_core), name="myserve-core", daemon=True
+        )
+        self.process.start()
+        self._receiver = threading.Thread(target=self._receive, name="myserve-core-client", daemon=True)
+        self._receiver.start()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def wait_loaded(self) -> None:
+        """Wait until the core has loaded the deployment (warmup goes on) and the tokenizer is here.
+        Raises the core's ``ConfigError`` for a configuration it cannot load, ``RuntimeError`` if it
+        failed otherwise."""
+        self._loaded.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+        self._tokenizer_thread.join()
+        if self._tokenizer_error is not None:
+            raise self._tokenizer_error
+        self.processor = OutputProcessor(self.tokenizer, abort_choice=self.abort)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (this process's copy)."""
+        assert self._tokenizer is not None, "wait_loaded() first"
+        return self._tokenizer
+
+    def start(self, **_: object) -> None:
+        """Wait until the core is warmed up (``ready``); raises if it failed to start."""
+        self._started.wait()
+        if self.dead is not None:
+            raise self.dead
+
+    def shutdown(self) -> None:
+        """Stop the core (in-flight requests are aborted) and wait for its exit."""
+        self._stopping = True
+        if self.process.is_alive():
+            try:
+                self._send(msg.Shutdown())
+            except EngineDead:
+                pass
+            self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+        self._receiver.join(timeout=5)
+        self._out.close(linger=0)
+        self._in.close(linger=0)
+        self._context.term()
+        self.close_sockets_dir()
+
+    # -- front (any thread) -------------------------------------------------------------------
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        """Queue a request; returns the stream of its deltas. Raises on invalid or excess requests."""
+        if self.dead is not None:
+            raise EngineDead(f"engine stopped: {self.dead}")
+        prompt = [int(t) for t in prompt_ids]
+        validate_request(
+            prompt, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len, grammars=self.grammars
+        )
+        waiting = self._stats.waiting if self._stats is not None else 0
+        if waiting + self._added_since_stats >= self.max_waiting:
+            raise Overloaded(f"the waiting queue is full ({self.max_waiting} requests)")
+        request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        stream = RequestStream(request_id, on_close=self.abort)
+        self.processor.track(request_id, prompt, params, stream)
+        with self._open_lock:
+            self._open[request_id] = stream
+        self._added_since_stats += 1
+        self._send(msg.AddRequest(request_id, prompt, params))
+        return stream
+
+    def abort(self, request_id: str, choice: int | None = None) -> None:
+        """Abort a request (or one choice) in the core."""
+        if self.dead is None and not self._stopping:
+            try:
+                self._send(msg.AbortRequest(request_id, choice))
+            except EngineDead:
+                pass  # the core is gone, and the request with it
+
+    def grammars(self) -> Grammars:
+        """This process's grammar compiler (validation only; the core compiles its own matchers)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer.hf, self.vocab_size, self.tokenizer.eos_token_ids)
+            return self._grammars
+
+    def stats(self) -> EngineStats:
+        """The core's counters as of its last report (at most ``STATS_INTERVAL_S`` old)."""
+        if self._stats is None:
+            return EngineStats(0, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, {}, 0.0)
+        return self._stats
+
+    def _send(self, message: msg.ToCore) -> None:
+        data = msg.encoder.encode(message)
+        try:
+            with self._send_lock:
+                self._out.send(data, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise EngineDead("the engine core is not connected") from None
+
+    # -- receiver thread ----------------------------------------------------------------------
+    def _receive(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._in, zmq.POLLIN)
+        while True:
+            if not poller.poll(timeout=int(_WATCH_S * 1000)):
+                if not self.process.is_alive() and not poller.poll(timeout=0):  # (its last words read)
+                    if not self._stopping:
+                        self._died(f"the engine core process exited (code {self.process.exitcode})")
+                    return
+                continue
+            message = msg.from_core.decode(self._in.recv())
+            if isinstance(message, msg.Outputs):
+                if message.stats is not None:  # first: whoever reads a delivered final sees them
+                    self._stats, self._added_since_stats = message.stats, 0
+                self._deliver(message.outputs)
+            elif isinstance(message, msg.Heartbeat):
+                self._stats, self._added_since_stats = message.stats, 0
+            elif isinstance(message, msg.Loaded):
+                self.vocab_size, self.max_model_len = message.vocab_size, message.max_model_len
+                self.max_waiting = message.max_waiting
+                self._loaded.set()
+            elif isinstance(message, msg.Ready):
+                self.ready.set()
+                self._started.set()
+            else:
+                if message.config_error:
+                    self._startup_error = ConfigError(message.message)
+                self._died(message.message)
+                return
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        self.processor.process(outputs)
+        finals = [o.request_id for o in outputs if o.final]
+        if finals:
+            with self._open_lock:
+                for request_id in finals:
+                    self._open.pop(request_id, None)
+
+    def _died(self, message: str) -> None:
+        """The core is gone: fail every open request, then tell the server."""
+        if not self._loaded.is_set() and self._startup_error is None:
+            self._startup_error = RuntimeError(f"the engine core failed to load: {message}")
+        if self._startup_error is None or not isinstance(self._startup_error, ConfigError):
+            logger.error("%s", message)
+        self.dead = EngineDead(message)
+        with self._open_lock:
+            open_ids, self._open = list(self._open), {}
+        error = f"engine error: {message}"
+        self._loaded.set()
+        self._started.set()
+        if open_ids:  # (none before loading: nothing can be submitted until then)
+            self.processor.process(RequestOutput(rid, -1, usage=Usage(0, 0), error=error) for rid in open_ids)
+        self._tell_server()
+
+    def _tell_server(self) -> None:
+        if self.on_dead is not None and self.ready.is_set():
+            assert self.dead is not None
+            self.on_dead(self.dead)
+
+    def close_sockets_dir(self) -> None:
+        """Remove the ipc socket files."""
+        for name in ("to-core", "from-core"):
+            try:
+                os.unlink(os.path.join(self._dir, name))
+            except OSError:
+                pass
+        try:
+            os.rmdir(self._dir)
+        except OSError:
+            pass

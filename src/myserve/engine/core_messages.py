@@ -1,0 +1,76 @@
+"""The messages between the HTTP front end and the engine core process, and their codec.
+
+Transport: two ZeroMQ PUSH/PULL pairs over ``ipc://`` sockets, one each way (the front end binds
+both, the core connects). Serializer: msgspec's MessagePack with typed decoding: the engine's own
+dataclasses (``SamplingParams`` with its ``GrammarSpec``, ``RequestOutput`` with its logprobs,
+``EngineStats``) travel as they are, checked on decode, without pickle (nothing the receiver did not
+declare can be built from a message). Measured per message on this machine: see
+docs/design/inference.md, "The engine core process".
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from myserve.engine.outputs import EngineStats, RequestOutput
+from myserve.engine.params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    """Front -> core: queue a validated request."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
+    """Front -> core: abort a request (``choice`` None) or one of its choices (a stop string matched)."""
+
+    request_id: str
+    choice: int | None = None
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    """Front -> core: stop (in-flight requests are aborted) and exit 0."""
+
+
+class Loaded(msgspec.Struct, tag="loaded", array_like=True):
+    """Core -> front: the deployment loaded (warmup follows); what the front end needs of it."""
+
+    vocab_size: int
+    max_model_len: int
+    max_waiting: int
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    """Core -> front: warmed up, serving."""
+
+
+class Outputs(msgspec.Struct, tag="outputs", array_like=True):
+    """Core -> front: one engine iteration's token deltas, and the counters when they are due."""
+
+    outputs: list[RequestOutput]
+    stats: EngineStats | None = None
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True):
+    """Core -> front: alive while idle, with its counters."""
+
+    stats: EngineStats
+
+
+class Died(msgspec.Struct, tag="died", array_like=True):
+    """Core -> front: the engine stopped on an error (every request was failed first)."""
+
+    message: str
+    config_error: bool = False
+    """The deployment could not load because of its configuration: a one-line error, exit 2."""
+
+
+ToCore = AddRequest | AbortRequest | Shutdown
+FromCore = Loaded | Ready | Outputs | Heartbeat | Died
+
+encoder = msgspec.msgpack.Encoder()
+to_core = msgspec.msgpack.Decoder(ToCore)
+from_core = msgspec.msgpack.Decoder(FromCore)

@@ -1,0 +1,174 @@
+"""The engine core's own process: the deployment, the scheduler loop and the device, fed over ZeroMQ.
+
+``run_core`` is the process's entry point (started by ``EngineClient`` with the spawn method). It
+loads the deployment, warms up, says ``Ready``, then serves the front end's messages on its main
+thread while the ``EngineCore`` thread runs the steps and sends each iteration's token deltas back.
+
+Failure rules:
+- the engine thread dies: every request gets its error (``Outputs``), then ``Died``; the process
+  exits 1;
+- the front end goes away (its process dies; we are re-parented): the process exits at once, so
+  no orphan holds the device. Linux also sends us SIGKILL when the parent dies (``PR_SET_PDEATHSIG``);
+- ``Shutdown``: the core aborts what runs and exits 0.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import zmq
+
+from myserve.engine import core_messages as msg
+from myserve.errors import MyserveError
+
+if TYPE_CHECKING:
+    from myserve.config import Config
+    from myserve.engine.core import EngineCore
+
+logger = logging.getLogger("myserve.core")
+
+STATS_INTERVAL_S = 0.25
+"""Counters ride on outputs at most this often, and on a heartbeat when the core is idle."""
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent dies (no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+CORE_HOOK_ENV = "MYSERVE_CORE_HOOK"
+"""Test-only: ``module:function`` called in the core process before it loads anything (the
+supervision tests patch the runner with it to inject device faults)."""
+
+
+def run_core(config: Config, to_core: str, from_core: str) -> None:
+    """The core process: load, warm up, serve until ``Shutdown`` or the front end's death."""
+    parent = os.getppid()
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop (Ctrl-C hits both)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(to_core)
+    outbox = context.socket(zmq.PUSH)
+    outbox.connect(from_core)
+    send_lock = threading.Lock()
+
+    def send(message: msg.FromCore) -> None:
+        data = msg.encoder.encode(message)
+        with send_lock:
+            outbox.send(data, copy=False)
+
+    hook = os.environ.get(CORE_HOOK_ENV)
+    if hook:
+        module, _, function = hook.partition(":")
+        getattr(importlib.import_module(module), function)()
+    try:
+        core = _load(config)
+    except MyserveError as e:  # a configuration the deployment cannot load: one line, exit 2
+        send(msg.Died(str(e), config_error=True))
+        _linger(inbox, outbox)
+        os._exit(2)
+    except BaseException as e:
+        logger.exception("the engine core failed to load")
+        send(msg.Died(f"engine failed to load: {type(e).__name__}: {e}"))
+        _linger(inbox, outbox)
+        os._exit(1)
+    send(msg.Loaded(core.vocab_size, core.max_model_len, core.max_waiting))
+    last_stats = 0.0
+
+    def sink(outputs: list) -> None:
+        nonlocal last_stats
+        now = time.monotonic()
+        stats = None
+        # Due, or a request finished: its caller may read the counters next (tests, metrics).
+        if now - last_stats >= STATS_INTERVAL_S or any(o.final for o in outputs):
+            stats, last_stats = core.stats(), now
+        send(msg.Outputs(outputs, stats))
+
+    died = threading.Event()
+
+    def on_dead(e: BaseException) -> None:
+        send(msg.Died(f"engine error: {type(e).__name__}: {e}"))
+        died.set()
+
+    core.sink = sink
+    core.on_dead = on_dead
+    try:
+        core.start()
+    except BaseException as e:
+        logger.exception("warmup failed")
+        send(msg.Died(f"warmup failed: {type(e).__name__}: {e}"))
+        _linger(inbox, outbox)
+        os._exit(1)
+    send(msg.Ready())
+    logger.info("engine core ready (pid %d)", os.getpid())
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    code = 0
+    while True:
+        if died.is_set():
+            code = 1
+            break
+        if os.getppid() != parent:  # the front end died (the death signal covers Linux already)
+            logger.error("the front end went away: the engine core exits")
+            os._exit(1)
+        if not poller.poll(timeout=int(STATS_INTERVAL_S * 1000)):
+            if time.monotonic() - last_stats >= STATS_INTERVAL_S:
+                last_stats = time.monotonic()
+                send(msg.Heartbeat(core.stats()))
+            continue
+        message = msg.to_core.decode(inbox.recv())
+        if isinstance(message, msg.AddRequest):
+            try:
+                core.add(message.request_id, message.prompt_ids, message.params)
+            except Exception as e:  # validated by the front end already: a race with the core's death
+                send(msg.Outputs([_failed(message.request_id, e)]))
+        elif isinstance(message, msg.AbortRequest):
+            core.abort(message.request_id, message.choice)
+        else:
+            break
+    core.shutdown()
+    _linger(inbox, outbox)
+    os._exit(code)
+
+
+def _failed(request_id: str, error: Exception):  # noqa: ANN202 - a RequestOutput
+    from myserve.engine.outputs import RequestOutput, Usage
+
+    return RequestOutput(request_id, -1, usage=Usage(0, 0), error=f"{type(error).__name__}: {error}")
+
+
+def _linger(inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+    """Let queued messages leave before the process exits (bounded): closing the outbox with a
+    linger and terminating the context waits for them (every socket must be closed for that)."""
+    inbox.close(linger=0)
+    outbox.close(linger=2000)
+    outbox.context.term()
+
+
+def _load(config: Config) -> EngineCore:
+    import jax
+
+    from myserve.engine.core import EngineCore
+    from myserve.runtime import multihost
+    from myserve.runtime.deployment import Deployment
+    from myserve.runtime.host_memory import keep_freed_memory
+
+    multihost.initialize(config.mesh)
+    if jax.default_backend() == "cpu":
+        keep_freed_memory()  # the steps' temporaries live in host memory: reuse it
+    dep = Deployment.load(config, prebuild=True)
+    return EngineCore.from_deployment(dep)

@@ -1,0 +1,103 @@
+"""The front half of generation: the engine core's token deltas made into text deltas.
+
+The core (``engine/core.py``) samples tokens and ends a choice on EOS, a stop token id or its
+length; it never detokenizes. This processor owns each choice's incremental detokenizer and stop
+strings: it turns each token delta into the text it completes, ends a choice whose stop string
+matched (and tells the core to abort just that choice: n > 1 siblings go on), drops the tokens the
+core sampled for a choice it had already ended, and counts each choice's tokens up to its end, so
+that usage ends at a stop string. It runs wherever the request streams live: on the engine thread
+of an in-process ``GenerationService``, or in the HTTP front end's process when the core runs in
+its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterable
+
+from myserve.engine.detokenizer import IncrementalDetokenizer
+from myserve.engine.outputs import RequestOutput
+from myserve.engine.params import SamplingParams
+from myserve.engine.stop import StopChecker
+from myserve.engine.stream import RequestStream
+from myserve.tokenizer import Tokenizer
+
+
+class _Choice:
+    """One choice's text state."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens)
+        self.stops = StopChecker(params.stop)
+        self.tokens = 0
+        """Tokens delivered, up to the one that ended the choice."""
+        self.done = False
+
+
+class _Tracked:
+    """One request's streams and choices."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, stream: RequestStream):
+        self.prompt_ids, self.params, self.stream = prompt_ids, params, stream
+        self.choices: dict[int, _Choice] = {}
+
+
+class OutputProcessor:
+    """Token deltas of many requests -> their streams' text deltas (thread-safe ``track``)."""
+
+    def __init__(self, tokenizer: Tokenizer, abort_choice: Callable[[str, int], None]):
+        """``abort_choice(request_id, choice)`` tells the core a choice ended on a stop string."""
+        self.tokenizer = tokenizer
+        self._abort_choice = abort_choice
+        self._requests: dict[str, _Tracked] = {}
+        self._lock = threading.Lock()  # track() runs on the submitting thread, process() on another
+
+    def track(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream: RequestStream) -> None:
+        """Register a request before the core can answer it."""
+        with self._lock:
+            self._requests[request_id] = _Tracked(prompt_ids, params, stream)
+
+    def forget(self, request_id: str) -> _Tracked | None:
+        """Stop tracking a request (never submitted after all); its state."""
+        with self._lock:
+            return self._requests.pop(request_id, None)
+
+    def process(self, outputs: Iterable[RequestOutput]) -> None:
+        """Deliver the core's outputs to their streams, as text."""
+        for out in outputs:
+            with self._lock:
+                req = self._requests.get(out.request_id)
+            if req is not None:
+                self._one(req, out)
+
+    def _one(self, req: _Tracked, out: RequestOutput) -> None:
+        if out.final:
+            with self._lock:
+                self._requests.pop(out.request_id, None)
+            usage = out.usage
+            if usage is not None:  # completion tokens as delivered: a stop string ends the count
+                usage = dataclasses.replace(usage, completion_tokens=sum(c.tokens for c in req.choices.values()))
+            req.stream.put(dataclasses.replace(out, usage=usage))
+            return
+        choice = req.choices.get(out.choice)
+        if choice is None:
+            choice = req.choices[out.choice] = _Choice(self.tokenizer, req.prompt_ids, req.params)
+        if choice.done:
+            return  # sampled before the core heard that the choice had ended here
+        choice.tokens += len(out.token_ids)
+        finish, stop_reason = out.finish_reason, out.stop_reason
+        text = ""
+        if out.token_ids and finish != "stop":  # the core ends on EOS or a stop id: neither is text
+            text, stopped = choice.stops.feed(choice.detok.add(list(out.token_ids)))
+            if stopped:
+                finish, stop_reason = "stop", choice.stops.matched
+                if out.finish_reason is None:
+                    self._abort_choice(out.request_id, out.choice)
+        if finish is not None:
+            choice.done = True
+            if not choice.stops.stopped and finish in ("stop", "length"):
+                # Ending for another reason than a stop string: release held-back text.
+                tail, _ = choice.stops.feed(choice.detok.finish())
+                text += tail + choice.stops.flush()
+        req.stream.put(dataclasses.replace(out, text=text, finish_reason=finish, stop_reason=stop_reason))
