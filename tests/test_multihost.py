@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -116,6 +117,25 @@ def test_two_processes_serve_chat_like_one_and_stop_together(chat_checkpoint: Pa
         with concurrent.futures.ThreadPoolExecutor(len(QUESTIONS)) as pool:  # concurrent: batched steps
             got = list(pool.map(lambda q: chat(cluster.url, q), QUESTIONS))
         assert got == expected
+        # Grammar masks travel with the steps to the follower (only the constrained rows' masks).
+        constrained = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "A code?"}],
+            "max_tokens": 20,
+            "temperature": 1.0,
+            "seed": 7,
+            "structured_outputs": {"regex": "[A-Z]{3}-[0-9]{4}"},
+        }
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:  # with free requests in the same steps
+            replies = list(
+                pool.map(
+                    lambda body: httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=120).json(),
+                    [constrained, {**constrained, "seed": 8}, {**constrained, "structured_outputs": None}],
+                )
+            )
+        for reply in replies[:2]:
+            text = reply["choices"][0]["message"]["content"]
+            assert re.fullmatch("[A-Z]{3}-[0-9]{4}", text) and reply["choices"][0]["finish_reason"] == "stop", reply
         assert "following process 0's steps" in "".join(cluster.logs[1])
         metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
         steps = next(line for line in metrics.splitlines() if line.startswith("myserve_engine_steps "))

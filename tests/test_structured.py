@@ -6,7 +6,6 @@ marker keep each sequence's grammar; a bad constraint is refused."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import re
@@ -21,7 +20,7 @@ from myserve.engine.grammar import GrammarSpec
 from myserve.engine.params import InvalidParams, SamplingParams
 from myserve.runtime.compile_counter import compile_count
 from myserve.server.app import create_app
-from myserve.testing import NESTED_SCHEMA, TINY_ENGINE, collect, make_tiny_checkpoint, start_service
+from myserve.testing import NESTED_SCHEMA, TINY_ENGINE, collect, make_tiny_checkpoint, start_service, streamed_and_not
 
 SCHEMA = {
     "type": "object",
@@ -83,6 +82,12 @@ def test_a_bad_constraint_is_refused_at_submit(service) -> None:
 def test_fifty_seeded_schema_requests_over_http_validate_and_stream_the_same(service) -> None:
     server = LiveServer(create_app(service, served_model_name="tiny"))
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": NESTED_SCHEMA, "strict": True}}
+    clients: list[openai.AsyncOpenAI] = []
+
+    def client() -> openai.AsyncOpenAI:  # made inside the event loop that uses it
+        if not clients:
+            clients.append(openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600))
+        return clients[0]
 
     async def one(client: openai.AsyncOpenAI, seed: int, stream: bool) -> tuple[str, str | None]:
         kw = dict(model="tiny", prompt=f"Person #{seed}:", temperature=1.0, seed=seed, max_tokens=200)
@@ -96,15 +101,9 @@ def test_fifty_seeded_schema_requests_over_http_validate_and_stream_the_same(ser
             finish = chunk.choices[0].finish_reason or finish
         return text, finish
 
-    async def main() -> tuple[list, list]:
-        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600)
-        full = await asyncio.gather(*(one(client, s, False) for s in range(50)))
-        parts = await asyncio.gather(*(one(client, s, True) for s in range(50)))
-        return full, parts
-
     compiled = compile_count()
     try:
-        full, parts = asyncio.run(main())
+        full, parts = streamed_and_not(lambda seed, stream: one(client(), seed, stream), 50)
     finally:
         server.stop()
     assert compile_count() == compiled, "constrained requests compiled something after warmup"

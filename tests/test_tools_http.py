@@ -4,7 +4,6 @@ SmolLM2 served as the README shows: ``--chat-template config/templates/hermes-to
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 from test_server import LiveServer
 
 from myserve.server.app import create_app
-from myserve.testing import NESTED_SCHEMA
+from myserve.testing import NESTED_SCHEMA, streamed_and_not
 
 MODEL = "smol-tools"
 TEMPLATE = (Path(__file__).parents[1] / "config" / "templates" / "hermes-tools.jinja").read_text()
@@ -165,13 +164,14 @@ def test_fifty_seeded_json_schema_requests_finish_validate_and_stream_the_same(c
             finish = chunk.choices[0].finish_reason or finish
         return text, finish
 
-    async def main() -> tuple[list, list]:
-        aclient = openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=600)
-        full = await asyncio.gather(*(one(aclient, s, False) for s in range(50)))
-        parts = await asyncio.gather(*(one(aclient, s, True) for s in range(50)))
-        return full, parts
+    clients: list[openai.AsyncOpenAI] = []
 
-    full, parts = asyncio.run(main())
+    def aclient() -> openai.AsyncOpenAI:  # made inside the event loop that uses it
+        if not clients:
+            clients.append(openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=600))
+        return clients[0]
+
+    full, parts = streamed_and_not(lambda seed, stream: one(aclient(), seed, stream), 50)
     for text, finish in full:
         assert finish == "stop", text
         jsonschema.validate(json.loads(text), PERSON)

@@ -5,8 +5,12 @@ Built with transformers (and therefore torch), so only tests import this module.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 TINY_COMMON: dict[str, Any] = dict(
     vocab_size=256,
@@ -151,6 +155,18 @@ def start_client(checkpoint: Path | None, *overrides: str):
     client.wait_loaded()
     client.start()
     return client
+
+
+def streamed_and_not(one: Callable[[int, bool], Awaitable[_T]], n: int) -> tuple[list[_T], list[_T]]:
+    """``one(seed, stream)`` for seeds 0..n-1, all at once without streaming, then all at once
+    streaming: (non-streamed results, streamed results)."""
+
+    async def both() -> tuple[list[_T], list[_T]]:
+        full = await asyncio.gather(*(one(seed, False) for seed in range(n)))
+        parts = await asyncio.gather(*(one(seed, True) for seed in range(n)))
+        return list(full), list(parts)
+
+    return asyncio.run(both())
 
 
 def collect(stream: Any) -> tuple[list[int], str, str | None]:

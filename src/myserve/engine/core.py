@@ -21,7 +21,7 @@ from typing import Self, cast
 
 import jax
 
-from myserve.engine.grammar import Grammars
+from myserve.engine.grammar import LazyGrammars
 from myserve.engine.outputs import (
     EngineDead,
     EngineStats,
@@ -103,8 +103,8 @@ class EngineCore:
         self._inflight: tuple[int, list[tuple[Replica, ScheduledBatch, PendingStep]]] | None = None
         """The last iteration's dispatched steps, not read yet (overlapped loop)."""
         self.async_scheduling = async_scheduling
-        self._grammars: Grammars | None = None
-        self._grammars_lock = threading.Lock()
+        self.grammars = LazyGrammars(tokenizer.hf, vocab_size, tokenizer.eos_token_ids)
+        """The engine's grammar compiler (validates requests, makes each sequence's matcher)."""
         self.warmup_since: tuple[float, int, int] | None = None
         """(perf_counter, compiled, loaded) when the deployment began building steps early: the
         warmup log counts from there."""
@@ -225,13 +225,6 @@ class EngineCore:
     def abort(self, request_id: str, choice: int | None = None) -> None:
         """Abort a request, or one of its choices: freed at the start of the next engine step."""
         self._inbox.put(("abort", (request_id, choice)))
-
-    def grammars(self) -> Grammars:
-        """The engine's grammar compiler, built on first use (its tokenizer table takes ~0.25 s)."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = Grammars(self.tokenizer.hf, self.vocab_size, self.tokenizer.eos_token_ids)
-            return self._grammars
 
     def _num_waiting(self) -> int:
         return sum(len(r.scheduler.waiting) for r in self.replicas)

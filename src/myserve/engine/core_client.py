@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from myserve.engine import core_messages as msg
-from myserve.engine.grammar import Grammars
+from myserve.engine.grammar import LazyGrammars
 from myserve.engine.output_processor import OutputProcessor
 from myserve.engine.outputs import EngineDead, EngineStats, Overloaded, RequestOutput, Usage
 from myserve.engine.params import SamplingParams
@@ -57,8 +57,6 @@ class EngineClient:
         self.max_waiting = config.engine.max_waiting
         self._stats: EngineStats | None = None
         self._added_since_stats = 0
-        self._grammars: Grammars | None = None
-        self._grammars_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._dir = tempfile.mkdtemp(prefix="myserve-")
         self._to_core = f"ipc://{self._dir}/to-core"
@@ -110,6 +108,8 @@ class EngineClient:
         if self._tokenizer_error is not None:
             raise self._tokenizer_error
         self.processor = OutputProcessor(self.tokenizer, abort_choice=self.abort)
+        # Validation only: the core compiles each grammar again for its matchers.
+        self.grammars = LazyGrammars(self.tokenizer.hf, self.vocab_size, self.tokenizer.eos_token_ids)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -169,13 +169,6 @@ class EngineClient:
             except EngineDead:
                 pass  # the core is gone, and the request with it
 
-    def grammars(self) -> Grammars:
-        """This process's grammar compiler (validation only; the core compiles its own matchers)."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = Grammars(self.tokenizer.hf, self.vocab_size, self.tokenizer.eos_token_ids)
-            return self._grammars
-
     def stats(self) -> EngineStats:
         """The core's counters as of its last report (at most ``STATS_INTERVAL_S`` old)."""
         if self._stats is None:
@@ -186,7 +179,7 @@ class EngineClient:
         data = msg.encoder.encode(message)
         try:
             with self._send_lock:
-                self._out.send(data, flags=zmq.NOBLOCK, copy=False)
+                self._out.send(data, flags=zmq.NOBLOCK)
         except zmq.Again:
             raise EngineDead("the engine core is not connected") from None
 

@@ -153,6 +153,22 @@ class Grammars:
         return template
 
 
+class LazyGrammars:
+    """A ``Grammars`` built on first use (its tokenizer table takes ~0.25 s): only processes that
+    see a constrained request pay for it. Thread-safe; call it to get the compiler."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, vocab_size: int, eos_ids: Iterable[int]):
+        self._args = (tokenizer, vocab_size, tuple(eos_ids))
+        self._grammars: Grammars | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> Grammars:
+        with self._lock:
+            if self._grammars is None:
+                self._grammars = Grammars(*self._args)
+            return self._grammars
+
+
 def allocate_bitmask(rows: int, vocab_size: int) -> np.ndarray:
     """int32 [rows, ceil(vocab_size / 32)], every token allowed (all bits set)."""
     return np.full((rows, -(-vocab_size // 32)), -1, np.int32)
