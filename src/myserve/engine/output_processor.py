@@ -64,27 +64,31 @@ class OutputProcessor:
             return self._requests.pop(request_id, None)
 
     def process(self, outputs: Iterable[RequestOutput]) -> None:
-        """Deliver the core's outputs to their streams, as text."""
+        """Deliver the core's outputs to their streams, as text (one wake-up per event loop)."""
+        delivered: list[tuple[RequestStream, RequestOutput]] = []
         for out in outputs:
             with self._lock:
                 req = self._requests.get(out.request_id)
             if req is not None:
-                self._one(req, out)
+                text_out = self._one(req, out)
+                if text_out is not None:
+                    delivered.append((req.stream, text_out))
+        RequestStream.put_many(delivered)
 
-    def _one(self, req: _Tracked, out: RequestOutput) -> None:
+    def _one(self, req: _Tracked, out: RequestOutput) -> RequestOutput | None:
+        """The text delta of one output (None: dropped)."""
         if out.final:
             with self._lock:
                 self._requests.pop(out.request_id, None)
             usage = out.usage
             if usage is not None:  # completion tokens as delivered: a stop string ends the count
                 usage = dataclasses.replace(usage, completion_tokens=sum(c.tokens for c in req.choices.values()))
-            req.stream.put(dataclasses.replace(out, usage=usage))
-            return
+            return dataclasses.replace(out, usage=usage)
         choice = req.choices.get(out.choice)
         if choice is None:
             choice = req.choices[out.choice] = _Choice(self.tokenizer, req.prompt_ids, req.params)
         if choice.done:
-            return  # sampled before the core heard that the choice had ended here
+            return None  # sampled before the core heard that the choice had ended here
         choice.tokens += len(out.token_ids)
         finish, stop_reason = out.finish_reason, out.stop_reason
         text = ""
@@ -100,4 +104,4 @@ class OutputProcessor:
                 # Ending for another reason than a stop string: release held-back text.
                 tail, _ = choice.stops.feed(choice.detok.finish())
                 text += tail + choice.stops.flush()
-        req.stream.put(dataclasses.replace(out, text=text, finish_reason=finish, stop_reason=stop_reason))
+        return dataclasses.replace(out, text=text, finish_reason=finish, stop_reason=stop_reason)

@@ -39,6 +39,21 @@ class RequestStream:
         except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
             pass
 
+    @staticmethod
+    def put_many(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+        """Deliver several outputs (engine thread): one wake-up per event loop, not one per output."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        for stream, output in items:
+            if stream._loop is None:
+                stream._queue.put(output)
+            else:
+                by_loop.setdefault(stream._loop, []).append((stream, output))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the consumers' loop is closed: nobody is listening any more
+                pass
+
     def close(self) -> None:
         """The consumer is gone (client disconnect): abort the request unless it already finished."""
         if not self.closed:
@@ -65,3 +80,9 @@ class RequestStream:
             raise RuntimeError("this stream belongs to an event loop; iterate it with async for")
         while not self.finished:
             yield self._seen(self._queue.get())
+
+
+def _put_all(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, output in batch:
+        assert stream._async_queue is not None
+        stream._async_queue.put_nowait(output)
