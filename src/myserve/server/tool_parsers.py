@@ -25,6 +25,7 @@ or ``required``) are generated under a grammar and parsed by ``NamedCallParser``
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 from typing import Any, ClassVar
@@ -78,20 +79,20 @@ def _decode_all(text: str, separators: str) -> list[Any] | None:
         values.append(value)
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """Base: the events of one choice's text. ``feed`` each delta, then ``finish`` once."""
 
     name: ClassVar[str] = ""
     keeps_special_tokens: ClassVar[bool] = False
     """The format's markers are special tokens, which must not be skipped when detokenizing."""
 
+    @abc.abstractmethod
     def feed(self, text: str) -> list[Event]:
         """Events that the text so far settles."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def finish(self) -> list[Event]:
         """Events of whatever is still held, at the end of the output."""
-        raise NotImplementedError
 
 
 class _MarkerParser(ToolParser):
