@@ -8,54 +8,22 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from test_server import free_port
-
-from myserve.bundled import bundled_gguf_path
-from myserve.testing import TINY_ENGINE
-
-EXIT_WITHIN_S = 5.0
+from test_serve_supervision import EXIT_WITHIN_S, Served
 
 
-class Server:
-    """``python -m myserve.serve`` on a tiny model, with its engine core process."""
+class Server(Served):
+    """``python -m myserve.serve`` on a tiny model, ready, with its engine core process's pid."""
 
     def __init__(self, checkpoint: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        sets = [f"model.tokenizer={bundled_gguf_path()}", "model.dtype=float32", *TINY_ENGINE, "engine.num_pages=256"]
-        cmd = [sys.executable, "-m", "myserve.serve", "--hf-checkpoint", str(checkpoint), "--port", str(self.port)]
-        cmd += ["--served-model-name", "tiny", *(arg for s in sets for arg in ("--set", s))]
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        deadline = time.monotonic() + 300
-        while True:
-            assert self.proc.poll() is None, self.log
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server never became ready:\n" + self.log[-3000:]
-            time.sleep(0.2)
+        super().__init__(checkpoint)
+        self.wait_ready()
         self.core = self._core_pid()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in iter(self.proc.stdout.readline, ""):
-            self.lines.append(line)
-
-    @property
-    def log(self) -> str:
-        return "".join(self.lines)
 
     def _core_pid(self) -> int:
         children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
