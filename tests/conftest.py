@@ -42,6 +42,16 @@ def tiny_service(tiny_checkpoints: dict[str, Path]):
     svc.shutdown()
 
 
+@pytest.fixture(scope="session")
+def tiny_client(tiny_checkpoints: dict[str, Path]):
+    """``tiny_service``'s engine in a core process of its own (``EngineClient``)."""
+    from myserve.testing import TINY_ENGINE, start_client
+
+    client = start_client(tiny_checkpoints["llama3"], *TINY_ENGINE, "engine.num_pages=256")
+    yield client
+    client.shutdown()
+
+
 @pytest.fixture
 def make_service(tiny_checkpoints: dict[str, Path]):
     """A factory of started tiny-Llama services (TINY_ENGINE plus the overrides given); each is shut

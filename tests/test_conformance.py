@@ -26,9 +26,15 @@ LONG_CHAT = {"messages": [{"role": "user", "content": "Tell me a long story."}],
 LOG_LINE = re.compile(r"request_id=(\S+) status=(\S+) prompt_tokens=(\d+) completion_tokens=(\d+)")
 
 
+@pytest.fixture(scope="module", params=["in_process", "core_process"])
+def service(request):
+    """SmolLM2 served in this process, or by an engine core in its own process (as serve runs it)."""
+    return request.getfixturevalue("smol_service" if request.param == "in_process" else "smol_client")
+
+
 @pytest.fixture(scope="module")
-def live(smol_service) -> Iterator[LiveServer]:
-    server = LiveServer(create_app(smol_service, served_model_name=MODEL))
+def live(service) -> Iterator[LiveServer]:
+    server = LiveServer(create_app(service, served_model_name=MODEL))
     yield server
     server.stop()
 
@@ -54,8 +60,8 @@ def wait_idle(service, within: float = 2.0) -> None:
 # -- 1. GET /v1/models/{model} ------------------------------------------------------------------
 
 
-def test_model_lookup_with_slashes_in_the_id(smol_service) -> None:
-    server = LiveServer(create_app(smol_service, served_model_name="org/model-x"))
+def test_model_lookup_with_slashes_in_the_id(service) -> None:
+    server = LiveServer(create_app(service, served_model_name="org/model-x"))
     try:
         listed = httpx.get(f"{server.url}/v1/models").json()["data"]
         one = httpx.get(f"{server.url}/v1/models/org/model-x")
@@ -192,7 +198,8 @@ def completion_text(server: LiveServer, **body) -> tuple[str, str, str, int]:
     return choice["text"], streamed, choice["finish_reason"], whole["usage"]["completion_tokens"]
 
 
-def test_cut_inside_a_character_drops_its_bytes(tiny_service) -> None:
+@pytest.mark.parametrize("served_by", ["tiny_service", "tiny_client"])
+def test_cut_inside_a_character_drops_its_bytes(tiny_service, served_by: str, request) -> None:
     tokenizer = tiny_service.tokenizer
     # Random weights over single-byte tokens: find seeds whose outputs stop inside a character.
     seeds = range(48)
@@ -208,7 +215,8 @@ def test_cut_inside_a_character_drops_its_bytes(tiny_service) -> None:
         for k in range(1, len(ids))
         if split_text(tokenizer, ids[:k])[1] and ids[k] not in ids[:k] and ids[k] not in special
     )
-    server = LiveServer(create_app(tiny_service, served_model_name="tiny"))
+    # Seeds make outputs batch-invariant, so a core in its own process must cut them the same way.
+    server = LiveServer(create_app(request.getfixturevalue(served_by), served_model_name="tiny"))
     try:
         text, streamed, finish, tokens = completion_text(server, seed=by_length)
         assert (finish, tokens) == ("length", MAX_TOKENS)
@@ -255,7 +263,7 @@ def usage_counted(before: dict[str, float], after: dict[str, float], status: str
     return int(prompt), int(generated)
 
 
-def test_disconnected_requests_count_their_tokens(live, smol_service, caplog: pytest.LogCaptureFixture) -> None:
+def test_disconnected_requests_count_their_tokens(live, service, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", logger="myserve.requests")
     prompt_tokens = post(live, "/tokenize", messages=LONG_CHAT["messages"]).json()["count"]
     before = counters(live)
@@ -272,7 +280,7 @@ def test_disconnected_requests_count_their_tokens(live, smol_service, caplog: py
     logged = request_line(caplog, "disconnected")
     assert logged[:2] == (request_id, prompt_tokens) and logged[2] >= received
     assert usage_counted(before, counters(live), "disconnected", "chat") == (prompt_tokens, logged[2])
-    wait_idle(smol_service)
+    wait_idle(service)
 
     # Not streamed: the client gives up waiting for the whole body.
     caplog.clear()
@@ -284,15 +292,15 @@ def test_disconnected_requests_count_their_tokens(live, smol_service, caplog: py
     _, logged_prompt, generated = request_line(caplog, "disconnected")
     assert logged_prompt == prompt_tokens and generated > 0
     assert usage_counted(before, counters(live), "disconnected", "completion") == (prompt_tokens, generated)
-    wait_idle(smol_service)
+    wait_idle(service)
 
 
 # -- 7. the per-request deadline ---------------------------------------------------------------
 
 
-def test_request_timeout_aborts_and_counts(smol_service, caplog: pytest.LogCaptureFixture) -> None:
+def test_request_timeout_aborts_and_counts(service, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", logger="myserve.requests")
-    server = LiveServer(create_app(smol_service, served_model_name=MODEL, request_timeout_s=1.0))
+    server = LiveServer(create_app(service, served_model_name=MODEL, request_timeout_s=1.0))
     try:
         assert post(server, "/v1/chat/completions", **{**LONG_CHAT, "max_tokens": 2}).status_code == 200
         before = counters(server)
@@ -302,7 +310,7 @@ def test_request_timeout_aborts_and_counts(smol_service, caplog: pytest.LogCaptu
         assert (err["type"], err["code"]) == ("timeout_error", "request_timeout")
         _, prompt_tokens, generated = request_line(caplog, "timeout")
         assert usage_counted(before, counters(server), "timeout", "chat") == (prompt_tokens, generated)
-        wait_idle(smol_service)
+        wait_idle(service)
 
         caplog.clear()
         before = counters(server)
@@ -318,15 +326,15 @@ def test_request_timeout_aborts_and_counts(smol_service, caplog: pytest.LogCaptu
         request_id, prompt_tokens, generated = request_line(caplog, "timeout")
         assert request_id == payloads[0]["id"] and generated >= streamed
         assert usage_counted(before, counters(server), "timeout", "chat") == (prompt_tokens, generated)
-        wait_idle(smol_service)
+        wait_idle(service)
     finally:
         server.stop()
 
 
-def test_time_in_the_queue_counts_toward_the_deadline(smol_service, caplog: pytest.LogCaptureFixture) -> None:
+def test_time_in_the_queue_counts_toward_the_deadline(service, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", logger="myserve.requests")
-    server = LiveServer(create_app(smol_service, served_model_name=MODEL, request_timeout_s=1.0))
-    running = 16  # smol_service's engine.max_num_seqs: one request more waits behind them
+    server = LiveServer(create_app(service, served_model_name=MODEL, request_timeout_s=1.0))
+    running = 16  # service's engine.max_num_seqs: one request more waits behind them
 
     async def one(client: httpx.AsyncClient, i: int) -> tuple[int, float]:
         t0 = time.monotonic()
@@ -347,4 +355,4 @@ def test_time_in_the_queue_counts_toward_the_deadline(smol_service, caplog: pyte
     assert max(elapsed for _, elapsed in results) < 1.8, results
     lines = [m for r in caplog.records if (m := LOG_LINE.match(r.getMessage())) and m[2] == "timeout"]
     assert len(lines) == running + 1 and any(int(m[4]) == 0 for m in lines)
-    wait_idle(smol_service)
+    wait_idle(service)

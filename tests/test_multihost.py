@@ -137,6 +137,7 @@ def test_two_processes_serve_chat_like_one_and_stop_together(chat_checkpoint: Pa
             text = reply["choices"][0]["message"]["content"]
             assert re.fullmatch("[A-Z]{3}-[0-9]{4}", text) and reply["choices"][0]["finish_reason"] == "stop", reply
         assert "following process 0's steps" in "".join(cluster.logs[1])
+        assert "engine core ready" in "".join(cluster.logs[0])  # the leader's core runs in its own process
         metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
         steps = next(line for line in metrics.splitlines() if line.startswith("myserve_engine_steps "))
         assert float(steps.split()[1]) > 0  # the leader's steps, replayed by the follower

@@ -167,7 +167,9 @@ class ServerConfig:
     """Split a <think> block into reasoning_content: deepseek_r1 or qwen3; null = none."""
     engine_process: bool = True
     """Run the engine core in its own process (HTTP, tokenization and text never share its GIL);
-    false = one process. A multi-host deployment always runs it in the server process."""
+    false = one process. On a multi-host mesh the leader (mesh.process_id 0) runs its core in a process
+    of its own too; followers have no front end, and a process whose id JAX detects (process_id null)
+    runs in one process."""
 
     def __post_init__(self) -> None:
         _check(self.drain_timeout_s >= 0, f"server.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")

@@ -117,7 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from myserve.server.app import create_app
 
         service: GenerationService | EngineClient
-        if config.server.engine_process and config.mesh.num_processes == 1:
+        # A multi-host leader's core (process 0) broadcasts its steps from its own process; a
+        # follower has no front end, and a process that learns its id from JAX runs in one process.
+        if config.server.engine_process and multihost.configured_role(config.mesh) in ("single", "leader"):
             # The core loads the model and owns the device; this process only needs the tokenizer.
             service = EngineClient(config, lambda: front_tokenizer(config))
             try:
@@ -216,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server.run()
     service.shutdown()  # on a multi-host mesh this also ends the followers' loops
     if isinstance(service, GenerationService):  # the front end of a core process has no JAX backend
-        _end_distributed()
+        multihost.shutdown()
     return 1 if failed.is_set() else 0
 
 
@@ -240,15 +242,8 @@ def _follow(dep) -> int:
     logger.info("process %d: following process 0's steps", jax.process_index())
     applied = multihost.follow(executors)
     logger.info("process %d: the leader stopped after %d steps; exiting", jax.process_index(), applied)
-    _end_distributed()
+    multihost.shutdown()
     return 0
-
-
-def _end_distributed() -> None:
-    import jax
-
-    if jax.process_count() > 1:
-        jax.distributed.shutdown()
 
 
 if __name__ == "__main__":

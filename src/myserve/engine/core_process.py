@@ -146,7 +146,10 @@ def run_core(config: Config, to_core: str, from_core: str) -> None:
             core.abort(message.request_id, message.choice)
         else:
             break
-    core.shutdown()
+    core.shutdown()  # on a multi-host mesh this also ends the followers' loops
+    from myserve.runtime import multihost
+
+    multihost.shutdown()
     _linger(inbox, outbox)
     os._exit(code)
 

@@ -75,6 +75,25 @@ def initialize(mesh: MeshConfig) -> None:
     )
 
 
+def configured_role(mesh: MeshConfig) -> str:
+    """What this process is before JAX starts: ``single`` (one process), ``leader`` (process 0),
+    ``follower``, or ``unknown`` when JAX detects the process id itself (``num_processes: null``
+    or no ``process_id``). ``serve`` runs a leader's engine core in a process of its own."""
+    num = os.environ.get(_ENV["num_processes"], mesh.num_processes)
+    if num is not None and int(num) == 1:
+        return "single"
+    pid = os.environ.get(_ENV["process_id"], mesh.process_id)
+    if pid is None:
+        return "unknown"
+    return "leader" if int(pid) == 0 else "follower"
+
+
+def shutdown() -> None:
+    """End this process's part in a multi-process run (no-op for one process)."""
+    if jax.process_count() > 1:
+        jax.distributed.shutdown()
+
+
 def is_leader() -> bool:
     """Whether this process runs HTTP and the scheduler (process 0)."""
     return jax.process_index() == 0
