@@ -1,11 +1,16 @@
 """``python -m myserve.serve`` runs the engine core in its own process: requests go through it, a
 dead core errors every open request and the server exits non-zero within seconds, a dead front end
 takes the core down with it, SIGTERM stops both with status 0. Stop strings are matched in the front
-end, which aborts just the choice that matched."""
+end, which aborts just the choice that matched. With ``--api-server-count 2`` two front ends share
+the port and the core, /metrics merges their figures, and the same rules hold for all three."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -18,18 +23,18 @@ from test_serve_supervision import EXIT_WITHIN_S, Served
 
 
 class Server(Served):
-    """``python -m myserve.serve`` on a tiny model, ready, with its engine core process's pid."""
+    """``python -m myserve.serve`` on a tiny model, ready, with the pids of its engine core process
+    and of its extra front ends (``--api-server-count``)."""
 
-    def __init__(self, checkpoint: Path):
-        super().__init__(checkpoint)
+    def __init__(self, checkpoint: Path, args: tuple[str, ...] = (), env: dict | None = None):
+        super().__init__(checkpoint, args=args, env=env)
         self.wait_ready()
-        self.core = self._core_pid()
-
-    def _core_pid(self) -> int:
         children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-        cores = [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-        assert len(cores) == 1, children
-        return cores[0]
+        spawned = [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        found = re.search(r"engine core ready \(pid (\d+)\)", self.log)
+        assert found and int(found[1]) in spawned, (spawned, self.log[-3000:])
+        self.core = int(found[1])
+        self.fronts = [pid for pid in spawned if pid != self.core]
 
     def exit_code(self, within: float = EXIT_WITHIN_S) -> int | None:
         try:
@@ -41,7 +46,8 @@ class Server(Served):
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        _gone(self.core, 10)
+        for pid in (self.core, *self.fronts):
+            _gone(pid, 10)
 
 
 def _alive(pid: int) -> bool:
@@ -132,4 +138,113 @@ def test_a_dead_front_end_takes_the_core_down(server) -> None:
 def test_sigterm_stops_both_processes_with_status_zero(server) -> None:
     server.proc.send_signal(signal.SIGTERM)
     assert server.exit_code(30) == 0, server.log[-2000:]
+    assert _gone(server.core, EXIT_WITHIN_S)
+
+
+# -- several front ends (--api-server-count) ---------------------------------------------------
+
+
+@pytest.fixture
+def two_fronts(tiny_checkpoints, tmp_path):
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    s = Server(tiny_checkpoints["llama3"], ("--api-server-count", "2"), {"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)})
+    s.metrics_dir = metrics_dir
+    yield s
+    s.stop()
+
+
+def _requests_by_process(metrics_dir: Path, tmp: Path) -> dict[int, float]:
+    """Finished requests counted by each process (its own prometheus_client file, read alone)."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    counts = {}
+    for path in metrics_dir.glob("counter_*.db"):
+        alone = tmp / path.stem
+        alone.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, alone / path.name)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, str(alone))
+        counts[int(path.stem.split("_")[1])] = sum(
+            s.value for m in registry.collect() for s in m.samples if s.name == "myserve_requests_total"
+        )
+    return counts
+
+
+def _stream_texts(url: str, bodies: list[dict]) -> list[list[dict]]:
+    """Stream every body at once, each on a connection of its own; each stream's events."""
+
+    async def one(body: dict) -> list[dict]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+                lines = [line async for line in r.aiter_lines() if line]
+        return [{"done": True} if line == "data: [DONE]" else json.loads(line[6:]) for line in lines]
+
+    async def go() -> list[list[dict]]:
+        return list(await asyncio.gather(*(one(b) for b in bodies)))
+
+    return asyncio.run(go())
+
+
+@pytest.mark.slow
+def test_two_front_ends_share_the_port_and_the_core_and_merge_their_metrics(two_fronts, tmp_path) -> None:
+    server = two_fronts
+    assert len(server.fronts) == 1 and _alive(server.core)
+    expected = httpx.post(f"{server.url}/v1/completions", json=_body(), timeout=60).json()["choices"][0]["text"]
+    sent = 1
+    for _ in range(10):  # until both processes have served requests (the kernel picks who accepts)
+        streams = _stream_texts(server.url, [_body() for _ in range(8)])
+        sent += len(streams)
+        for events in streams:  # the same greedy text, whichever front end served it
+            assert events[-1] == {"done": True}, events[-3:]
+            assert "".join(c["text"] for e in events[:-1] for c in e["choices"]) == expected
+        by_process = _requests_by_process(server.metrics_dir, tmp_path / "alone")
+        if len(by_process) == 2 and all(by_process.values()):
+            break
+    assert sorted(by_process) == sorted([server.proc.pid, *server.fronts]) and all(by_process.values()), by_process
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    total = sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("myserve_requests_total{"))
+    assert total == sent == sum(by_process.values())
+    steps = next(line for line in metrics.splitlines() if line.startswith("myserve_engine_steps "))
+    assert float(steps.split()[1]) > 0  # the core's counters, through the front ends
+
+    # SIGTERM: each front end finishes its streams (the core stays up until they are done), all exit 0.
+    results: list[list[list[dict]]] = []
+    long = _body(max_tokens=300, ignore_eos=True)
+    streamer = threading.Thread(target=lambda: results.append(_stream_texts(server.url, [long] * 8)))
+    streamer.start()
+    time.sleep(1.0)
+    server.proc.send_signal(signal.SIGTERM)
+    streamer.join(timeout=60)
+    assert server.exit_code(30) == 0, server.log[-3000:]
+    for events in results[0]:
+        assert events[-1] == {"done": True} and events[-2]["choices"][0]["finish_reason"] == "length", events[-2:]
+    assert all(_gone(pid, EXIT_WITHIN_S) for pid in (server.core, *server.fronts))
+
+
+@pytest.mark.slow
+def test_a_dead_core_ends_every_front_end(two_fronts) -> None:
+    server = two_fronts
+    results: list[list[list[dict]]] = []
+    long = _body(max_tokens=480, ignore_eos=True, n=8)  # 8 sequences run at once: these queue
+    streamer = threading.Thread(target=lambda: results.append(_stream_texts(server.url, [long] * 8)))
+    streamer.start()
+    time.sleep(1.0)
+    os.kill(server.core, signal.SIGKILL)
+    killed = time.monotonic()
+    assert server.exit_code() == 1, server.log[-2000:]
+    assert time.monotonic() - killed < EXIT_WITHIN_S
+    assert all(_gone(pid, EXIT_WITHIN_S) for pid in server.fronts)
+    streamer.join(timeout=30)
+    # Every stream ends with an event: an engine error, or [DONE] for one that finished before.
+    ends = [events[-1].get("error", {}).get("code", "done") if events else "cut" for events in results[0]]
+    assert set(ends) <= {"engine_error", "done"} and ends.count("engine_error") >= 4, ends
+
+
+@pytest.mark.slow
+def test_a_dead_front_end_ends_the_server(two_fronts) -> None:
+    server = two_fronts
+    os.kill(server.fronts[0], signal.SIGKILL)
+    assert server.exit_code() == 1, server.log[-2000:]
     assert _gone(server.core, EXIT_WITHIN_S)

@@ -27,15 +27,17 @@ class Served:
     """``python -m myserve.serve`` on a tiny model as a subprocess (through the fault launcher when
     a fault is named), its log lines with the time each arrived."""
 
-    def __init__(self, checkpoint: Path, fault: str | None = None):
+    def __init__(self, checkpoint: Path, fault: str | None = None, args: tuple[str, ...] = (), env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         sets = [f"model.tokenizer={bundled_gguf_path()}", "model.dtype=float32", *TINY_ENGINE, "engine.num_pages=256"]
         entry = ["-m", "myserve.serve"] if fault is None else [str(LAUNCHER)]
         cmd = [sys.executable, *entry, "--hf-checkpoint", str(checkpoint), "--served-model-name", "tiny"]
-        cmd += ["--port", str(self.port)]
+        cmd += ["--port", str(self.port), *args]
         cmd += [arg for s in sets for arg in ("--set", s)]
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", **({} if fault is None else {"MYSERVE_TEST_FAULT": fault})}
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+        if fault is not None:
+            env["MYSERVE_TEST_FAULT"] = fault
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[tuple[float, str]] = []
         threading.Thread(target=self._read, daemon=True).start()

@@ -170,9 +170,17 @@ class ServerConfig:
     false = one process. On a multi-host mesh the leader (mesh.process_id 0) runs its core in a process
     of its own too; followers have no front end, and a process whose id JAX detects (process_id null)
     runs in one process."""
+    api_server_count: int = 1
+    """HTTP front-end processes sharing the port and feeding the one engine core (>= 1; more than
+    one needs engine_process). For hosts where tokenization and SSE are the bottleneck."""
 
     def __post_init__(self) -> None:
         _check(self.drain_timeout_s >= 0, f"server.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        _check(self.api_server_count >= 1, f"server.api_server_count must be >= 1, got {self.api_server_count}")
+        _check(
+            self.api_server_count == 1 or self.engine_process,
+            "server.api_server_count > 1 needs server.engine_process: true (the front ends share one engine core)",
+        )
         _check(self.max_body_bytes >= 1024, f"server.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         timeout = self.request_timeout_s
         _check(timeout is None or timeout > 0, f"server.request_timeout_s must be > 0 or null, got {timeout}")

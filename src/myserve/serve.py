@@ -13,22 +13,21 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
+import socket
 import sys
-import threading
-import time
+import tempfile
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from myserve.config import REASONING_PARSERS, TOOL_CALL_PARSERS
-from myserve.errors import MyserveError
+from myserve.errors import ConfigError, MyserveError
 
 if TYPE_CHECKING:
     from myserve.config import Config
+    from myserve.engine.core_client import EngineClient
 
 logger = logging.getLogger("myserve.serve")
-
-_FATAL_GRACE_S = 3
-"""Seconds open responses get to end once the server exits after a fatal engine error."""
 
 # vLLM-style flag -> config key.
 _FLAGS = {
@@ -47,6 +46,7 @@ _FLAGS = {
     "tool_call_parser": "server.tool_call_parser",
     "enable_auto_tool_choice": "server.enable_auto_tool_choice",
     "reasoning_parser": "server.reasoning_parser",
+    "api_server_count": "server.api_server_count",
 }
 
 
@@ -74,6 +74,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="serve tool_choice auto (needs --tool-call-parser)",
     )
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, help="split <think> blocks off as reasoning")
+    p.add_argument("--api-server-count", type=int, help="HTTP front-end processes sharing the port (default 1)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key")
     return p.parse_args(argv)
 
@@ -104,9 +105,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    metrics_dir = None
     try:
         config = config_from_args(args)
         logging.getLogger().setLevel(config.server.log_level.upper())
+        front_ends = config.server.api_server_count
+        if front_ends > 1:
+            metrics_dir = _shared_metrics_dir()  # before prometheus_client is imported
 
         from myserve.bundled import BUNDLED_MODEL_NAME
         from myserve.engine.core_client import EngineClient
@@ -114,14 +119,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from myserve.runtime import multihost
         from myserve.runtime.deployment import Deployment
         from myserve.runtime.host_memory import keep_freed_memory
-        from myserve.server.app import create_app
+        from myserve.server.http_server import serve_http
 
         service: GenerationService | EngineClient
         # A multi-host leader's core (process 0) broadcasts its steps from its own process; a
         # follower has no front end, and a process that learns its id from JAX runs in one process.
         if config.server.engine_process and multihost.configured_role(config.mesh) in ("single", "leader"):
             # The core loads the model and owns the device; this process only needs the tokenizer.
-            service = EngineClient(config, lambda: front_tokenizer(config))
+            service = EngineClient(config, lambda: front_tokenizer(config), front_ends=front_ends)
             try:
                 service.wait_loaded()  # the core's verdict on the configuration first
             except BaseException:
@@ -130,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             import jax
 
+            if front_ends > 1:
+                raise ConfigError("server.api_server_count > 1 needs mesh.process_id on a multi-host mesh")
             multihost.initialize(config.mesh)  # before anything touches a JAX backend
             if jax.default_backend() == "cpu":
                 keep_freed_memory()  # the steps' temporaries live in host memory: reuse it
@@ -138,88 +145,78 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _follow(dep)
             service = GenerationService.from_deployment(dep)
     except MyserveError as e:
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-    import uvicorn
 
     name = config.server.served_model_name or (
         BUNDLED_MODEL_NAME if config.model.checkpoint is None else os.path.basename(config.model.checkpoint.rstrip("/"))
     )
-    app = create_app(
-        service,
-        served_model_name=name,
-        api_key=config.server.api_key,
-        max_body_bytes=config.server.max_body_bytes,
-        request_timeout_s=config.server.request_timeout_s,
-        tool_call_parser=config.server.tool_call_parser,
-        enable_auto_tool_choice=config.server.enable_auto_tool_choice,
-        reasoning_parser=config.server.reasoning_parser,
-    )
-    url = f"http://{config.server.host}:{config.server.port}"
-
-    class DrainingServer(uvicorn.Server):
-        """First signal: refuse new requests, wait for in-flight ones (bounded), then exit."""
-
-        draining = False
-
-        def handle_exit(self, sig: int, frame: object) -> None:
-            if self.draining:
-                self.should_exit = True
-                return
-            self.draining = True
-            app.state.server.draining = True
-            logger.info("signal %d: draining (up to %.0fs)", sig, config.server.drain_timeout_s)
-
-            def drain() -> None:
-                deadline = time.monotonic() + config.server.drain_timeout_s
-                while app.state.server.in_flight > 0 and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                self.should_exit = True
-
-            threading.Thread(target=drain, daemon=True).start()
-
-    server = DrainingServer(
-        uvicorn.Config(
-            app,
-            host=config.server.host,
-            port=config.server.port,
-            log_level=config.server.log_level,
-            # Bounds the exit after a fatal error (or a drain that timed out): open responses get
-            # this long to end before their connections are closed.
-            timeout_graceful_shutdown=_FATAL_GRACE_S,
-        )
-    )
-    failed = threading.Event()
-
-    def fatal(what: str) -> None:
-        """The engine cannot serve any more: stop serving and exit non-zero (any thread)."""
-        failed.set()
-        logger.error("%s: exiting with status 1 so that a supervisor can restart the server", what)
-        server.should_exit = True
-
-    # Runs on the engine thread after it has failed every request (the traceback is logged there).
-    service.on_dead = lambda e: fatal(f"the engine stopped ({type(e).__name__})")
-
-    def warm() -> None:
-        try:
-            service.start()
-        except BaseException as e:
-            if isinstance(service, EngineClient):  # the core process logged its traceback
-                logger.error("warmup failed: %s", e)
-            else:
-                logger.exception("warmup failed")
-            service.dead = e  # /health answers 503 until the exit
-            fatal(f"warmup failed ({type(e).__name__})")
-            return
-        logger.info("model %s ready on %s", name, url)
-
-    threading.Thread(target=warm, name="myserve-warmup", daemon=True).start()
-    server.run()
-    service.shutdown()  # on a multi-host mesh this also ends the followers' loops
+    try:
+        if front_ends == 1:
+            code = serve_http(config, service, name)
+        else:
+            assert isinstance(service, EngineClient)
+            code = _serve_front_ends(config, service, name)
+    finally:
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     if isinstance(service, GenerationService):  # the front end of a core process has no JAX backend
         multihost.shutdown()
-    return 1 if failed.is_set() else 0
+    return code
+
+
+def _serve_front_ends(config: Config, service: EngineClient, name: str) -> int:
+    """``--api-server-count N``: this process and N-1 spawned ones serve one port."""
+    import multiprocessing
+
+    from myserve.server.front_end_process import run_front_end
+    from myserve.server.http_server import serve_http
+
+    address = (config.server.host, config.server.port)
+    try:
+        socks = _listening_sockets(address, len(service.links))
+    except OSError as e:
+        service.shutdown()
+        logger.error("cannot listen on %s:%d: %s", *address, e)
+        return 1
+    spawn = multiprocessing.get_context("spawn")
+    siblings = [
+        spawn.Process(target=run_front_end, args=(config, link, sock, name), name=f"myserve-front-{link.index}")
+        for link, sock in zip(service.links[1:], socks[1:], strict=True)
+    ]
+    for sibling, sock in zip(siblings, socks[1:], strict=True):
+        sibling.start()  # (the socket is duplicated into it here)
+        if sock is not socks[0]:
+            sock.close()
+    logger.info("%d front-end processes share %s:%d", len(siblings) + 1, *address)
+    return serve_http(config, service, name, sockets=[socks[0]], siblings=siblings)
+
+
+def _listening_sockets(address: tuple[str, int], count: int) -> list[socket.socket]:
+    """One listening socket per front end, in one ``SO_REUSEPORT`` group, so that the kernel spreads
+    new connections evenly over them (front ends sharing one socket all wake for each connection,
+    and the least busy takes them all). The port is first bound alone, so that joining another
+    server's group fails as a plain bind would. Without ``SO_REUSEPORT``: one socket, shared."""
+    if not hasattr(socket, "SO_REUSEPORT"):
+        sock = socket.create_server(address)
+        return [sock] * count
+    socket.create_server(address).close()  # is the port free?
+    return [socket.create_server(address, reuse_port=True) for _ in range(count)]
+
+
+def _shared_metrics_dir() -> str | None:
+    """Several front ends: prometheus_client's multiprocess mode merges their figures on a scrape
+    (each process writes its own files there). Returns the directory made for this run (removed at
+    the end), or None when the environment names one (used as it is)."""
+    if "prometheus_client" in sys.modules:
+        raise RuntimeError("prometheus_client was imported before its multiprocess directory was set")
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return None
+    path = tempfile.mkdtemp(prefix="myserve-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path  # inherited by the spawned front ends
+    return path
 
 
 def front_tokenizer(config: Config):  # noqa: ANN201 - a Tokenizer

@@ -167,6 +167,9 @@ class EngineCore:
             if progress is None:
                 from tqdm import tqdm
 
+                # tqdm's default lock is a multiprocessing semaphore, which a core process leaves
+                # behind (it ends with os._exit) and the resource tracker warns about at exit.
+                tqdm.set_lock(threading.RLock())
                 bar = tqdm(total=total, desc="warmup (compiling step shapes)", unit="shape")
             # Counted from when the deployment started building steps early, if it did.
             t0, *before = self.warmup_since or (t0, *compile_counts())

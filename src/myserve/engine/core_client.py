@@ -11,9 +11,13 @@ open request ends with an engine error, ``dead`` is set and ``on_dead`` runs, wi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
+import multiprocessing.process
 import os
+import select
+import shutil
 import tempfile
 import threading
 import uuid
@@ -41,12 +45,35 @@ _WATCH_S = 0.2
 """How often the receiver checks that the core process is alive while no message comes."""
 
 
-class EngineClient:
-    """A ``GenerationService`` look-alike whose engine core runs in a child process."""
+@dataclasses.dataclass(frozen=True)
+class CoreLink:
+    """One front end's two sockets to the engine core (``ipc://`` addresses the front end binds)
+    and the core's pid, which an attached front end watches. Picklable: ``serve`` hands links to
+    the extra front-end processes of ``--api-server-count``."""
 
-    def __init__(self, config: Config, load_tokenizer: Callable[[], Tokenizer]):
-        """Start the core process; ``load_tokenizer`` runs on a thread meanwhile (``wait_loaded``
-        joins both)."""
+    index: int
+    to_core: str
+    from_core: str
+    core_pid: int = 0
+
+
+class EngineClient:
+    """A ``GenerationService`` look-alike whose engine core runs in a child process.
+
+    ``EngineClient(config, load_tokenizer, front_ends=N)`` starts the core for N front ends and is
+    front end 0; ``links[i]`` are the others', which ``EngineClient.attach`` uses in their processes.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        load_tokenizer: Callable[[], Tokenizer],
+        *,
+        front_ends: int = 1,
+        link: CoreLink | None = None,
+    ):
+        """Start the core process (or, given the ``link`` of a core started elsewhere, attach to it);
+        ``load_tokenizer`` runs on a thread meanwhile (``wait_loaded`` joins both)."""
         self.config = config
         self.ready = threading.Event()
         self.dead: BaseException | None = None
@@ -58,18 +85,22 @@ class EngineClient:
         self._stats: EngineStats | None = None
         self._added_since_stats = 0
         self._send_lock = threading.Lock()
-        self._dir = tempfile.mkdtemp(prefix="myserve-")
-        self._to_core = f"ipc://{self._dir}/to-core"
-        self._from_core = f"ipc://{self._dir}/from-core"
+        self._owner = link is None
+        self._dir = tempfile.mkdtemp(prefix="myserve-") if link is None else ""
+        self.links = [
+            CoreLink(i, f"ipc://{self._dir}/to-core-{i}", f"ipc://{self._dir}/from-core-{i}")
+            for i in range(front_ends if link is None else 0)
+        ]
+        self.link = link or self.links[0]
         self._context = zmq.Context()
         self._context.setsockopt(zmq.LINGER, 0)  # nothing to deliver to a core that has gone
         # No send limit: a send never waits on a live core. A send with no core connected (it died,
         # or has not connected yet) fails at once instead of blocking (_send).
         self._context.setsockopt(zmq.SNDHWM, 0)
         self._out = self._context.socket(zmq.PUSH)
-        self._out.bind(self._to_core)
+        self._out.bind(self.link.to_core)
         self._in = self._context.socket(zmq.PULL)
-        self._in.bind(self._from_core)
+        self._in.bind(self.link.from_core)
         self._open: dict[str, RequestStream] = {}
         self._open_lock = threading.Lock()
         self._stopping = False
@@ -87,14 +118,47 @@ class EngineClient:
 
         self._tokenizer_thread = threading.Thread(target=load, name="tokenizer", daemon=True)
         self._tokenizer_thread.start()
-        from myserve.engine.core_process import run_core
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self._core_fd: int | None = None
+        if link is None:
+            from myserve.engine.core_process import run_core
 
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=run_core, args=(config, self._to_core, self._from_core), name="myserve-core", daemon=True
-        )
-        self.process.start()
+            self.process = multiprocessing.get_context("spawn").Process(
+                target=run_core, args=(config, self.links), name="myserve-core", daemon=True
+            )
+            self.process.start()
+            assert self.process.pid is not None
+            self.links = [dataclasses.replace(x, core_pid=self.process.pid) for x in self.links]
+            self.link = self.links[0]
+        else:
+            # Not our child: a pidfd turns readable when the core ends (Linux); os.kill otherwise.
+            try:
+                self._core_fd = os.pidfd_open(link.core_pid)
+            except (AttributeError, OSError):
+                self._core_fd = None
         self._receiver = threading.Thread(target=self._receive, name="myserve-core-client", daemon=True)
         self._receiver.start()
+
+    @classmethod
+    def attach(cls, config: Config, load_tokenizer: Callable[[], Tokenizer], link: CoreLink) -> EngineClient:
+        """A further front end of a core that another process started (``--api-server-count``)."""
+        return cls(config, load_tokenizer, link=link)
+
+    def _core_alive(self) -> bool:
+        if self.process is not None:
+            return self.process.is_alive()
+        if self._core_fd is not None:
+            return not select.select([self._core_fd], [], [], 0)[0]
+        try:
+            os.kill(self.link.core_pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def _exit_note(self) -> str:
+        if self.process is not None:
+            return f"code {self.process.exitcode}"
+        return f"pid {self.link.core_pid}"
 
     # -- lifecycle ----------------------------------------------------------------------------
     def wait_loaded(self) -> None:
@@ -124,20 +188,23 @@ class EngineClient:
             raise self.dead
 
     def shutdown(self) -> None:
-        """Stop the core (in-flight requests are aborted) and wait for its exit."""
+        """Stop the core (in-flight requests are aborted) and wait for its exit; an attached front
+        end only lets go of it."""
         self._stopping = True
-        if self.process.is_alive():
+        if self.process is not None and self.process.is_alive():
             try:
                 self._send(msg.Shutdown())
             except EngineDead:
                 pass
             self.process.join(timeout=30)
-        if self.process.is_alive():
+        if self.process is not None and self.process.is_alive():
             self.process.kill()
         self._receiver.join(timeout=5)
         self._out.close(linger=0)
         self._in.close(linger=0)
         self._context.term()
+        if self._core_fd is not None:
+            os.close(self._core_fd)
         self.close_sockets_dir()
 
     # -- front (any thread) -------------------------------------------------------------------
@@ -158,7 +225,7 @@ class EngineClient:
         with self._open_lock:
             self._open[request_id] = stream
         self._added_since_stats += 1
-        self._send(msg.AddRequest(request_id, prompt, params))
+        self._send(msg.AddRequest(request_id, prompt, params, self.link.index))
         return stream
 
     def abort(self, request_id: str, choice: int | None = None) -> None:
@@ -189,9 +256,9 @@ class EngineClient:
         poller.register(self._in, zmq.POLLIN)
         while True:
             if not poller.poll(timeout=int(_WATCH_S * 1000)):
-                if not self.process.is_alive() and not poller.poll(timeout=0):  # (its last words read)
+                if not self._core_alive() and not poller.poll(timeout=0):  # (its last words read)
                     if not self._stopping:
-                        self._died(f"the engine core process exited (code {self.process.exitcode})")
+                        self._died(f"the engine core process exited ({self._exit_note()})")
                     return
                 continue
             message = msg.from_core.decode(self._in.recv())
@@ -244,13 +311,6 @@ class EngineClient:
             self.on_dead(self.dead)
 
     def close_sockets_dir(self) -> None:
-        """Remove the ipc socket files."""
-        for name in ("to-core", "from-core"):
-            try:
-                os.unlink(os.path.join(self._dir, name))
-            except OSError:
-                pass
-        try:
-            os.rmdir(self._dir)
-        except OSError:
-            pass
+        """Remove the ipc socket files (the front end that started the core owns them all)."""
+        if self._owner:
+            shutil.rmtree(self._dir, ignore_errors=True)

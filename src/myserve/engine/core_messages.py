@@ -1,7 +1,8 @@
 """The messages between the HTTP front end and the engine core process, and their codec.
 
-Transport: two ZeroMQ PUSH/PULL pairs over ``ipc://`` sockets, one each way (the front end binds
-both, the core connects). Serializer: msgspec's MessagePack with typed decoding: the engine's own
+Transport: two ZeroMQ PUSH/PULL pairs over ``ipc://`` sockets per front end, one each way (the
+front end binds both, the core connects: one PULL fair-queues every front end's requests, one PUSH
+per front end carries its outputs back). Serializer: msgspec's MessagePack with typed decoding: the engine's own
 dataclasses (``SamplingParams`` with its ``GrammarSpec``, ``RequestOutput`` with its logprobs,
 ``EngineStats``) travel as they are, checked on decode, without pickle (nothing the receiver did not
 declare can be built from a message). Measured per message on this machine: see
@@ -22,6 +23,8 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    front_end: int = 0
+    """Which front end sent it (``--api-server-count``): the one its outputs go back to."""
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):

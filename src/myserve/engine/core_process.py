@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import zmq
@@ -31,6 +32,7 @@ from myserve.errors import MyserveError
 if TYPE_CHECKING:
     from myserve.config import Config
     from myserve.engine.core import EngineCore
+    from myserve.engine.core_client import CoreLink
 
 logger = logging.getLogger("myserve.core")
 
@@ -38,7 +40,7 @@ STATS_INTERVAL_S = 0.25
 """Counters ride on outputs at most this often, and on a heartbeat when the core is idle."""
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Ask Linux to kill this process when its parent dies (no-op elsewhere)."""
     if sys.platform.startswith("linux"):
         import ctypes
@@ -52,10 +54,11 @@ CORE_HOOK_ENV = "MYSERVE_CORE_HOOK"
 supervision tests patch the runner with it to inject device faults)."""
 
 
-def run_core(config: Config, to_core: str, from_core: str) -> None:
-    """The core process: load, warm up, serve until ``Shutdown`` or the front end's death."""
+def run_core(config: Config, links: Sequence[CoreLink]) -> None:
+    """The core process: load, warm up, serve the front ends of ``links`` until ``Shutdown`` (from
+    front end 0, our parent) or the parent's death."""
     parent = os.getppid()
-    _die_with_parent()
+    die_with_parent()
     # The engine thread and this one share the core's GIL: hand it over within 0.5 ms, not 5, when
     # the engine thread comes back from waiting on the device (as serve does in one process).
     sys.setswitchinterval(0.0005)
@@ -63,19 +66,23 @@ def run_core(config: Config, to_core: str, from_core: str) -> None:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
-    inbox = context.socket(zmq.PULL)
-    inbox.connect(to_core)
-    outbox = context.socket(zmq.PUSH)
-    outbox.connect(from_core)
+    inbox = context.socket(zmq.PULL)  # fair-queued over every front end's requests
+    outboxes = []
+    for link in links:
+        inbox.connect(link.to_core)
+        outboxes.append(context.socket(zmq.PUSH))
+        outboxes[-1].connect(link.from_core)
     send_lock = threading.Lock()
 
-    def send(message: msg.FromCore) -> None:
+    def send(message: msg.FromCore, front_end: int | None = None) -> None:
+        """To one front end, or (None) to all of them."""
         data = msg.encoder.encode(message)
         with send_lock:
-            if len(data) < 65536:  # zero-copy pays only for large messages
-                outbox.send(data)
-            else:
-                outbox.send(data, copy=False)
+            for outbox in outboxes if front_end is None else (outboxes[front_end],):
+                if len(data) < 65536:  # zero-copy pays only for large messages
+                    outbox.send(data)
+                else:
+                    outbox.send(data, copy=False)
 
     hook = os.environ.get(CORE_HOOK_ENV)
     if hook:
@@ -85,15 +92,17 @@ def run_core(config: Config, to_core: str, from_core: str) -> None:
         core = _load(config)
     except MyserveError as e:  # a configuration the deployment cannot load: one line, exit 2
         send(msg.Died(str(e), config_error=True))
-        _linger(inbox, outbox)
+        _linger(inbox, outboxes)
         os._exit(2)
     except BaseException as e:
         logger.exception("the engine core failed to load")
         send(msg.Died(f"engine failed to load: {type(e).__name__}: {e}"))
-        _linger(inbox, outbox)
+        _linger(inbox, outboxes)
         os._exit(1)
     send(msg.Loaded(core.vocab_size, core.max_model_len, core.max_waiting))
     last_stats = 0.0
+    sender: dict[str, int] = {}
+    """Request id -> the front end its outputs go to (when there are several)."""
 
     def sink(outputs: list) -> None:
         nonlocal last_stats
@@ -102,7 +111,18 @@ def run_core(config: Config, to_core: str, from_core: str) -> None:
         # Due, or a request finished: its caller may read the counters next (tests, metrics).
         if now - last_stats >= STATS_INTERVAL_S or any(o.final for o in outputs):
             stats, last_stats = core.stats(), now
-        send(msg.Outputs(outputs, stats))
+        if len(outboxes) == 1:
+            send(msg.Outputs(outputs, stats), 0)
+            return
+        by_front: list[list] = [[] for _ in outboxes]
+        for o in outputs:
+            front_end = sender.pop(o.request_id, 0) if o.final else sender.get(o.request_id, 0)
+            by_front[front_end].append(o)
+        for front_end, its_outputs in enumerate(by_front):
+            if its_outputs:
+                send(msg.Outputs(its_outputs, stats), front_end)
+            elif stats is not None:  # every front end's counters stay as fresh
+                send(msg.Heartbeat(stats), front_end)
 
     died = threading.Event()
 
@@ -117,7 +137,7 @@ def run_core(config: Config, to_core: str, from_core: str) -> None:
     except BaseException as e:
         logger.exception("warmup failed")
         send(msg.Died(f"warmup failed: {type(e).__name__}: {e}"))
-        _linger(inbox, outbox)
+        _linger(inbox, outboxes)
         os._exit(1)
     send(msg.Ready())
     logger.info("engine core ready (pid %d)", os.getpid())
@@ -138,10 +158,13 @@ def run_core(config: Config, to_core: str, from_core: str) -> None:
             continue
         message = msg.to_core.decode(inbox.recv())
         if isinstance(message, msg.AddRequest):
+            if len(outboxes) > 1:
+                sender[message.request_id] = message.front_end
             try:
                 core.add(message.request_id, message.prompt_ids, message.params)
             except Exception as e:  # validated by the front end already: a race with the core's death
-                send(msg.Outputs([_failed(message.request_id, e)]))
+                sender.pop(message.request_id, None)
+                send(msg.Outputs([_failed(message.request_id, e)]), message.front_end)
         elif isinstance(message, msg.AbortRequest):
             core.abort(message.request_id, message.choice)
         else:
@@ -150,7 +173,7 @@ def run_core(config: Config, to_core: str, from_core: str) -> None:
     from myserve.runtime import multihost
 
     multihost.shutdown()
-    _linger(inbox, outbox)
+    _linger(inbox, outboxes)
     os._exit(code)
 
 
@@ -160,12 +183,13 @@ def _failed(request_id: str, error: Exception):  # noqa: ANN202 - a RequestOutpu
     return RequestOutput(request_id, -1, usage=Usage(0, 0), error=f"{type(error).__name__}: {error}")
 
 
-def _linger(inbox: zmq.Socket, outbox: zmq.Socket) -> None:
-    """Let queued messages leave before the process exits (bounded): closing the outbox with a
+def _linger(inbox: zmq.Socket, outboxes: Sequence[zmq.Socket]) -> None:
+    """Let queued messages leave before the process exits (bounded): closing the outboxes with a
     linger and terminating the context waits for them (every socket must be closed for that)."""
     inbox.close(linger=0)
-    outbox.close(linger=2000)
-    outbox.context.term()
+    for outbox in outboxes:
+        outbox.close(linger=2000)
+    inbox.context.term()
 
 
 def _load(config: Config) -> EngineCore:

@@ -1,11 +1,25 @@
-"""Prometheus metrics (prometheus-client), one registry per app so tests can run several apps."""
+"""Prometheus metrics (prometheus-client), one registry per app so tests can run several apps.
+
+With several front-end processes (``--api-server-count``) ``serve`` turns on prometheus_client's
+multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``): each process writes its figures to files there,
+and a scrape of any front end merges them: counters and histograms add up over the front ends, and
+the engine gauges (the core's counters, which every front end receives) take the latest value set.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import os
+from functools import partial
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import Gauge as _Gauge
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from myserve.engine.core_client import EngineClient
 from myserve.engine.service import GenerationService
+
+Gauge = partial(_Gauge, multiprocess_mode="mostrecent")
+"""The engine's gauges: one value (the core's), whichever front end set it last."""
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -76,4 +90,8 @@ class Metrics:
             self.host_seconds.labels(phase).set(seconds)
         self.step_gap.set(s.step_gap_seconds)
         self.steps.set(s.steps)
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # every front end's files, merged
+            merged = CollectorRegistry()
+            MultiProcessCollector(merged)
+            return generate_latest(merged)
         return generate_latest(self.registry)

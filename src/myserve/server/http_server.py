@@ -1,0 +1,157 @@
+"""Running one HTTP front end: the app on uvicorn, draining on a signal, exiting 1 when the engine dies.
+
+``serve_http`` is what ``python -m myserve.serve`` runs in its own process, and what each extra
+front-end process of ``--api-server-count`` runs (``server/front_end_process.py``) on the listening
+socket they share. Rules: the first SIGTERM/SIGINT refuses new requests (503) and lets in-flight
+ones finish within ``server.drain_timeout_s``; a second one exits at once. A dead engine (or a failed
+warmup, or a sibling front end that died) ends the server with status 1 after open responses had
+``FATAL_GRACE_S`` to end.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.process
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+from myserve.engine.core_client import EngineClient
+from myserve.server.app import create_app
+
+if TYPE_CHECKING:
+    from myserve.config import Config
+    from myserve.engine.service import GenerationService
+
+logger = logging.getLogger("myserve.serve")
+
+FATAL_GRACE_S = 3
+"""Seconds open responses get to end once the server exits after a fatal engine error."""
+
+
+def serve_http(
+    config: Config,
+    service: GenerationService | EngineClient,
+    name: str,
+    *,
+    sockets: Sequence[socket.socket] | None = None,
+    siblings: Sequence[multiprocessing.process.BaseProcess] = (),
+    follows_parent: bool = False,
+) -> int:
+    """Serve ``service`` over HTTP until signalled or fatal; returns the exit status (0 or 1).
+
+    ``service`` is loaded (its tokenizer at hand); this starts its warmup on a thread and stops it
+    at the end. ``sockets``: listening sockets to serve on (shared with ``siblings``, the extra
+    front-end processes, which get every signal this process gets, are watched, and are waited for
+    before the engine stops). ``follows_parent``: an extra front end, which ignores SIGINT (Ctrl-C
+    reaches every process of the group; the first front end forwards what it decides).
+    """
+    app = create_app(
+        service,
+        served_model_name=name,
+        api_key=config.server.api_key,
+        max_body_bytes=config.server.max_body_bytes,
+        request_timeout_s=config.server.request_timeout_s,
+        tool_call_parser=config.server.tool_call_parser,
+        enable_auto_tool_choice=config.server.enable_auto_tool_choice,
+        reasoning_parser=config.server.reasoning_parser,
+    )
+    url = f"http://{config.server.host}:{config.server.port}"
+
+    told = 0  # signals forwarded to the siblings: the first drains them, a second ends them
+
+    def tell_siblings() -> None:
+        nonlocal told
+        told += 1
+        for sibling in siblings:
+            if sibling.is_alive() and sibling.pid is not None:
+                try:
+                    os.kill(sibling.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+    class DrainingServer(uvicorn.Server):
+        """First signal: refuse new requests, wait for in-flight ones (bounded), then exit."""
+
+        draining = False
+
+        def handle_exit(self, sig: int, frame: object) -> None:
+            if follows_parent and sig == signal.SIGINT:
+                return
+            tell_siblings()
+            if self.draining:
+                self.should_exit = True
+                return
+            self.draining = True
+            app.state.server.draining = True
+            logger.info("signal %d: draining (up to %.0fs)", sig, config.server.drain_timeout_s)
+
+            def drain() -> None:
+                deadline = time.monotonic() + config.server.drain_timeout_s
+                while app.state.server.in_flight > 0 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                self.should_exit = True
+
+            threading.Thread(target=drain, daemon=True).start()
+
+    server = DrainingServer(
+        uvicorn.Config(
+            app,
+            host=config.server.host,
+            port=config.server.port,
+            log_level=config.server.log_level,
+            # Bounds the exit after a fatal error (or a drain that timed out): open responses get
+            # this long to end before their connections are closed.
+            timeout_graceful_shutdown=FATAL_GRACE_S,
+        )
+    )
+    failed = threading.Event()
+
+    def fatal(what: str) -> None:
+        """The engine cannot serve any more: stop serving and exit non-zero (any thread)."""
+        failed.set()
+        logger.error("%s: exiting with status 1 so that a supervisor can restart the server", what)
+        server.should_exit = True
+
+    # Runs on the engine thread after it has failed every request (the traceback is logged there).
+    service.on_dead = lambda e: fatal(f"the engine stopped ({type(e).__name__})")
+
+    def warm() -> None:
+        try:
+            service.start()
+        except BaseException as e:
+            if isinstance(service, EngineClient):  # the core process logged its traceback
+                logger.error("warmup failed: %s", e)
+            else:
+                logger.exception("warmup failed")
+            service.dead = e  # /health answers 503 until the exit
+            fatal(f"warmup failed ({type(e).__name__})")
+            return
+        if not follows_parent:
+            logger.info("model %s ready on %s", name, url)
+
+    def watch(sibling: multiprocessing.process.BaseProcess) -> None:
+        sibling.join()
+        if not server.should_exit and not server.draining:
+            fatal(f"front end {sibling.name} exited (code {sibling.exitcode})")
+
+    threading.Thread(target=warm, name="myserve-warmup", daemon=True).start()
+    for sibling in siblings:
+        threading.Thread(target=watch, args=(sibling,), name=f"watch-{sibling.name}", daemon=True).start()
+    server.run(sockets=list(sockets) if sockets else None)
+    if not told:  # (a fatal error, not a signal) they drain too
+        tell_siblings()
+    for sibling in siblings:  # they drain their own requests before the engine stops
+        sibling.join(timeout=config.server.drain_timeout_s + 2 * FATAL_GRACE_S)
+        if sibling.is_alive():
+            sibling.kill()
+        elif sibling.exitcode:
+            failed.set()
+    service.shutdown()  # on a multi-host mesh this also ends the followers' loops
+    return 1 if failed.is_set() else 0
