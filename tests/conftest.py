@@ -117,7 +117,8 @@ def hf_gguf_model():
 
 def load_on_mesh(checkpoint, data: int = 1, model: int = 1):
     """Load a checkpoint in float32 on a (data, model) mesh; returns (model, mesh, mapping)."""
-    from myserve.models.loading import load_model, open_source, resolve_checkpoint
+    from myserve.models.checkpoint import resolve_checkpoint
+    from myserve.models.loading import load_model, open_source
     from myserve.runtime.mesh import axis_mapping, make_mesh
 
     source = open_source(resolve_checkpoint(checkpoint))

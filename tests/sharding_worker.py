@@ -15,7 +15,8 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from myserve.models.loading import load_model, open_source, resolve_checkpoint  # noqa: E402
+from myserve.models.checkpoint import resolve_checkpoint  # noqa: E402
+from myserve.models.loading import load_model, open_source  # noqa: E402
 from myserve.runtime.kv_cache import init_kv_cache  # noqa: E402
 from myserve.runtime.mesh import axis_mapping, make_mesh  # noqa: E402
 from myserve.runtime.steps import forward_all_logits, page_batch  # noqa: E402

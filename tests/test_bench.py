@@ -273,7 +273,8 @@ def test_random_checkpoint_without_torch_loads_as_a_checkpoint(tmp_path: Path) -
         "assert 'torch' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-    from myserve.models.loading import open_source, resolve_checkpoint
+    from myserve.models.checkpoint import resolve_checkpoint
+    from myserve.models.loading import open_source
     from myserve.tokenizer import Tokenizer
 
     spec = open_source(resolve_checkpoint(str(directory))).spec

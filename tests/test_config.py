@@ -182,6 +182,7 @@ def test_request_timeout_is_off_by_default_and_takes_seconds() -> None:
         ("server.request_timeout_s=0", "overrides: server.request_timeout_s must be > 0 or null, got 0.0"),
         ("server.request_timeout_s=-1.5", "overrides: server.request_timeout_s must be > 0 or null, got -1.5"),
         ("mesh.model=0", "overrides: mesh.model must be >= 1, got 0"),
+        ("server.api_server_count=0", "overrides: server.api_server_count must be >= 1, got 0"),
         (
             "model.dtype=fp32",
             "overrides: model.dtype must be one of auto, float32, bfloat16, float16, got 'fp32'",
@@ -207,6 +208,15 @@ def test_override_errors(override: str, message: str) -> None:
     assert error_of(load_config, REPO_DEFAULT, [override]) == message
 
 
+def test_several_front_ends_need_the_core_process() -> None:
+    overrides = ["server.api_server_count=2", "server.engine_process=false"]
+    assert error_of(load_config, REPO_DEFAULT, overrides) == (
+        "overrides: server.api_server_count > 1 needs server.engine_process: true "
+        "(the front ends share one engine core)"
+    )
+    assert load_config(REPO_DEFAULT, ["server.api_server_count=2"]).server.api_server_count == 2
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -215,7 +225,8 @@ def test_override_errors(override: str, message: str) -> None:
             "server:\n  prot: 1\n",
             "{path}: unknown key 'server.prot' (did you mean 'server.port'?); "
             "known keys: host, port, served_model_name, api_key, log_level, drain_timeout_s, max_body_bytes, "
-            "request_timeout_s, tool_call_parser, enable_auto_tool_choice, reasoning_parser, engine_process",
+            "request_timeout_s, tool_call_parser, enable_auto_tool_choice, reasoning_parser, engine_process, "
+            "api_server_count",
         ),
         ("engine: [1, 2]\n", "{path}: engine: expected a mapping of keys, got [1, 2] (list)"),
         ("- model\n", "{path}: top level: expected a mapping of sections, got ['model'] (list)"),

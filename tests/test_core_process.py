@@ -80,6 +80,9 @@ def _body(**kw) -> dict:
 @pytest.mark.slow
 def test_requests_go_through_the_core_process_and_stop_strings_end_one_choice(server) -> None:
     assert _alive(server.core)
+    # The front end never loads JAX (nor touches a device): only the core does.
+    assert "jaxlib" not in Path(f"/proc/{server.proc.pid}/maps").read_text()
+    assert "jaxlib" in Path(f"/proc/{server.core}/maps").read_text()
     free = httpx.post(f"{server.url}/v1/completions", json=_body(n=3, temperature=1.0, seed=1), timeout=60).json()
     assert "choices" in free, (free, server.log[-3000:])
     texts = [c["text"] for c in free["choices"]]

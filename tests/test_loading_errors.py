@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from myserve.errors import CheckpointError
-from myserve.models.loading import open_source, resolve_checkpoint
+from myserve.models.checkpoint import resolve_checkpoint
+from myserve.models.loading import open_source
 
 
 def load_error(checkpoint: str | Path) -> str:

@@ -37,7 +37,8 @@ def test_logits_match_transformers(arch: str, tiny_checkpoints) -> None:
 
 def test_spec_flags_per_family(tiny_checkpoints) -> None:
     """Each tiny checkpoint really exercises its family's difference."""
-    from myserve.models.loading import open_source, resolve_checkpoint
+    from myserve.models.checkpoint import resolve_checkpoint
+    from myserve.models.loading import open_source
 
     specs = {a: open_source(resolve_checkpoint(d)).spec for a, d in tiny_checkpoints.items()}
     assert specs["llama3"].rope_scaling is not None and specs["llama3"].rope_scaling.factor == 8.0

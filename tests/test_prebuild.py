@@ -49,7 +49,8 @@ def test_prebuilt_steps_are_the_ones_that_run_and_serve_the_same_tokens(tiny_che
 
 def test_executables_built_for_other_arrays_are_not_taken(tiny_checkpoints) -> None:
     from myserve.config import load_config
-    from myserve.models.loading import load_model, open_source, resolve_checkpoint
+    from myserve.models.checkpoint import resolve_checkpoint
+    from myserve.models.loading import load_model, open_source
     from myserve.runtime.deployment import executor_for
     from myserve.runtime.mesh import axis_mapping, make_mesh
 

@@ -122,6 +122,7 @@ def test_flags_map_to_config_keys(monkeypatch: pytest.MonkeyPatch) -> None:
             "--served-model-name", "m", "--chat-template", "{{ x }}", "--max-model-len", "1024",
             "--max-num-seqs", "8", "--dtype", "bfloat16", "--tensor-parallel-size", "2",
             "--log-level", "debug", "--set", "engine.page_size=32", "--set", "server.drain_timeout_s=5",
+            "--api-server-count", "3",
         ]
     )  # fmt: skip
     c = serve.config_from_args(args)
@@ -131,6 +132,7 @@ def test_flags_map_to_config_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (c.engine.max_num_seqs, c.engine.page_size, c.mesh.model) == (8, 32, 2)
     assert (c.server.host, c.server.port, c.server.served_model_name) == ("0.0.0.0", 9001, "m")
     assert (c.server.api_key, c.server.log_level, c.server.drain_timeout_s) == ("sk-env", "debug", 5.0)
+    assert c.server.api_server_count == 3
     # An explicit flag wins over the environment; no flags at all is the default deployment.
     assert serve.config_from_args(serve.parse_args(["--api-key", "sk-flag"])).server.api_key == "sk-flag"
     monkeypatch.delenv("MYSERVE_API_KEY")
@@ -143,6 +145,7 @@ def test_flags_map_to_config_keys(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--max-num-seqs", "0"], "engine.max_num_seqs"),
         (["--set", "engine.no_such_key=1"], "no_such_key"),
         (["--port", "70000"], "server.port"),
+        (["--api-server-count", "2", "--set", "server.engine_process=false"], "server.engine_process"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

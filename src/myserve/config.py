@@ -229,6 +229,29 @@ class MeshConfig:
             _check(pid < n, f"mesh.process_id ({pid}) must be < mesh.num_processes ({n})")
         _check(self.heartbeat_timeout_s >= 1, f"mesh.heartbeat_timeout_s must be >= 1, got {self.heartbeat_timeout_s}")
 
+    def from_env(self, key: str) -> Any:
+        """``key``'s value, from its ``MYSERVE_*`` environment variable (``MESH_ENV``) when set."""
+        return os.environ.get(MESH_ENV[key], getattr(self, key))
+
+    def role(self) -> str:
+        """What this process is, known before JAX starts: ``single`` (one process), ``leader``
+        (process 0), ``follower``, or ``unknown`` when JAX detects the id (no ``process_id``)."""
+        num = self.from_env("num_processes")
+        if num is not None and int(num) == 1:
+            return "single"
+        pid = self.from_env("process_id")
+        if pid is None:
+            return "unknown"
+        return "leader" if int(pid) == 0 else "follower"
+
+
+MESH_ENV = {
+    "coordinator_address": "MYSERVE_COORDINATOR_ADDRESS",
+    "num_processes": "MYSERVE_NUM_PROCESSES",
+    "process_id": "MYSERVE_PROCESS_ID",
+}
+"""Environment variables that override these mesh keys (as cluster launchers set them)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:

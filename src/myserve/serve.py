@@ -26,6 +26,7 @@ from myserve.errors import ConfigError, MyserveError
 if TYPE_CHECKING:
     from myserve.config import Config
     from myserve.engine.core_client import EngineClient
+    from myserve.engine.service import GenerationService
 
 logger = logging.getLogger("myserve.serve")
 
@@ -115,17 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         from myserve.bundled import BUNDLED_MODEL_NAME
         from myserve.engine.core_client import EngineClient
-        from myserve.engine.service import GenerationService
-        from myserve.runtime import multihost
-        from myserve.runtime.deployment import Deployment
-        from myserve.runtime.host_memory import keep_freed_memory
         from myserve.server.http_server import serve_http
 
         service: GenerationService | EngineClient
         # A multi-host leader's core (process 0) broadcasts its steps from its own process; a
         # follower has no front end, and a process that learns its id from JAX runs in one process.
-        if config.server.engine_process and multihost.configured_role(config.mesh) in ("single", "leader"):
-            # The core loads the model and owns the device; this process only needs the tokenizer.
+        if config.server.engine_process and config.mesh.role() in ("single", "leader"):
+            # The core loads the model and owns the device; this process only needs the tokenizer
+            # (it never imports the engine, nor JAX).
             service = EngineClient(config, lambda: front_tokenizer(config), front_ends=front_ends)
             try:
                 service.wait_loaded()  # the core's verdict on the configuration first
@@ -133,17 +131,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 service.shutdown()
                 raise
         else:
-            import jax
-
             if front_ends > 1:
                 raise ConfigError("server.api_server_count > 1 needs mesh.process_id on a multi-host mesh")
-            multihost.initialize(config.mesh)  # before anything touches a JAX backend
-            if jax.default_backend() == "cpu":
-                keep_freed_memory()  # the steps' temporaries live in host memory: reuse it
-            dep = Deployment.load(config, prebuild=True)  # step executables build while the weights load
-            if not multihost.is_leader():
-                return _follow(dep)
-            service = GenerationService.from_deployment(dep)
+            loaded = _in_process(config)
+            if isinstance(loaded, int):
+                return loaded  # a follower's exit status
+            service = loaded
     except MyserveError as e:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -162,9 +155,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
-    if isinstance(service, GenerationService):  # the front end of a core process has no JAX backend
+    if not isinstance(service, EngineClient):  # the front end of a core process has no JAX backend
+        from myserve.runtime import multihost
+
         multihost.shutdown()
     return code
+
+
+def _in_process(config: Config) -> GenerationService | int:
+    """The engine in this process: the service, or a multi-host follower's exit status."""
+    import jax
+
+    from myserve.engine.service import GenerationService
+    from myserve.runtime import multihost
+    from myserve.runtime.deployment import Deployment
+    from myserve.runtime.host_memory import keep_freed_memory
+
+    multihost.initialize(config.mesh)  # before anything touches a JAX backend
+    if jax.default_backend() == "cpu":
+        keep_freed_memory()  # the steps' temporaries live in host memory: reuse it
+    dep = Deployment.load(config, prebuild=True)  # step executables build while the weights load
+    if not multihost.is_leader():
+        return _follow(dep)
+    return GenerationService.from_deployment(dep)
 
 
 def _serve_front_ends(config: Config, service: EngineClient, name: str) -> int:
@@ -221,7 +234,7 @@ def _shared_metrics_dir() -> str | None:
 
 def front_tokenizer(config: Config):  # noqa: ANN201 - a Tokenizer
     """The tokenizer the front end needs, loaded as the deployment would (no weights, no device)."""
-    from myserve.models.loading import resolve_checkpoint
+    from myserve.models.checkpoint import resolve_checkpoint
     from myserve.tokenizer import Tokenizer
 
     source = config.model.tokenizer or resolve_checkpoint(config.model.checkpoint).path

@@ -15,8 +15,9 @@ from jax.sharding import Mesh
 
 from myserve.config import Config
 from myserve.errors import ConfigError
+from myserve.models.checkpoint import resolve_checkpoint
 from myserve.models.llama import LlamaModel
-from myserve.models.loading import TensorSource, load_model, open_source, resolve_checkpoint
+from myserve.models.loading import TensorSource, load_model, open_source
 from myserve.models.spec import ModelSpec, check_max_len
 from myserve.ops.paged_attention import resolve_backend
 from myserve.runtime.buckets import Buckets

@@ -12,14 +12,13 @@ their identical executors, in order. A stop message ends the followers' loop.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import socket
 from collections.abc import Sequence
 
 import jax
 
-from myserve.config import MeshConfig
+from myserve.config import MESH_ENV, MeshConfig
 from myserve.errors import ConfigError
 from myserve.runtime.executor import Executor, Op, Progress
 from myserve.runtime.model_step import StepOutput
@@ -30,12 +29,6 @@ logger = logging.getLogger(__name__)
 _channel: StepChannel | None = None
 """This process's end of the step channel, opened by ``initialize`` on a multi-process run."""
 
-_ENV = {
-    "coordinator_address": "MYSERVE_COORDINATOR_ADDRESS",
-    "num_processes": "MYSERVE_NUM_PROCESSES",
-    "process_id": "MYSERVE_PROCESS_ID",
-}
-
 
 def initialize(mesh: MeshConfig) -> None:
     """``jax.distributed.initialize`` from the config; each value may also come from a ``MYSERVE_*`` env var.
@@ -44,7 +37,7 @@ def initialize(mesh: MeshConfig) -> None:
     leaves the coordinator, count and id to JAX's detection (TPU pod slices, SLURM).
     """
     global _channel
-    values = {key: os.environ.get(env, getattr(mesh, key)) for key, env in _ENV.items()}
+    values = {key: mesh.from_env(key) for key in MESH_ENV}
     num = values["num_processes"]
     if num is not None and int(num) == 1:
         return
@@ -73,19 +66,6 @@ def initialize(mesh: MeshConfig) -> None:
         jax.local_device_count(),
         jax.device_count(),
     )
-
-
-def configured_role(mesh: MeshConfig) -> str:
-    """What this process is before JAX starts: ``single`` (one process), ``leader`` (process 0),
-    ``follower``, or ``unknown`` when JAX detects the process id itself (``num_processes: null``
-    or no ``process_id``). ``serve`` runs a leader's engine core in a process of its own."""
-    num = os.environ.get(_ENV["num_processes"], mesh.num_processes)
-    if num is not None and int(num) == 1:
-        return "single"
-    pid = os.environ.get(_ENV["process_id"], mesh.process_id)
-    if pid is None:
-        return "unknown"
-    return "leader" if int(pid) == 0 else "follower"
 
 
 def shutdown() -> None:

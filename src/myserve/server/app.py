@@ -13,16 +13,14 @@ import hmac
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from myserve.engine.core_client import EngineClient
 from myserve.engine.grammar import GrammarSpec
 from myserve.engine.outputs import ContextLengthExceeded, EngineDead, Overloaded
 from myserve.engine.params import InvalidParams, SamplingParams
-from myserve.engine.service import GenerationService
 from myserve.engine.stream import RequestStream
 from myserve.server.chat_output import ChoiceParser
 from myserve.server.errors import APIError, install_error_handlers
@@ -40,6 +38,10 @@ from myserve.server.structured import request_grammar
 from myserve.server.tool_parsers import PARSERS
 from myserve.server.tools import plan_tools, template_messages
 from myserve.tokenizer import ChatTemplateError
+
+if TYPE_CHECKING:  # (the front end of a core process never imports the engine, nor JAX)
+    from myserve.engine.core_client import EngineClient
+    from myserve.engine.service import GenerationService
 
 _OPEN_PATHS = ("/health", "/healthz", "/metrics", "/docs", "/openapi.json", "/redoc")
 

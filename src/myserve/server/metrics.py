@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import os
 from functools import partial
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import Gauge as _Gauge
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from myserve.engine.core_client import EngineClient
-from myserve.engine.service import GenerationService
+if TYPE_CHECKING:
+    from myserve.engine.core_client import EngineClient
+    from myserve.engine.service import GenerationService
+
 
 Gauge = partial(_Gauge, multiprocess_mode="mostrecent")
 """The engine's gauges: one value (the core's), whichever front end set it last."""

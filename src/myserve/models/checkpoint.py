@@ -1,0 +1,55 @@
+"""Finding a checkpoint on disk (an HF directory, a cached hub id, a GGUF file, the bundled default)
+without importing JAX: the HTTP front end resolves the tokenizer's source with it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from myserve.bundled import bundled_gguf_path
+from myserve.errors import CheckpointError
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedCheckpoint:
+    """A checkpoint found on disk: an HF directory or a GGUF file."""
+
+    kind: str  # "hf" or "gguf"
+    path: Path
+
+
+def resolve_checkpoint(checkpoint: str | Path | None) -> ResolvedCheckpoint:
+    """Find a checkpoint: None (bundled SmolLM2), a directory, a ``.gguf`` file, or a cached hub id."""
+    if checkpoint is None:
+        return ResolvedCheckpoint("gguf", bundled_gguf_path())
+    path = Path(checkpoint).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise CheckpointError(f"{path}: GGUF file not found")
+        return ResolvedCheckpoint("gguf", path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"{path}: not an HF checkpoint directory (no config.json)")
+        return ResolvedCheckpoint("hf", path)
+    if path.exists():
+        raise CheckpointError(f"{path}: not a checkpoint directory or .gguf file")
+    return ResolvedCheckpoint("hf", _from_hub_cache(str(checkpoint)))
+
+
+def _from_hub_cache(repo_id: str) -> Path:
+    """Resolve a hub id from the local HF cache only; this server never downloads weights."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        snapshot = Path(snapshot_download(repo_id, local_files_only=True))
+    except HFValidationError:
+        raise CheckpointError(f"{repo_id}: no such directory or file, and not a valid hub id") from None
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError):
+        raise CheckpointError(
+            f"{repo_id}: not found locally and not in the HF cache; download it first "
+            f"(huggingface-cli download {repo_id}) or pass a directory"
+        ) from None
+    if not (snapshot / "config.json").is_file():
+        raise CheckpointError(f"{snapshot}: cached snapshot of {repo_id} has no config.json")
+    return snapshot
