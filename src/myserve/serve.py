@@ -188,35 +188,28 @@ def _serve_front_ends(config: Config, service: EngineClient, name: str) -> int:
     from myserve.server.http_server import serve_http
 
     address = (config.server.host, config.server.port)
+    if not hasattr(socket, "SO_REUSEPORT"):
+        service.shutdown()
+        logger.error("server.api_server_count > 1 needs SO_REUSEPORT (Linux)")
+        return 1
     try:
-        socks = _listening_sockets(address, len(service.links))
+        socket.create_server(address).close()  # the port is free (not another server's group)?
+        # One SO_REUSEPORT group: the kernel spreads new connections evenly over its sockets. Each
+        # other front end joins it once it can serve (a connection routed to a socket waits for it).
+        sock = socket.create_server(address, reuse_port=True)
     except OSError as e:
         service.shutdown()
         logger.error("cannot listen on %s:%d: %s", *address, e)
         return 1
     spawn = multiprocessing.get_context("spawn")
     siblings = [
-        spawn.Process(target=run_front_end, args=(config, link, sock, name), name=f"myserve-front-{link.index}")
-        for link, sock in zip(service.links[1:], socks[1:], strict=True)
+        spawn.Process(target=run_front_end, args=(config, link, address, name), name=f"myserve-front-{link.index}")
+        for link in service.links[1:]
     ]
-    for sibling, sock in zip(siblings, socks[1:], strict=True):
-        sibling.start()  # (the socket is duplicated into it here)
-        if sock is not socks[0]:
-            sock.close()
+    for sibling in siblings:
+        sibling.start()
     logger.info("%d front-end processes share %s:%d", len(siblings) + 1, *address)
-    return serve_http(config, service, name, sockets=[socks[0]], siblings=siblings)
-
-
-def _listening_sockets(address: tuple[str, int], count: int) -> list[socket.socket]:
-    """One listening socket per front end, in one ``SO_REUSEPORT`` group, so that the kernel spreads
-    new connections evenly over them (front ends sharing one socket all wake for each connection,
-    and the least busy takes them all). The port is first bound alone, so that joining another
-    server's group fails as a plain bind would. Without ``SO_REUSEPORT``: one socket, shared."""
-    if not hasattr(socket, "SO_REUSEPORT"):
-        sock = socket.create_server(address)
-        return [sock] * count
-    socket.create_server(address).close()  # is the port free?
-    return [socket.create_server(address, reuse_port=True) for _ in range(count)]
+    return serve_http(config, service, name, sockets=[sock], siblings=siblings)
 
 
 def _shared_metrics_dir() -> str | None:

@@ -11,6 +11,7 @@ open request ends with an engine error, ``dead`` is set and ``on_dead`` runs, wi
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import multiprocessing
@@ -25,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import zmq
+import zmq.asyncio
 
 from myserve.engine import core_messages as msg
 from myserve.engine.grammar import LazyGrammars
@@ -136,6 +138,8 @@ class EngineClient:
                 self._core_fd = os.pidfd_open(link.core_pid)
             except (AttributeError, OSError):
                 self._core_fd = None
+        self._in_loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
         self._receiver = threading.Thread(target=self._receive, name="myserve-core-client", daemon=True)
         self._receiver.start()
 
@@ -250,36 +254,91 @@ class EngineClient:
         except zmq.Again:
             raise EngineDead("the engine core is not connected") from None
 
-    # -- receiver thread ----------------------------------------------------------------------
+    # -- receiving: a thread, or the front end's event loop ---------------------------------------
+    async def receive_in_loop(self) -> None:
+        """Move the reading of the core's messages onto the running event loop (the app's startup
+        calls this): each message is read, detokenized and put on its streams in the loop that
+        serves them, with one wake-up instead of a receiver thread's plus the loop's. One loop at
+        a time; ``leave_loop`` (the app's shutdown) hands it back to a thread."""
+        if self._in_loop is not None or self.dead is not None or self._stopping:
+            return
+        self._in_loop = asyncio.get_running_loop()
+        # The thread sees _in_loop within _WATCH_S and stops: one reader at a time.
+        await asyncio.to_thread(self._receiver.join)
+        if self.dead is None and not self._stopping:
+            self._task = self._in_loop.create_task(self._receive_async())
+
+    async def leave_loop(self) -> None:
+        """Hand the reading back to a thread (the loop that took it is shutting down)."""
+        if self._in_loop is not asyncio.get_running_loop():
+            return
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._task, self._in_loop = None, None
+        if self.dead is None and not self._stopping:
+            self._receiver = threading.Thread(target=self._receive, name="myserve-core-client", daemon=True)
+            self._receiver.start()
+
     def _receive(self) -> None:
         poller = zmq.Poller()
         poller.register(self._in, zmq.POLLIN)
-        while True:
+        while self._in_loop is None:
             if not poller.poll(timeout=int(_WATCH_S * 1000)):
-                if not self._core_alive() and not poller.poll(timeout=0):  # (its last words read)
-                    if not self._stopping:
-                        self._died(f"the engine core process exited ({self._exit_note()})")
+                if self._core_gone():
                     return
                 continue
-            message = msg.from_core.decode(self._in.recv())
-            if isinstance(message, msg.Outputs):
-                if message.stats is not None:  # first: whoever reads a delivered final sees them
-                    self._stats, self._added_since_stats = message.stats, 0
-                self._deliver(message.outputs)
-            elif isinstance(message, msg.Heartbeat):
-                self._stats, self._added_since_stats = message.stats, 0
-            elif isinstance(message, msg.Loaded):
-                self.vocab_size, self.max_model_len = message.vocab_size, message.max_model_len
-                self.max_waiting = message.max_waiting
-                self._loaded.set()
-            elif isinstance(message, msg.Ready):
-                self.ready.set()
-                self._started.set()
-            else:
-                if message.config_error:
-                    self._startup_error = ConfigError(message.message)
-                self._died(message.message)
+            if self._handle(self._in.recv()):
                 return
+
+    async def _receive_async(self) -> None:
+        sock = zmq.asyncio.Socket.from_socket(self._in)
+        while True:
+            if not await sock.poll(timeout=int(_WATCH_S * 1000)):
+                if self._core_gone():
+                    return
+                continue
+            while True:  # everything that has arrived, then wait again
+                try:
+                    data = self._in.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if self._handle(data):
+                    return
+
+    def _core_gone(self) -> bool:
+        """No message came: is the core gone (its last words read)? Then fail what is open."""
+        if self._core_alive() or self._in.poll(timeout=0):
+            return False
+        if not self._stopping:
+            self._died(f"the engine core process exited ({self._exit_note()})")
+        return True
+
+    def _handle(self, data: bytes) -> bool:
+        """One message from the core; True when it was the last (the core died)."""
+        message = msg.from_core.decode(data)
+        if isinstance(message, msg.Outputs):
+            if message.stats is not None:  # first: whoever reads a delivered final sees them
+                self._stats, self._added_since_stats = message.stats, 0
+            self._deliver(message.outputs)
+        elif isinstance(message, msg.Heartbeat):
+            self._stats, self._added_since_stats = message.stats, 0
+        elif isinstance(message, msg.Loaded):
+            self.vocab_size, self.max_model_len = message.vocab_size, message.max_model_len
+            self.max_waiting = message.max_waiting
+            self._loaded.set()
+        elif isinstance(message, msg.Ready):
+            self.ready.set()
+            self._started.set()
+        else:
+            if message.config_error:
+                self._startup_error = ConfigError(message.message)
+            self._died(message.message)
+            return True
+        return False
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         self.processor.process(outputs)

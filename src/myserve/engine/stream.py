@@ -41,14 +41,24 @@ class RequestStream:
 
     @staticmethod
     def put_many(items: list[tuple[RequestStream, RequestOutput]]) -> None:
-        """Deliver several outputs (engine thread): one wake-up per event loop, not one per output."""
+        """Deliver several outputs (engine thread, or a loop): one wake-up per event loop, not one
+        per output, and none for the loop this runs in."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for stream, output in items:
             if stream._loop is None:
                 stream._queue.put(output)
             else:
                 by_loop.setdefault(stream._loop, []).append((stream, output))
+        if not by_loop:
+            return
+        try:
+            here = asyncio.get_running_loop()  # (a front end reading the core's messages in its loop)
+        except RuntimeError:
+            here = None
         for loop, batch in by_loop.items():
+            if loop is here:
+                _put_all(batch)
+                continue
             try:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # the consumers' loop is closed: nobody is listening any more

@@ -9,15 +9,17 @@ disconnects aborts its requests, and so does the per-request deadline (``request
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from myserve.engine.core_client import EngineClient
 from myserve.engine.grammar import GrammarSpec
 from myserve.engine.outputs import ContextLengthExceeded, EngineDead, Overloaded
 from myserve.engine.params import InvalidParams, SamplingParams
@@ -40,7 +42,6 @@ from myserve.server.tools import plan_tools, template_messages
 from myserve.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:  # (the front end of a core process never imports the engine, nor JAX)
-    from myserve.engine.core_client import EngineClient
     from myserve.engine.service import GenerationService
 
 _OPEN_PATHS = ("/health", "/healthz", "/metrics", "/docs", "/openapi.json", "/redoc")
@@ -75,7 +76,18 @@ def create_app(
         raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: {', '.join(FORMATS)}")
     auto_parser = PARSERS[tool_call_parser] if enable_auto_tool_choice and tool_call_parser else None
     reasoning = FORMATS[reasoning_parser] if reasoning_parser else None
-    app = FastAPI(title="myserve", description="OpenAI-compatible LLM server on JAX", version="0.1.0")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if isinstance(service, EngineClient):  # the core's messages are read in this loop
+            await service.receive_in_loop()
+        yield
+        if isinstance(service, EngineClient):
+            await service.leave_loop()
+
+    app = FastAPI(
+        title="myserve", description="OpenAI-compatible LLM server on JAX", version="0.1.0", lifespan=lifespan
+    )
     install_error_handlers(app)
     state = ServerState()
     metrics = Metrics(service)

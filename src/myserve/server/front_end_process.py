@@ -1,9 +1,11 @@
 """An extra HTTP front-end process (``--api-server-count N``): the same app on the shared port,
 attached to the engine core that the first front end started.
 
-``serve`` binds the listening socket, starts the core for N front ends, and spawns N-1 of these
-with the socket and their ``CoreLink``. Each one tokenizes, detokenizes and streams its own
-requests; the core sends each front end the outputs of the requests it sent. Life rules: it dies
+``serve`` starts the core for N front ends, listens on the port with a ``SO_REUSEPORT`` socket, and
+spawns N-1 of these with their ``CoreLink``; each joins the port's socket group once the core is
+ready (so that the kernel never hands it a connection before it can serve). Each one tokenizes,
+detokenizes and streams its own requests; the core sends each front end the outputs of the requests
+it sent. Life rules: it dies
 with its parent (``PR_SET_PDEATHSIG``); it exits 1 when the core dies (it watches the core's pid);
 it drains on the SIGTERM the first front end forwards, and ignores SIGINT (Ctrl-C reaches every
 process of the group; the first front end decides).
@@ -24,8 +26,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("myserve.serve")
 
 
-def run_front_end(config: Config, link: CoreLink, sock: socket.socket, name: str) -> None:
-    """The process's entry point: attach to the core, serve HTTP on ``sock``, exit with the status."""
+def run_front_end(config: Config, link: CoreLink, address: tuple[str, int], name: str) -> None:
+    """The process's entry point: attach to the core, serve HTTP on ``address``, exit with the status."""
     from myserve.engine.core_process import die_with_parent
 
     die_with_parent()
@@ -39,6 +41,8 @@ def run_front_end(config: Config, link: CoreLink, sock: socket.socket, name: str
     service = EngineClient.attach(config, lambda: front_tokenizer(config), link)
     try:
         service.wait_loaded()
+        service.start()  # the core is ready
+        sock = socket.create_server(address, reuse_port=True)
     except BaseException as e:  # the first front end reports the core's verdict
         logger.error("front end %d: %s", link.index, e)
         service.shutdown()
