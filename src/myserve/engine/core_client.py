@@ -26,7 +26,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import zmq
-import zmq.asyncio
 
 from myserve.engine import core_messages as msg
 from myserve.engine.grammar import LazyGrammars
@@ -139,7 +138,8 @@ class EngineClient:
             except (AttributeError, OSError):
                 self._core_fd = None
         self._in_loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task | None = None
+        self._reader_stop: Callable[[], None] | None = None
+        self._watch: asyncio.TimerHandle | None = None
         self._receiver = threading.Thread(target=self._receive, name="myserve-core-client", daemon=True)
         self._receiver.start()
 
@@ -266,19 +266,15 @@ class EngineClient:
         # The thread sees _in_loop within _WATCH_S and stops: one reader at a time.
         await asyncio.to_thread(self._receiver.join)
         if self.dead is None and not self._stopping:
-            self._task = self._in_loop.create_task(self._receive_async())
+            self._start_reader()
 
     async def leave_loop(self) -> None:
         """Hand the reading back to a thread (the loop that took it is shutting down)."""
         if self._in_loop is not asyncio.get_running_loop():
             return
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        self._task, self._in_loop = None, None
+        if self._reader_stop is not None:
+            self._reader_stop()
+        self._reader_stop, self._in_loop = None, None
         if self.dead is None and not self._stopping:
             self._receiver = threading.Thread(target=self._receive, name="myserve-core-client", daemon=True)
             self._receiver.start()
@@ -294,20 +290,38 @@ class EngineClient:
             if self._handle(self._in.recv()):
                 return
 
-    async def _receive_async(self) -> None:
-        sock = zmq.asyncio.Socket.from_socket(self._in)
-        while True:
-            if not await sock.poll(timeout=int(_WATCH_S * 1000)):
-                if self._core_gone():
+    def _start_reader(self) -> None:
+        """Read in the loop: a reader callback on the socket's file descriptor, and a watch of the
+        core every ``_WATCH_S`` (cheaper per message than awaiting a zmq.asyncio poll)."""
+        loop = self._in_loop
+        assert loop is not None
+        fd = int(self._in.getsockopt(zmq.FD))
+        heard = [True]
+
+        def readable() -> None:
+            # ZeroMQ's descriptor signals edges: drain until nothing is left, then wait again.
+            while int(self._in.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                heard[0] = True
+                if self._handle(self._in.recv(zmq.NOBLOCK)):
+                    stop()
                     return
-                continue
-            while True:  # everything that has arrived, then wait again
-                try:
-                    data = self._in.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                if self._handle(data):
-                    return
+
+        def watch() -> None:
+            if not heard[0] and self._core_gone():
+                stop()
+                return
+            heard[0] = False
+            self._watch = loop.call_later(_WATCH_S, watch)
+
+        def stop() -> None:
+            loop.remove_reader(fd)
+            if self._watch is not None:
+                self._watch.cancel()
+
+        self._reader_stop = stop
+        loop.add_reader(fd, readable)
+        self._watch = loop.call_later(_WATCH_S, watch)
+        readable()  # what arrived before the reader was added
 
     def _core_gone(self) -> bool:
         """No message came: is the core gone (its last words read)? Then fail what is open."""
