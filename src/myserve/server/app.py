@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +26,7 @@ from myserve.engine.stream import RequestStream
 from myserve.server.chat_output import ChoiceParser
 from myserve.server.errors import APIError, install_error_handlers
 from myserve.server.formatting import LogprobFormatter
+from myserve.server.guard import RequestGuard
 from myserve.server.metrics import Metrics
 from myserve.server.protocol import (
     ChatCompletionRequest,
@@ -43,8 +43,6 @@ from myserve.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:  # (the front end of a core process never imports the engine, nor JAX)
     from myserve.engine.service import GenerationService
-
-_OPEN_PATHS = ("/health", "/healthz", "/metrics", "/docs", "/openapi.json", "/redoc")
 
 
 def create_app(
@@ -103,17 +101,7 @@ def create_app(
         "max_model_len": service.max_model_len,
     }
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            return APIError(413, f"request body exceeds {max_body_bytes} bytes", code="request_too_large").response()
-        if api_key is not None and not request.url.path.startswith(_OPEN_PATHS):
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
-                return APIError(401, "invalid or missing API key", code="invalid_api_key").response()
-        return await call_next(request)
+    app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, api_key=api_key)
 
     def check_ready(model: str | None) -> None:
         if state.draining:
