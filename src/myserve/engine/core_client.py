@@ -19,6 +19,7 @@ import multiprocessing.process
 import os
 import select
 import shutil
+import sys
 import tempfile
 import threading
 import uuid
@@ -87,9 +88,12 @@ class EngineClient:
         self._added_since_stats = 0
         self._send_lock = threading.Lock()
         self._owner = link is None
-        self._dir = tempfile.mkdtemp(prefix="myserve-") if link is None else ""
+        # Linux: abstract socket names, which vanish with their processes (a SIGKILL leaves no
+        # files behind); elsewhere files in a temporary directory, removed on shutdown.
+        self._dir = "" if link is not None or sys.platform.startswith("linux") else tempfile.mkdtemp(prefix="myserve-")
+        base = f"{self._dir}/" if self._dir else f"@myserve-{os.getpid()}-{uuid.uuid4().hex[:12]}-"
         self.links = [
-            CoreLink(i, f"ipc://{self._dir}/to-core-{i}", f"ipc://{self._dir}/from-core-{i}")
+            CoreLink(i, f"ipc://{base}to-core-{i}", f"ipc://{base}from-core-{i}")
             for i in range(front_ends if link is None else 0)
         ]
         self.link = link or self.links[0]
@@ -384,6 +388,6 @@ class EngineClient:
             self.on_dead(self.dead)
 
     def close_sockets_dir(self) -> None:
-        """Remove the ipc socket files (the front end that started the core owns them all)."""
-        if self._owner:
+        """Remove the ipc socket files, if any (the front end that started the core owns them all)."""
+        if self._owner and self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
