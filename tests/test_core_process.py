@@ -221,6 +221,7 @@ def test_two_front_ends_share_the_port_and_the_core_and_merge_their_metrics(two_
     server.proc.send_signal(signal.SIGTERM)
     streamer.join(timeout=60)
     assert server.exit_code(30) == 0, server.log[-3000:]
+    assert "Traceback" not in server.log, server.log[-3000:]  # every process stopped cleanly
     for events in results[0]:
         assert events[-1] == {"done": True} and events[-2]["choices"][0]["finish_reason"] == "length", events[-2:]
     assert all(_gone(pid, EXIT_WITHIN_S) for pid in (server.core, *server.fronts))

@@ -286,7 +286,9 @@ class EngineClient:
     def _receive(self) -> None:
         poller = zmq.Poller()
         poller.register(self._in, zmq.POLLIN)
-        while self._in_loop is None:
+        # The front end that started the core reads until the core has gone (its last outputs);
+        # an attached one stops when it shuts down (the core lives on for the others).
+        while self._in_loop is None and not (self._stopping and self.process is None):
             if not poller.poll(timeout=int(_WATCH_S * 1000)):
                 if self._core_gone():
                     return
