@@ -16,13 +16,12 @@ from myserve.config import (
     ServerConfig,
     config_from_dict,
     default_config_path,
-    field_docs,
     from_mapping,
-    key_docs,
     load_config,
     parse_overrides,
     with_overrides,
 )
+from myserve.config_fields import field_docs, key_docs
 from myserve.errors import ConfigError, MyserveError
 
 REPO_DEFAULT = Path(__file__).resolve().parents[1] / "config" / "smollm2-135m-cpu.yaml"
@@ -72,7 +71,7 @@ def test_builtin_default_equals_yaml_when_file_is_missing(monkeypatch: pytest.Mo
 def test_default_yaml_spells_out_and_comments_every_key() -> None:
     data = yaml.safe_load(REPO_DEFAULT.read_text())
     keys = {f"{section}.{key}" for section, fields in data.items() for key in fields}
-    assert keys == set(key_docs())
+    assert keys == set(key_docs(Config))
     for line in REPO_DEFAULT.read_text().splitlines():
         if line.startswith("  ") and ":" in line:
             assert "#" in line, f"key without a comment: {line!r}"
@@ -325,5 +324,5 @@ def test_field_docs_reads_attribute_docstrings() -> None:
     docs = field_docs(_Knobs)
     assert docs["pair"] == "Fixed-length pair, or null."
     assert "undocumented" not in docs
-    assert key_docs()["engine.page_size"] == field_docs(EngineConfig)["page_size"]
-    assert len(key_docs()) == sum(len(dataclasses.fields(cls)) for cls in SECTIONS[:-1])
+    assert key_docs(Config)["engine.page_size"] == field_docs(EngineConfig)["page_size"]
+    assert len(key_docs(Config)) == sum(len(dataclasses.fields(cls)) for cls in SECTIONS[:-1])

@@ -2,26 +2,21 @@
 
 A deployment is a YAML file with one mapping per section (``model``, ``engine``, ``server``,
 ``mesh``); the command line overrides single keys as ``section.field=value``. Every field carries a
-docstring right under it, which :func:`field_docs` reads back for ``--help``. Every mistake a user
+docstring right under it, which ``config_fields.field_docs`` reads back for ``--help``. How a
+section is built from YAML values (types, unknown keys, dotted overrides) is ``config_fields``. Every mistake a user
 can make here raises :class:`~myserve.errors.ConfigError` with one line naming the file (or
 ``overrides``) and the dotted key.
 """
 
-import ast
-import contextlib
 import dataclasses
-import difflib
-import inspect
 import os
-import textwrap
-import types
-import typing
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 
+from myserve.config_fields import build, errors_from, set_dotted, show, wrong_type
 from myserve.errors import ConfigError
 
 T = TypeVar("T")
@@ -44,7 +39,7 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 def _check_choice(key: str, value: str, choices: Sequence[str]) -> None:
-    _check(value in choices, f"{key} must be one of {', '.join(choices)}, got {_show(value)}")
+    _check(value in choices, f"{key} must be one of {', '.join(choices)}, got {show(value)}")
 
 
 def _check_not_empty(key: str, value: str | None) -> None:
@@ -267,102 +262,6 @@ class Config:
     """Device mesh shape."""
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """Field name -> docstring (the string literal under the field) of a dataclass, in order.
-
-    Returns ``{}`` when the source is unavailable (e.g. a build that strips ``.py`` files).
-    """
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):
-        return {}
-    class_def = tree.body[0]
-    assert isinstance(class_def, ast.ClassDef)
-    docs = {}
-    for stmt, after in zip(class_def.body, class_def.body[1:], strict=False):
-        if (
-            isinstance(stmt, ast.AnnAssign)
-            and isinstance(stmt.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[stmt.target.id] = " ".join(after.value.value.split())  # one paragraph for --help
-    return docs
-
-
-def key_docs(cls: type = Config, prefix: str = "") -> dict[str, str]:
-    """Dotted key (``engine.page_size``) -> docstring for every leaf field, recursing into sections."""
-    hints, docs, out = typing.get_type_hints(cls), field_docs(cls), {}
-    for field in dataclasses.fields(cls):
-        if _is_section(hints[field.name]):
-            out.update(key_docs(hints[field.name], f"{prefix}{field.name}."))
-        else:
-            out[f"{prefix}{field.name}"] = docs.get(field.name, "")
-    return out
-
-
-def _show(value: object) -> str:
-    text = repr(value)  # repr escapes newlines, which keeps every message on one line
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _wrong(key: str, expected: str, value: object) -> ConfigError:
-    return ConfigError(f"{key}: expected {expected}, got {_show(value)} ({type(value).__name__})")
-
-
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(arg) for arg in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
-
-
-def _is_section(tp: Any) -> bool:
-    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
-
-
-def _coerce(value: object, tp: Any, key: str) -> Any:
-    """Check ``value`` (as YAML produced it) against the annotation ``tp``; return it converted."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    # YAML reads `api_key: 12345` as an int; say how to get the string that was probably meant.
-    quote = "; quote it to make it a string" if str in (tp, *args) and isinstance(value, int | float) else ""
-    wrong = ConfigError(f"{_wrong(key, _type_name(tp), value)}{quote}")
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        for arg in (a for a in args if a is not type(None)):
-            with contextlib.suppress(ConfigError):
-                return _coerce(value, arg, key)
-        raise wrong
-    if _is_section(tp):
-        # A section whose keys are all commented out parses as null; treat it as empty.
-        if value is None:
-            value = {}
-        if not isinstance(value, Mapping):
-            raise _wrong(key, "a mapping of keys", value)
-        return _build(tp, value, f"{key}.")
-    if origin is tuple:
-        if not isinstance(value, list | tuple):
-            raise wrong
-        types_ = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
-        if len(types_) != len(value):
-            raise wrong
-        return tuple(_coerce(v, t, f"{key}[{i}]") for i, (v, t) in enumerate(zip(value, types_, strict=True)))
-    # bool is a subclass of int: without the explicit exclusion `page_size: true` would read as 1.
-    if tp in (bool, str) and isinstance(value, tp):
-        return value
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        if tp is float:
-            return float(value)
-        if tp is int and (isinstance(value, int) or value.is_integer()):
-            return int(value)
-    if tp in (bool, str, int, float):
-        raise wrong
-    raise TypeError(f"config field {key} has unsupported type {tp!r}")
-
-
 REMOVED_KEYS = {
     "engine.batch_buckets": "removed: a step is one ragged batch of tokens; set engine.token_buckets "
     "(padded tokens per step) instead",
@@ -376,45 +275,12 @@ REMOVED_KEYS = {
 """Keys of earlier versions: each gets a one-line error naming what replaced it."""
 
 
-def _unknown_key(cls: type, name: str, prefix: str) -> ConfigError:
-    if f"{prefix}{name}" in REMOVED_KEYS:
-        return ConfigError(f"'{prefix}{name}' was {REMOVED_KEYS[prefix + name]}")
-    hints = typing.get_type_hints(cls)
-    known = [field.name for field in dataclasses.fields(cls)]
-    word = "section" if all(_is_section(hints[k]) for k in known) else "key"
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-    return ConfigError(f"unknown {word} '{prefix}{name}'{hint}; known {word}s: {', '.join(known)}")
-
-
-def _build(cls: type[T], data: Mapping[Any, object], prefix: str) -> T:
-    assert dataclasses.is_dataclass(cls)
-    hints = typing.get_type_hints(cls)
-    names = {field.name for field in dataclasses.fields(cls) if field.init}
-    kwargs = {}
-    for raw_name, value in data.items():
-        name = str(raw_name)
-        if name not in names:
-            raise _unknown_key(cls, name, prefix)
-        kwargs[name] = _coerce(value, hints[name], f"{prefix}{name}")
-    return cls(**kwargs)
-
-
-@contextlib.contextmanager
-def _errors_from(source: str) -> Iterator[None]:
-    """Prefix every ConfigError raised inside with where the offending value came from."""
-    try:
-        yield
-    except ConfigError as err:
-        raise ConfigError(f"{source}: {err}") from None
-
-
 def from_mapping(cls: type[T], data: Mapping[str, object], source: str) -> T:
     """Build any config dataclass ``cls`` from a parsed YAML mapping; ``source`` names it in errors."""
-    with _errors_from(source):
+    with errors_from(source):
         if not isinstance(data, Mapping):
-            raise _wrong("top level", "a mapping of sections", data)
-        return _build(cls, data, "")
+            raise wrong_type("top level", "a mapping of sections", data)
+        return build(cls, data, "", REMOVED_KEYS)
 
 
 def config_from_dict(d: Mapping[str, object], source: str) -> Config:
@@ -422,30 +288,13 @@ def config_from_dict(d: Mapping[str, object], source: str) -> Config:
     return from_mapping(Config, d, source)
 
 
-def _set_dotted(data: dict[str, Any], cls: type, key: str, value: object) -> None:
-    parts = key.split(".")
-    for i, part in enumerate(parts):
-        prefix = "".join(f"{p}." for p in parts[:i])
-        if part not in {field.name for field in dataclasses.fields(cls)}:
-            raise _unknown_key(cls, part, prefix)
-        tp = typing.get_type_hints(cls)[part]
-        if i == len(parts) - 1:
-            if _is_section(tp):
-                raise ConfigError(f"'{key}' is a section; override its keys as {key}.<key>")
-            data[part] = value
-        elif not _is_section(tp):
-            raise ConfigError(f"'{prefix}{part}' is not a section, so '{key}' is not a key")
-        else:
-            data, cls = data[part], tp
-
-
 def with_overrides(config: Config, overrides: Mapping[str, object], *, source: str = "overrides") -> Config:
     """Return ``config`` with dotted keys (``{"engine.page_size": 32}``) replaced, fully re-validated."""
     data = dataclasses.asdict(config)
-    with _errors_from(source):
+    with errors_from(source):
         for key, value in overrides.items():
-            _set_dotted(data, Config, key, value)
-        return _build(Config, data, "")
+            set_dotted(data, Config, key, value, REMOVED_KEYS)
+        return build(Config, data, "", REMOVED_KEYS)
 
 
 def parse_overrides(overrides: Iterable[str]) -> dict[str, object]:
