@@ -37,6 +37,14 @@ jax.monitoring.register_event_duration_secs_listener(_on_duration)
 jax.monitoring.register_event_listener(_on_event)
 
 
+def count_loaded() -> None:
+    """Count an executable loaded outside JAX's compile path (the step cache, ``runtime/step_cache.py``)."""
+    global _built, _loaded
+    with _lock:
+        _built += 1
+        _loaded += 1
+
+
 def compile_count() -> int:
     """Executables built in this process so far, compiled or loaded from the persistent cache."""
     return _built

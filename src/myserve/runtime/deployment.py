@@ -24,6 +24,7 @@ from myserve.runtime.buckets import Buckets
 from myserve.runtime.compile_counter import compile_counts
 from myserve.runtime.executor import Executor, Prebuilt
 from myserve.runtime.mesh import axis_mapping, make_mesh, replica_meshes
+from myserve.runtime.step_cache import StepCache
 from myserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -152,6 +153,7 @@ def executor_for(
         page_size=cfg.page_size,
         num_slots=cfg.max_num_seqs + 1,
         prebuilt=prebuilt,
+        step_cache=StepCache.for_process(cfg.compilation_cache_dir),
     )
 
 

@@ -29,10 +29,13 @@ from jax.sharding import Mesh, NamedSharding
 
 from myserve.models.llama import LlamaModel
 from myserve.ops.paged_attention import KVCache
+from myserve.runtime.compile_counter import count_loaded
 from myserve.runtime.kv_cache import constrain_cache, init_kv_cache, kv_cache_shape
 from myserve.runtime.mesh import kv_cache_sharding, replicated
 from myserve.runtime.model_step import StepOutput, model_step
+from myserve.runtime.sampler import SampleOutput
 from myserve.runtime.sampling_rows import SamplingRows
+from myserve.runtime.step_cache import StepCache
 from myserve.runtime.step_layout import StepShape, layout
 from myserve.runtime.steps import outer_part
 
@@ -151,12 +154,15 @@ class Executor:
         page_size: int,
         num_slots: int,
         prebuilt: Future[Prebuilt] | None = None,
+        step_cache: StepCache | None = None,
     ):
         """``model`` may be abstract (``load_model(abstract=True)``): the executor then holds no
         arrays, only their shapes and shardings, and serves to build step executables early.
-        ``prebuilt``: such an executor's builds, taken by ``CompileSteps`` when they match."""
+        ``prebuilt``: such an executor's builds, taken by ``CompileSteps`` when they match.
+        ``step_cache``: where step executables are loaded from without tracing, and stored."""
         self.model = model
         self._prebuilt = prebuilt
+        self._step_cache = step_cache
         self.mesh = mesh
         self.page_size = page_size
         self.scratch_slot = num_slots - 1
@@ -224,11 +230,16 @@ class Executor:
 
     def lower_step(self, shape: StepShape) -> jax.stages.Lowered:
         """The step of ``shape`` traced and lowered for this executor's arrays (not compiled)."""
+        static, args = self._step_args(shape)
+        return model_step.lower(*static, *args)
+
+    def _step_args(self, shape: StepShape) -> tuple[tuple[object, ...], tuple[object, ...]]:
+        """(static, dynamic) arguments of ``model_step`` for a step of ``shape`` on this executor."""
         host = layout([], shape, self.page_size)
         rows = SamplingRows.empty(shape.singles, self.scratch_slot)
         static = (shape, self.treedef, self.cache_sharding, self.replicated)
         bitmask = jax.ShapeDtypeStruct((shape.singles, self.mask_words), np.int32, sharding=self.replicated)
-        return model_step.lower(*static, *self._state(), host.pack(), rows.ints, rows.floats, bitmask)
+        return static, (*self._state(), host.pack(), rows.ints, rows.floats, bitmask)
 
     def _no_mask(self, rows: int) -> Any:
         """The all-ones bitmask of a step with ``rows`` sampling rows, kept on the device."""
@@ -261,21 +272,54 @@ class Executor:
         return self.outer, self.layers, self.kv_cache, self.counts, self.prompt_mask, self.fed
 
     def _build(self, shapes: Sequence[StepShape], progress: Progress | None = None) -> dict[StepShape, Step]:
-        """The executables of ``shapes``. Tracing and lowering hold the GIL and run here; compiling
-        (or loading from the persistent cache) runs on worker threads meanwhile, so a warm start
+        """The executables of ``shapes``. A step in the step cache is loaded on a worker thread
+        without tracing. Otherwise tracing and lowering hold the GIL and run here, while compiling
+        (or loading from JAX's persistent cache) runs on worker threads meanwhile, so a warm start
         takes about the loads' time rather than the sum of both."""
         built: dict[StepShape, Step] = {}
+        cache = self._step_cache
         with ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="compile") as pool:
-            futures = [(shape, pool.submit(self.lower_step(shape).compile)) for shape in shapes]
-            for i, (shape, future) in enumerate(futures):
-                built[shape] = future.result()
+            futures = []
+            for shape in shapes:
+                static, args = self._step_args(shape)
+                key = StepCache.key(static, args) if cache is not None else ""
+                if cache is not None and cache.has(key):
+                    future = pool.submit(self._load_step, key, args)
+                else:
+                    future = pool.submit(self._compile_step, model_step.lower(*static, *args), key, args)
+                futures.append((shape, future, key))
+            for i, (shape, future, key) in enumerate(futures):
+                step = future.result()
+                if step is None:  # an entry that did not load: built as on a miss
+                    static, args = self._step_args(shape)
+                    step = self._compile_step(model_step.lower(*static, *args), key, args)
+                built[shape] = step
                 if progress is not None:
                     progress(i + 1, len(futures))
         return built
 
+    def _load_step(self, key: str, args: tuple[object, ...]) -> Step | None:
+        assert self._step_cache is not None
+        step = self._step_cache.load(key, args, _STEP_OUT_TREE)
+        if step is not None:
+            count_loaded()
+        return step
+
+    def _compile_step(self, lowered: jax.stages.Lowered, key: str, args: tuple[object, ...]) -> Step:
+        compiled = lowered.compile()
+        if self._step_cache is not None:
+            self._step_cache.store(key, compiled, args, _STEP_OUT_TREE)
+        return compiled
+
 
 Step = Callable[..., tuple[StepOutput, KVCache, jax.Array, jax.Array]]
 """A compiled ``model_step`` of one shape, called with the executor's state and a ``StepCall``'s arrays."""
+
+_STEP_OUT_TREE = jax.tree_util.tree_structure(
+    (StepOutput(SampleOutput(0, 0, 0, 0), (0, 0, 0)), KVCache(0, 0), 0, 0)  # type: ignore[arg-type]
+)
+"""What ``model_step`` returns, as a treedef: a step loaded from the step cache unflattens its
+outputs with it (the stored executable's own treedef does not survive pickling)."""
 
 Prebuilt = tuple[dict[StepShape, Step], list[tuple[object, ...]]]
 """Step executables built before the weights were read, and the state signature they were built for."""

@@ -1,0 +1,86 @@
+"""The step cache: step executables stored by one start load on the next without tracing, serve
+the same tokens, and a bad entry is rebuilt rather than trusted (``runtime/step_cache.py``)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from myserve.engine.params import SamplingParams
+from myserve.runtime import executor as executor_module
+from myserve.runtime.compile_counter import compile_counts
+from myserve.runtime.step_cache import SUBDIRECTORY, StepCache
+from myserve.testing import TINY_ENGINE, collect, start_service
+
+PROMPTS = [[5, 9, 23, 42, 7], [100, 3, 3, 8], [17] * 20]
+
+
+def greedy(service) -> list[list[int]]:
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    return [collect(service.submit(p, params))[0] for p in PROMPTS]
+
+
+class _NoTracing:
+    def lower(self, *args: object) -> None:
+        raise AssertionError("a step was traced although the step cache holds it")
+
+
+def test_a_warm_start_loads_every_step_without_tracing_and_serves_the_same_tokens(
+    tiny_checkpoints, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = (*TINY_ENGINE, "engine.num_pages=64", f"engine.compilation_cache_dir={tmp_path}")
+    cold = start_service(tiny_checkpoints["llama3"], *engine)
+    try:
+        expected = greedy(cold)
+    finally:
+        cold.shutdown()
+    entries = sorted((tmp_path / SUBDIRECTORY).iterdir())
+    assert len(entries) == 3  # one per token bucket (TINY_ENGINE: 1, 8, 64)
+
+    # The next start builds its steps early from abstract weights, as serve does: same keys.
+    with monkeypatch.context() as patch:
+        patch.setattr(executor_module, "model_step", _NoTracing())
+        before = compile_counts()
+        warm = start_service(tiny_checkpoints["llama3"], *engine, prebuild=True)
+        compiled, loaded = (now - then for now, then in zip(compile_counts(), before, strict=True))
+    try:
+        assert compiled == 0 and loaded >= 3  # the steps, and the KV cache's zeros from JAX's cache
+        assert greedy(warm) == expected
+    finally:
+        warm.shutdown()
+
+    for entry in entries:  # damaged entries: a warning, then built and stored again
+        entry.write_bytes(b"not an executable")
+    with caplog.at_level(logging.WARNING, logger="myserve.runtime.step_cache"):
+        rebuilt = start_service(tiny_checkpoints["llama3"], *engine)
+    try:
+        assert sum("unreadable" in r.getMessage() for r in caplog.records) == 3
+        assert greedy(rebuilt) == expected
+        assert all(entry.read_bytes() != b"not an executable" for entry in entries)
+    finally:
+        rebuilt.shutdown()
+
+
+def test_the_key_changes_with_every_argument_shape_dtype_sharding_and_static(tmp_path: Path) -> None:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+    rep = NamedSharding(mesh, PartitionSpec())
+    args = (jax.ShapeDtypeStruct((4, 8), np.float32, sharding=rep), np.zeros(3, np.int32))
+    key = StepCache.key(("shape",), args)
+    assert StepCache.key(("shape",), args) == key
+    others = [
+        StepCache.key(("other shape",), args),
+        StepCache.key(("shape",), (jax.ShapeDtypeStruct((4, 16), np.float32, sharding=rep), args[1])),
+        StepCache.key(("shape",), (jax.ShapeDtypeStruct((4, 8), np.float16, sharding=rep), args[1])),
+        StepCache.key(("shape",), (jax.ShapeDtypeStruct((4, 8), np.float32), args[1])),
+        StepCache.key(("shape",), (args[0], np.zeros(4, np.int32))),
+        StepCache.key(("shape",), ((args[0],), args[1])),  # same leaves, another tree
+    ]
+    assert len({key, *others}) == len(others) + 1
+    cache = StepCache(tmp_path)
+    assert not cache.has(key) and cache.load(key, args, jax.tree_util.tree_structure(0)) is None
+    assert StepCache.for_process(None) is None
