@@ -31,7 +31,13 @@ SECTIONS = (ModelConfig, EngineConfig, ServerConfig, MeshConfig, Config)
 def expected_default() -> Config:
     return Config(
         model=ModelConfig(checkpoint=None, dtype="float32", max_model_len=2048),
-        engine=EngineConfig(page_size=16, num_pages=2048, attention_backend="auto"),
+        engine=EngineConfig(
+            page_size=16,
+            num_pages=2048,
+            attention_backend="auto",
+            max_num_batched_tokens=256,
+            token_buckets=(1, 4, 8, 16, 32, 64, 128, 256),
+        ),
         server=ServerConfig(host="127.0.0.1", port=8000, served_model_name="SmolLM2-135M-Instruct"),
         mesh=MeshConfig(data=1, model=1),
     )
