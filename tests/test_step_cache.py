@@ -47,9 +47,9 @@ def test_a_warm_start_loads_every_step_without_tracing_and_serves_the_same_token
         patch.setattr(executor_module, "model_step", _NoTracing())
         before = compile_counts()
         warm = start_service(tiny_checkpoints["llama3"], *engine, prebuild=True)
-        compiled, loaded = (now - then for now, then in zip(compile_counts(), before, strict=True))
+        loaded = compile_counts()[1] - before[1]
     try:
-        assert compiled == 0 and loaded >= 3  # the steps, and the KV cache's zeros from JAX's cache
+        assert loaded == 3  # the steps; JAX's own cache is off beside the step cache (compiled: the small ops)
         assert greedy(warm) == expected
     finally:
         warm.shutdown()

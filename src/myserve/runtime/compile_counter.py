@@ -15,6 +15,7 @@ _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
 _lock = threading.Lock()
+_this_thread = threading.local()  # cache hits of the compiles run on each thread
 _built = 0  # JAX reports a backend compile for every executable, loaded from the cache or not
 _loaded = 0
 
@@ -31,6 +32,7 @@ def _on_event(event: str, **kwargs: str | int) -> None:
     if event == _CACHE_HIT:
         with _lock:
             _loaded += 1
+        _this_thread.hits = getattr(_this_thread, "hits", 0) + 1  # JAX records it on the compiling thread
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
@@ -43,6 +45,12 @@ def count_loaded() -> None:
     with _lock:
         _built += 1
         _loaded += 1
+
+
+def thread_cache_hits() -> int:
+    """Executables the calling thread has loaded from JAX's persistent cache so far: a compile that
+    moved it was a load, not a compile."""
+    return getattr(_this_thread, "hits", 0)
 
 
 def compile_count() -> int:

@@ -85,7 +85,11 @@ class Deployment:
         a background thread, so that compiling (or loading them from the persistent cache) overlaps
         reading the weights (a server's start-up; the engine's warmup then takes them)."""
         t0 = time.perf_counter()
-        enable_compilation_cache(config.engine.compilation_cache_dir)
+        cache_dir = config.engine.compilation_cache_dir
+        # With the step cache the steps need no other: and an executable JAX loaded from its own
+        # cache cannot be stored in the step cache (XLA:CPU serializes a loaded one without its
+        # code), so JAX's cache stays off unless the step cache cannot be used (multi-host).
+        enable_compilation_cache(None if StepCache.for_process(cache_dir) is not None else cache_dir)
         # The mesh first: a mesh the visible devices cannot hold fails before anything is read.
         mesh = make_mesh(config.mesh.data, config.mesh.model)
         resolved = resolve_checkpoint(config.model.checkpoint)

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from myserve.models.llama import LlamaModel
 from myserve.ops.paged_attention import KVCache
-from myserve.runtime.compile_counter import count_loaded
+from myserve.runtime.compile_counter import count_loaded, thread_cache_hits
 from myserve.runtime.kv_cache import constrain_cache, init_kv_cache, kv_cache_shape
 from myserve.runtime.mesh import kv_cache_sharding, replicated
 from myserve.runtime.model_step import StepOutput, model_step
@@ -306,9 +306,13 @@ class Executor:
         return step
 
     def _compile_step(self, lowered: jax.stages.Lowered, key: str, args: tuple[object, ...]) -> Step:
+        hits = thread_cache_hits()
         compiled = lowered.compile()
         if self._step_cache is not None:
-            self._step_cache.store(key, compiled, args, _STEP_OUT_TREE)
+            if thread_cache_hits() == hits:
+                self._step_cache.store(key, compiled, args, _STEP_OUT_TREE)
+            else:  # XLA:CPU serializes an executable it loaded without its code: never store one
+                logger.info("a step came from JAX's persistent cache: not stored in the step cache")
         return compiled
 
 

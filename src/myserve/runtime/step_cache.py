@@ -64,6 +64,9 @@ class StepCache:
         """The entry name of a step traced with ``static`` arguments for ``args`` (arrays or
         ``jax.ShapeDtypeStruct``s, with their shardings), in this process's environment."""
         h = hashlib.sha256(environment_digest().encode())
+        # JAX's configuration can change during a process (tests do): read it for every key.
+        h.update(repr(sorted((k, repr(v)) for k, v in jax.config.values.items())).encode())
+        h.update(repr([(k, os.environ.get(k)) for k in _ENV_FLAGS]).encode())
         h.update(repr(tuple(static)).encode())
         h.update(str(jax.tree_util.tree_structure(args)).encode())
         for leaf in jax.tree_util.tree_leaves(args):
@@ -120,7 +123,8 @@ class StepCache:
 
 @cache
 def environment_digest() -> str:
-    """What every step of this process depends on besides its own arguments (see the module doc)."""
+    """What every step of this process depends on besides its arguments and JAX's configuration
+    (see the module doc): fixed for the life of the process."""
     h = hashlib.sha256()
     package = Path(__file__).resolve().parent.parent
     for path in sorted(package.rglob("*.py")):
@@ -131,8 +135,6 @@ def environment_digest() -> str:
             h.update(f"{name}={importlib.metadata.version(name)}".encode())
         except importlib.metadata.PackageNotFoundError:
             h.update(f"{name}=none".encode())
-    h.update(repr(sorted((k, repr(v)) for k, v in jax.config.values.items())).encode())
-    h.update(repr([(k, os.environ.get(k)) for k in _ENV_FLAGS]).encode())
     devices = jax.devices()
     client = devices[0].client
     h.update(repr((client.platform, client.platform_version, [(d.id, d.device_kind) for d in devices])).encode())
