@@ -300,7 +300,7 @@ class Executor:
 
     def _load_step(self, key: str, args: tuple[object, ...]) -> Step | None:
         assert self._step_cache is not None
-        step = self._step_cache.load(key, args, _STEP_OUT_TREE)
+        step = self._step_cache.load(key, args, _STEP_OUT_TREE, tuple(self.mesh.devices.flat))
         if step is not None:
             count_loaded()
         return step

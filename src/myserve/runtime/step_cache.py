@@ -32,6 +32,7 @@ import zlib
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import jax
 from jax.experimental import serialize_executable
@@ -67,19 +68,23 @@ class StepCache:
         # JAX's configuration can change during a process (tests do): read it for every key.
         h.update(repr(sorted((k, repr(v)) for k, v in jax.config.values.items())).encode())
         h.update(repr([(k, os.environ.get(k)) for k in _ENV_FLAGS]).encode())
-        h.update(repr(tuple(static)).encode())
+        h.update(repr([(item, _devices(item)) for item in static]).encode())
         h.update(str(jax.tree_util.tree_structure(args)).encode())
         for leaf in jax.tree_util.tree_leaves(args):
-            h.update(repr((leaf.shape, str(leaf.dtype), getattr(leaf, "sharding", None))).encode())
+            sharding = getattr(leaf, "sharding", None)
+            h.update(repr((leaf.shape, str(leaf.dtype), sharding, _devices(sharding))).encode())
         return h.hexdigest()
 
     def has(self, key: str) -> bool:
         """Whether an entry is stored under ``key`` (it may still fail to load)."""
         return (self.directory / key).is_file()
 
-    def load(self, key: str, args: object, out_tree: jax.tree_util.PyTreeDef) -> jax.stages.Compiled | None:
-        """The executable stored under ``key``, loaded for calls with ``args``; None on a miss or an
-        unreadable entry. The treedefs come from the caller: pickling loses equinox's static fields."""
+    def load(
+        self, key: str, args: object, out_tree: jax.tree_util.PyTreeDef, devices: Sequence[jax.Device]
+    ) -> jax.stages.Compiled | None:
+        """The executable stored under ``key``, loaded onto ``devices`` (its mesh's, in mesh order)
+        for calls with ``args``; None on a miss or an unreadable entry. The treedefs come from the
+        caller: pickling loses equinox's static fields."""
         path = self.directory / key
         try:
             blob = zlib.decompress(path.read_bytes())
@@ -90,7 +95,9 @@ class StepCache:
             return None
         in_tree = jax.tree_util.tree_structure((tuple(args), {}))  # type: ignore[arg-type]
         try:
-            compiled = serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
+            compiled = serialize_executable.deserialize_and_load(
+                blob, in_tree, out_tree, execution_devices=list(devices)
+            )
         except Exception as e:  # a corrupt or foreign entry: never worse than a miss
             logger.warning("step cache entry %s did not load (%s): building the step again", path, e)
             return None
@@ -119,6 +126,18 @@ class StepCache:
             os.replace(tmp, self.directory / key)
         except OSError as e:
             logger.warning("could not write the step cache in %s: %s", self.directory, e)
+
+
+def _devices(item: object) -> list[int] | None:
+    """The device ids of a sharding, in its order: a sharding's repr names its mesh's axes, not
+    which devices it spans (two data-parallel replicas differ only there)."""
+    if isinstance(item, jax.sharding.NamedSharding):
+        mesh_devices: Any = item.mesh.devices
+        return [int(d.id) for d in mesh_devices.flat]
+    if isinstance(item, jax.sharding.Sharding):
+        device_set: Any = item.device_set
+        return sorted(int(d.id) for d in device_set)
+    return None
 
 
 @cache
