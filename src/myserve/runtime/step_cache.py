@@ -13,11 +13,12 @@ that module instead:
 - the step: its static arguments (shape, layer treedef, shardings) and the shape, dtype and
   sharding of every argument.
 
-A miss (first start, another config, an edited source file) lowers as before, compiles or loads
-through JAX's own cache, and stores the result here. Only single-process deployments use it: a
-multi-host executable spans devices of other processes. The files are loaded with pickle (what
-``jax.experimental.serialize_executable`` writes): like JAX's cache, this directory must be the
-server owner's, never a shared writable one.
+A miss (first start, another config, an edited source file) is lowered and compiled as before, and
+the result stored here. JAX's own persistent cache stays off beside this one (``Deployment.load``):
+XLA:CPU re-serializes an executable it loaded from that cache without its code. Only
+single-process deployments use it: a multi-host executable spans devices of other processes. The
+files are loaded with pickle (what ``jax.experimental.serialize_executable`` writes): like JAX's
+cache, this directory must be the server owner's, never a shared writable one.
 """
 
 from __future__ import annotations
@@ -93,10 +94,9 @@ class StepCache:
         except (OSError, zlib.error) as e:
             logger.warning("step cache entry %s unreadable (%s): building the step again", path, e)
             return None
-        in_tree = jax.tree_util.tree_structure((tuple(args), {}))  # type: ignore[arg-type]
         try:
             compiled = serialize_executable.deserialize_and_load(
-                blob, in_tree, out_tree, execution_devices=list(devices)
+                blob, _in_tree(args), out_tree, execution_devices=list(devices)
             )
         except Exception as e:  # a corrupt or foreign entry: never worse than a miss
             logger.warning("step cache entry %s did not load (%s): building the step again", path, e)
@@ -115,7 +115,7 @@ class StepCache:
         except (ValueError, NotImplementedError) as e:  # a backend or executable without serialization
             logger.debug("step executable not serializable (%s): not cached", e)
             return
-        if in_tree != jax.tree_util.tree_structure((tuple(args), {})) or str(got_out_tree) != str(out_tree):  # type: ignore[arg-type]
+        if in_tree != _in_tree(args) or str(got_out_tree) != str(out_tree):
             logger.warning("step executable's trees differ from the executor's: not cached (a stale out tree?)")
             return
         try:
@@ -126,6 +126,11 @@ class StepCache:
             os.replace(tmp, self.directory / key)
         except OSError as e:
             logger.warning("could not write the step cache in %s: %s", self.directory, e)
+
+
+def _in_tree(args: object) -> jax.tree_util.PyTreeDef:
+    """The treedef a compiled step's calls take: positional ``args``, no keywords."""
+    return jax.tree_util.tree_structure((tuple(args), {}))  # type: ignore[arg-type]
 
 
 def _devices(item: object) -> list[int] | None:
