@@ -2,6 +2,9 @@
 GenerationService on each mesh, printed as JSON.
 
 Usage: python tests/mesh_worker.py CHECKPOINT_OR_BUNDLED MESH [MESH ...]  (MESH: "2x2" = data x model)
+
+With ``KERNEL_CONTRACT=1`` in the environment the engines take the TPU kernel's path (its cache
+layout, and ``shard_map`` over the model axis) with ``kernel_contract.py`` standing in for the kernel.
 """
 
 from __future__ import annotations
@@ -15,8 +18,20 @@ import threading
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import jax  # noqa: E402
+
 from myserve.engine.params import SamplingParams  # noqa: E402
 from myserve.testing import start_service  # noqa: E402
+
+KERNEL = os.environ.get("KERNEL_CONTRACT") == "1"
+if KERNEL:
+    from kernel_contract import contract_attention
+
+    from myserve.ops import kernel_attention
+    from myserve.runtime import deployment
+
+    kernel_attention._tpu_kernel = lambda: contract_attention  # type: ignore[assignment]
+    deployment.resolve_backend = lambda *a, **k: "pallas"  # type: ignore[assignment]
 
 # A small engine: few shapes to compile per mesh.
 ENGINE = (
@@ -42,7 +57,8 @@ def tokens_on(checkpoint: str | None, data: int, model: int) -> dict:
     from pathlib import Path
 
     path = Path(checkpoint) if checkpoint else None
-    service = start_service(path, *ENGINE, f"mesh.data={data}", f"mesh.model={model}")
+    extra = ["engine.attention_backend=pallas"] if KERNEL else []
+    service = start_service(path, *ENGINE, f"mesh.data={data}", f"mesh.model={model}", *extra)
     try:
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         outputs: list[list[int]] = [[] for _ in PROMPTS]
@@ -59,12 +75,14 @@ def tokens_on(checkpoint: str | None, data: int, model: int) -> dict:
             t.join()
         stats = service.stats()
         executor = service.replicas[0].runner.device
+        cache = jax.tree.leaves(executor.kv_cache)[0]
         return {
             "tokens": outputs,
             "max_decode_batch": stats.max_decode_batch,
             "compiles": stats.compile_count,
-            "cache_spec": str(executor.kv_cache.k.sharding.spec),
-            "cache_kept": executor.kv_cache.k.sharding.is_equivalent_to(executor.cache_sharding, 5),
+            "cache_layout": type(executor.kv_cache).__name__,
+            "cache_spec": str(cache.sharding.spec),
+            "cache_kept": cache.sharding.is_equivalent_to(executor.cache_sharding, 5),
             "decode_collectives": decode_collectives(service),
         }
     finally:

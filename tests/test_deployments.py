@@ -11,7 +11,7 @@ import pytest
 from myserve import serve
 from myserve.config import load_config
 from myserve.errors import ConfigError
-from myserve.ops.paged_attention import pallas_fit
+from myserve.ops.kernel_attention import pallas_fit
 from myserve.runtime.deployment import Deployment
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "config"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -18,9 +19,13 @@ WORKER = Path(__file__).with_name("mesh_worker.py")
 MESHES = ("1x1", "1x2", "1x4", "2x2")
 
 
-def served_tokens(checkpoint: str) -> dict:
+def served_tokens(checkpoint: str, env: dict[str, str] | None = None) -> dict:
     proc = subprocess.run(
-        [sys.executable, str(WORKER), checkpoint, *MESHES], capture_output=True, text=True, timeout=900
+        [sys.executable, str(WORKER), checkpoint, *MESHES],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=None if env is None else {**os.environ, **env},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -59,3 +64,13 @@ def test_smollm2_serves_identically_on_every_mesh() -> None:
     result = served_tokens("bundled")
     check_identical(result, vocab=49152)
     assert all("'model'" not in r["cache_spec"] for r in result.values())  # 3 KV heads: replicated
+
+
+def test_the_tpu_kernel_path_serves_identically_on_every_mesh(tiny_checkpoints) -> None:
+    """The TPU kernel's path (``tests/kernel_contract.py`` in the kernel's place): its cache layout
+    splits the combined K/V heads over model=2 and the kernel runs per device under shard_map, with
+    the same tokens on every mesh and no collective but the layers' all-reduces and the sampler's."""
+    result = served_tokens(str(tiny_checkpoints["llama3"]), env={"KERNEL_CONTRACT": "1"})
+    check_identical(result, vocab=256)
+    assert all(r["cache_layout"] == "KernelKVCache" for r in result.values())
+    assert result["1x2"]["cache_spec"] == "P(None, None, None, 'model')"  # the combined K/V heads

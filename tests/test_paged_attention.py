@@ -155,7 +155,7 @@ def test_ragged_attention_equals_per_token_attention() -> None:
 
 def test_backend_switch_checks_that_the_kernel_fits() -> None:
     from myserve.errors import ConfigError
-    from myserve.ops.paged_attention import pallas_fit, resolve_backend
+    from myserve.ops.kernel_attention import pallas_fit, resolve_backend
 
     # The kernel's own validator plus its TPU tiling; the reasons name the misfit.
     assert pallas_fit(32, 8, 128, 16) is None  # Llama-3.1-8B

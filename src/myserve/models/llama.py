@@ -25,17 +25,19 @@ llama3 rotary scaling, tied embeddings.
 from __future__ import annotations
 
 import math
-from typing import Literal, TypeAlias, cast
+from typing import TypeAlias
 
 import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import Axis, NamedArray
+from jax.sharding import NamedSharding
 
 from myserve.models.quant import QuantizedWeight, linear
 from myserve.models.rope import apply_rope, inverse_frequencies
 from myserve.models.spec import ModelSpec
+from myserve.ops.kernel_attention import KernelKVCache, kernel_attention, write_kv_kernel
 from myserve.ops.paged_attention import KVCache, PageBatch, paged_attention, write_kv
 from myserve.ops.ragged_attention import RaggedBatch, ragged_attention
 
@@ -140,19 +142,21 @@ class LlamaModel(eqx.Module):
 
 def decoder_block(
     spec: ModelSpec,
-    attention_backend: str,
     layer: DecoderLayer,
     x: NamedArray,
     batch: PageBatch | RaggedBatch,
-    cache: KVCache,
+    cache: KVCache | KernelKVCache,
     layer_idx: int | jax.Array,
-    heads_sharded: bool = False,
-) -> tuple[NamedArray, KVCache]:
+    cache_sharding: NamedSharding | None = None,
+) -> tuple[NamedArray, KVCache | KernelKVCache]:
     """One pre-norm transformer block on hidden states (batch, position, embed); writes its K/V.
 
     A free function of the layer's weights (not of the whole model), so the runtime can jit it
-    once and call it for every layer with that layer's arrays and index. ``heads_sharded``: the
-    KV cache's heads are split over devices (the attention then gathers pages per head shard).
+    once and call it for every layer with that layer's arrays and index. ``cache_sharding``: the
+    KV cache's sharding; with its heads split over devices the reference attention gathers pages
+    per head shard and the TPU kernel runs per device. The cache's layout picks the attention:
+    ``KernelKVCache`` (a ragged step whose batch carries the kernel's metadata) the TPU kernel,
+    ``KVCache`` the pure-JAX reference.
     """
     ax, eps = ModelAxes.of(spec), spec.rms_norm_eps
     h = rms_norm(x, layer.attn_norm, ax.Embed, eps)
@@ -168,14 +172,19 @@ def decoder_block(
     inv_freq = inverse_frequencies(spec)
     # The paged op works on raw arrays in a fixed layout, like the kernels it can dispatch to.
     q, k = apply_rope(q, batch.positions, inv_freq), apply_rope(k, batch.positions, inv_freq)
-    cache = write_kv(cache, layer_idx, k, v, batch)
-    if isinstance(batch, RaggedBatch):  # one flat row of tokens from many sequences
-        out = ragged_attention(q[0], cache, layer_idx, batch, sm_scale=1.0 / math.sqrt(d), heads_sharded=heads_sharded)[
-            None
-        ]
+    sm_scale = 1.0 / math.sqrt(d)
+    if isinstance(cache, KernelKVCache):
+        assert isinstance(batch, RaggedBatch) and batch.kernel is not None, "the kernel serves ragged steps"
+        cache = write_kv_kernel(cache, layer_idx, k, v, batch)
+        out = kernel_attention(q[0], cache, layer_idx, batch.kernel, sm_scale=sm_scale, cache_sharding=cache_sharding)
+        out = out[None]
     else:
-        backend = cast(Literal["reference", "pallas"], attention_backend)
-        out = paged_attention(q, cache, layer_idx, batch, backend=backend, heads_sharded=heads_sharded)
+        heads_sharded = cache_sharding is not None and cache_sharding.spec[1:2] not in ((), (None,))
+        cache = write_kv(cache, layer_idx, k, v, batch)
+        if isinstance(batch, RaggedBatch):  # one flat row of tokens from many sequences
+            out = ragged_attention(q[0], cache, layer_idx, batch, sm_scale=sm_scale, heads_sharded=heads_sharded)[None]
+        else:
+            out = paged_attention(q, cache, layer_idx, batch, heads_sharded=heads_sharded)
     out_axes = (h.resolve_axis(BATCH), h.resolve_axis(POS), ax.KVHeads, ax.QPerKV, ax.HeadSize)
     o = linear(hax.named(out.reshape(b, t, kvh, g, d), out_axes), layer.o_proj, (ax.KVHeads, ax.QPerKV, ax.HeadSize))
     x = x + _add(o, layer.o_bias)

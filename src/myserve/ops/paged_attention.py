@@ -1,6 +1,7 @@
 """Paged attention: the KV-cache layout, the cache write and the attention read, with a backend switch.
 
-Cache layout (two arrays for the whole model, donated into every jitted step)::
+Cache layout of the reference path (two arrays for the whole model, donated into every jitted
+step; the TPU kernel's layout is in ``ops/kernel_attention.py``)::
 
     KVCache.k, KVCache.v: [layers, kv_heads, pages, page_size, head_dim]
 
@@ -21,21 +22,13 @@ new tokens are always the tail of their sequence, so causal masking by position 
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
-from typing import Any, Literal, Protocol
+from typing import Protocol
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-from myserve.errors import ConfigError
-
-logger = logging.getLogger(__name__)
-
-AttentionBackend = Literal["auto", "reference", "pallas"]
 
 # Finite, so a fully masked (padding) row gives a uniform softmax instead of NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -176,107 +169,19 @@ def reference_paged_attention(
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
-@functools.cache
-def _tpu_kernel():  # pragma: no cover - needs a TPU
-    try:
-        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
-    except ImportError as e:
-        logger.warning("Pallas ragged paged attention unavailable (%s); using the reference", e)
-        return None
-    return ragged_paged_attention
-
-
-def _pallas_paged_attention(
-    q: jax.Array, cache: KVCache, layer: int | jax.Array, batch: PageBatch, *, sm_scale: float
-) -> jax.Array:  # pragma: no cover - needs a TPU
-    """TPU path: pack the padded rows into the kernel's ragged layout, run it, unpack.
-
-    The kernel reads K/V interleaved per token (``[pages, page_size, 2 * kv_heads, head_dim]``);
-    this adapter builds that view of the layer from the head-major cache, which costs a copy of
-    the layer per call. A TPU deployment that uses this backend should store the kernel's layout.
-    """
-    kernel = _tpu_kernel()
-    b, t, h, d = q.shape
-    kvh = cache.k.shape[1]
-    # Real tokens of all rows packed to the front, in row order: cu_q_lens describes them.
-    valid = (jnp.arange(t)[None, :] < batch.q_lens[:, None]).reshape(-1)
-    order = jnp.argsort(~valid, stable=True)
-    q_ragged = q.reshape(b * t, h, d)[order]
-    cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(batch.q_lens).astype(jnp.int32)])
-    num_seqs = jnp.sum(batch.q_lens > 0, dtype=jnp.int32).reshape(1)
-    k, v = jnp.moveaxis(cache.k[layer], 0, 2), jnp.moveaxis(cache.v[layer], 0, 2)  # [pages, page_size, kvh, D]
-    kv_pages = jnp.stack([k, v], axis=3).reshape(k.shape[0], k.shape[1], 2 * kvh, d)
-    out = kernel(q_ragged, kv_pages, batch.kv_lens, batch.page_table, cu_q_lens, num_seqs, sm_scale=sm_scale)
-    unpacked = jnp.zeros_like(out).at[order].set(out)
-    return unpacked.reshape(b, t, h, d)
-
-
-def pallas_fit(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int) -> str | None:
-    """Why the ragged paged attention kernel cannot serve these shapes, or None if it can.
-
-    The kernel's own ``static_validate_inputs`` on abstract shapes, plus the TPU tiling it needs:
-    ``head_dim`` is the lane dimension of its blocks (a multiple of 128) and a page must hold a
-    whole sublane tile of tokens (``page_size`` a multiple of 8).
-    """
-    if head_dim % 128:
-        return f"head_dim {head_dim} is not a multiple of 128"
-    if page_size % 8:
-        return f"page_size {page_size} is not a multiple of 8"
-    try:
-        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import static_validate_inputs
-    except ImportError as e:
-        return f"the kernel does not import ({e})"
-    seqs, pages_per_seq, tokens = 8, 4, 64
-    shape: Any = jax.ShapeDtypeStruct  # the validator reads only shapes and dtypes
-    try:
-        static_validate_inputs(
-            shape((tokens, num_heads, head_dim), jnp.bfloat16),
-            shape((64, page_size, 2 * num_kv_heads, head_dim), jnp.bfloat16),
-            shape((seqs,), jnp.int32),
-            shape((seqs, pages_per_seq), jnp.int32),
-            shape((seqs + 1,), jnp.int32),
-            shape((1,), jnp.int32),
-        )
-    except (ValueError, AssertionError) as e:
-        return str(e) or "the kernel rejects the shapes"
-    return None
-
-
-def resolve_backend(
-    backend: AttentionBackend, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int
-) -> Literal["reference", "pallas"]:
-    """Pick the attention implementation: the Pallas ragged kernel on TPU when it imports and the
-    model's shapes fit it (``pallas_fit``), else the reference. ``reference`` forces the reference."""
-    if backend == "reference":
-        return "reference"
-    on_tpu = jax.default_backend() == "tpu"
-    if backend == "pallas" and not on_tpu:
-        raise ConfigError("engine.attention_backend 'pallas' needs a TPU; use 'auto' or 'reference'")
-    if not on_tpu:
-        return "reference"
-    misfit = pallas_fit(num_heads, num_kv_heads, head_dim, page_size)
-    if misfit is None and _tpu_kernel() is not None:
-        return "pallas"
-    if backend == "pallas":
-        raise ConfigError(f"engine.attention_backend 'pallas' cannot serve this model: {misfit}")
-    logger.warning("Pallas ragged paged attention not used (%s); using the reference", misfit)
-    return "reference"
-
-
 def paged_attention(
     q: jax.Array,
     cache: KVCache,
     layer: int | jax.Array,
     batch: PageBatch,
     *,
-    backend: Literal["reference", "pallas"] = "reference",
     heads_sharded: bool = False,
 ) -> jax.Array:
     """Attention of ``q`` [B, T, heads, head_dim] over each row's paged context (already written).
 
-    ``heads_sharded``: the cache's KV heads are split over devices (tensor parallelism).
+    ``heads_sharded``: the cache's KV heads are split over devices (tensor parallelism). The
+    padded-row layout always uses the reference; the serving engine's ragged steps use the TPU
+    kernel where it is picked (``ops/kernel_attention.py``).
     """
     sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    if backend == "pallas":  # pragma: no cover - needs a TPU
-        return _pallas_paged_attention(q, cache, layer, batch, sm_scale=sm_scale)
     return reference_paged_attention(q, cache, layer, batch, sm_scale=sm_scale, heads_sharded=heads_sharded)

@@ -25,12 +25,17 @@ Causality is by absolute position: a query at position ``p`` sees cache slots ``
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from myserve.ops.paged_attention import _MASK_VALUE, KVCache, _gather_pages
+
+if TYPE_CHECKING:
+    from myserve.ops.kernel_attention import KernelMeta
 
 
 class AttentionView(eqx.Module):
@@ -61,6 +66,14 @@ class RaggedBatch(eqx.Module):
     blocks: AttentionView
     chunk_pages: int = eqx.field(static=True, default=8)
     """Pages of context each loop iteration reads (static: a compile-time tile size)."""
+    kernel: KernelMeta | None = None
+    """The same rows as the TPU kernel's sequences (``kernel_attention.kernel_meta``), when it is used."""
+
+    def with_kernel(self, kernel: KernelMeta) -> RaggedBatch:
+        """This batch with the kernel's metadata attached."""
+        return RaggedBatch(
+            self.positions, self.q_lens, self.write_pages, self.single, self.blocks, self.chunk_pages, kernel
+        )
 
 
 def _view_attention(

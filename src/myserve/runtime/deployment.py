@@ -19,7 +19,7 @@ from myserve.models.checkpoint import resolve_checkpoint
 from myserve.models.llama import LlamaModel
 from myserve.models.loading import TensorSource, load_model, open_source
 from myserve.models.spec import ModelSpec, check_max_len
-from myserve.ops.paged_attention import resolve_backend
+from myserve.ops.kernel_attention import resolve_backend
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.compile_counter import compile_counts
 from myserve.runtime.executor import Executor, Prebuilt

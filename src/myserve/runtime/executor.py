@@ -28,9 +28,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from myserve.models.llama import LlamaModel
+from myserve.ops.kernel_attention import KernelKVCache
 from myserve.ops.paged_attention import KVCache
 from myserve.runtime.compile_counter import count_loaded, thread_cache_hits
-from myserve.runtime.kv_cache import constrain_cache, init_kv_cache, kv_cache_shape
+from myserve.runtime.kv_cache import Cache, cache_arrays, constrain_cache, init_kv_cache, kv_cache_shape, make_cache
 from myserve.runtime.mesh import kv_cache_sharding, replicated
 from myserve.runtime.model_step import StepOutput, model_step
 from myserve.runtime.sampler import SampleOutput
@@ -119,10 +120,13 @@ Progress = Callable[[int, int], None]
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
-def _copy_page(kv_cache: KVCache, src: jax.Array, dst: jax.Array, sharding: NamedSharding) -> KVCache:
-    copied = KVCache(
-        kv_cache.k.at[:, :, dst].set(kv_cache.k[:, :, src]), kv_cache.v.at[:, :, dst].set(kv_cache.v[:, :, src])
-    )
+def _copy_page(kv_cache: Cache, src: jax.Array, dst: jax.Array, sharding: NamedSharding) -> Cache:
+    if isinstance(kv_cache, KernelKVCache):  # [layers, pages, ...]
+        copied: Cache = KernelKVCache(kv_cache.kv.at[:, dst].set(kv_cache.kv[:, src]))
+    else:  # [layers, kv_heads, pages, ...]
+        copied = KVCache(
+            kv_cache.k.at[:, :, dst].set(kv_cache.k[:, :, src]), kv_cache.v.at[:, :, dst].set(kv_cache.v[:, :, src])
+        )
     return constrain_cache(copied, sharding)
 
 
@@ -170,7 +174,8 @@ class Executor:
         self._steps: dict[StepShape, Step] = {}
         """The compiled step of each shape built so far (``CompileSteps``, or on first use)."""
         self.outer = outer_part(model)
-        self.cache_sharding = kv_cache_sharding(mapping, mesh)
+        backend = model.attention_backend  # picks the cache's layout (the kernel reads its own)
+        self.cache_sharding = kv_cache_sharding(mapping, mesh, backend)
         # Each layer's weights flattened once: a tuple of arrays flattens in C++ on every call.
         self.layers = tuple(tuple(jax.tree_util.tree_leaves(layer)) for layer in model.layers)
         self.treedef = jax.tree_util.tree_structure(model.layers[0])
@@ -185,10 +190,12 @@ class Executor:
             return jax.device_put(np.zeros(shape, dtype), sharding)
 
         if abstract:
-            cache_shape = kv_cache_shape(model.spec, num_pages, page_size)
-            self.kv_cache = KVCache(*(place(cache_shape, dtype, self.cache_sharding) for _ in "kv"))
+            cache_shape = kv_cache_shape(model.spec, num_pages, page_size, backend)
+            arrays = [place(cache_shape, dtype, self.cache_sharding) for _ in range(cache_arrays(backend))]
+            self.kv_cache = make_cache(arrays, backend)
         else:
-            self.kv_cache = init_kv_cache(model.spec, num_pages, page_size, dtype, mesh, mapping)
+            self.kv_cache = init_kv_cache(model.spec, num_pages, page_size, dtype, mesh, mapping, backend)
+        self._out_tree = _step_out_tree(self.kv_cache)
         self.counts = place((num_slots, vocab), np.int32, self.replicated)
         self.prompt_mask = place((num_slots, vocab), np.bool_, self.replicated)
         # The last step's sampled tokens, on the device: the next step takes a token still in
@@ -300,7 +307,7 @@ class Executor:
 
     def _load_step(self, key: str, args: tuple[object, ...]) -> Step | None:
         assert self._step_cache is not None
-        step = self._step_cache.load(key, args, _STEP_OUT_TREE, tuple(self.mesh.devices.flat))
+        step = self._step_cache.load(key, args, self._out_tree, tuple(self.mesh.devices.flat))
         if step is not None:
             count_loaded()
         return step
@@ -310,20 +317,23 @@ class Executor:
         compiled = lowered.compile()
         if self._step_cache is not None:
             if thread_cache_hits() == hits:
-                self._step_cache.store(key, compiled, args, _STEP_OUT_TREE)
+                self._step_cache.store(key, compiled, args, self._out_tree)
             else:  # XLA:CPU serializes an executable it loaded without its code: never store one
                 logger.info("a step came from JAX's persistent cache: not stored in the step cache")
         return compiled
 
 
-Step = Callable[..., tuple[StepOutput, KVCache, jax.Array, jax.Array]]
+Step = Callable[..., tuple[StepOutput, Cache, jax.Array, jax.Array]]
 """A compiled ``model_step`` of one shape, called with the executor's state and a ``StepCall``'s arrays."""
 
-_STEP_OUT_TREE = jax.tree_util.tree_structure(
-    (StepOutput(SampleOutput(0, 0, 0, 0), (0, 0, 0)), KVCache(0, 0), 0, 0)  # type: ignore[arg-type]
-)
-"""What ``model_step`` returns, as a treedef: a step loaded from the step cache unflattens its
-outputs with it (the stored executable's own treedef does not survive pickling)."""
+
+def _step_out_tree(cache: Cache) -> jax.tree_util.PyTreeDef:
+    """What ``model_step`` returns with a cache like ``cache``, as a treedef: a step loaded from
+    the step cache unflattens its outputs with it (the stored executable's own treedef does not
+    survive pickling)."""
+    zeros = jax.tree.map(lambda _: 0, cache)
+    return jax.tree_util.tree_structure((StepOutput(SampleOutput(0, 0, 0, 0), (0, 0, 0)), zeros, 0, 0))  # type: ignore[arg-type]
+
 
 Prebuilt = tuple[dict[StepShape, Step], list[tuple[object, ...]]]
 """Step executables built before the weights were read, and the state signature they were built for."""

@@ -1,4 +1,9 @@
-"""Allocation of the paged KV cache on the mesh, and keeping its sharding through the jitted steps."""
+"""Allocation of the paged KV cache on the mesh, and keeping its sharding through the jitted steps.
+
+Two layouts, picked by the attention backend: the reference path's head-major K and V arrays
+(``ops/paged_attention.py``) and the TPU kernel's one array with K and V interleaved per head
+(``ops/kernel_attention.py``). Both hold the same bytes per page.
+"""
 
 from __future__ import annotations
 
@@ -9,35 +14,59 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from myserve.models.spec import ModelSpec
+from myserve.ops.kernel_attention import KernelKVCache
 from myserve.ops.paged_attention import KVCache
 from myserve.runtime.mesh import kv_cache_sharding
 
+Cache = KVCache | KernelKVCache
+"""The paged KV cache in either layout."""
 
-def kv_cache_shape(spec: ModelSpec, num_pages: int, page_size: int) -> tuple[int, int, int, int, int]:
-    """Shape of the K (and of the V) array: [layers, kv_heads, pages, page_size, head_dim]."""
+
+def kv_cache_shape(spec: ModelSpec, num_pages: int, page_size: int, backend: str = "reference") -> tuple[int, ...]:
+    """Shape of each cache array: the reference's K (and V) [layers, kv_heads, pages, page_size,
+    head_dim], or the kernel's [layers, pages, page_size, 2 * kv_heads, head_dim]."""
+    if backend == "pallas":
+        return (spec.num_layers, num_pages, page_size, 2 * spec.num_kv_heads, spec.head_dim)
     return (spec.num_layers, spec.num_kv_heads, num_pages, page_size, spec.head_dim)
 
 
+def make_cache(arrays: list[jax.Array], backend: str = "reference") -> Cache:
+    """The cache of ``backend``'s layout around its arrays (one for the kernel, K and V otherwise)."""
+    return KernelKVCache(arrays[0]) if backend == "pallas" else KVCache(arrays[0], arrays[1])
+
+
+def cache_arrays(backend: str = "reference") -> int:
+    """How many arrays the cache of ``backend`` has."""
+    return 1 if backend == "pallas" else 2
+
+
 def init_kv_cache(
-    spec: ModelSpec, num_pages: int, page_size: int, dtype: jnp.dtype, mesh: Mesh, mapping: Mapping[str, str]
-) -> KVCache:
+    spec: ModelSpec,
+    num_pages: int,
+    page_size: int,
+    dtype: jnp.dtype,
+    mesh: Mesh,
+    mapping: Mapping[str, str],
+    backend: str = "reference",
+) -> Cache:
     """A zeroed KV cache, created directly with its sharding (never whole on one device first)."""
-    shape = kv_cache_shape(spec, num_pages, page_size)
-    sharding = kv_cache_sharding(mapping, mesh)
-    zeros = jax.jit(lambda: (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)), out_shardings=(sharding, sharding))
-    return KVCache(*zeros())
+    shape = kv_cache_shape(spec, num_pages, page_size, backend)
+    sharding = kv_cache_sharding(mapping, mesh, backend)
+    n = cache_arrays(backend)
+    zeros = jax.jit(lambda: [jnp.zeros(shape, dtype) for _ in range(n)], out_shardings=[sharding] * n)
+    return make_cache(zeros(), backend)
 
 
 def kv_cache_bytes(spec: ModelSpec, num_pages: int, page_size: int, dtype: jnp.dtype) -> int:
-    """Size of the whole cache (K and V) in bytes, for logs and memory planning."""
+    """Size of the whole cache (K and V) in bytes, for logs and memory planning (the same in either layout)."""
     n = 2
     for d in kv_cache_shape(spec, num_pages, page_size):
         n *= d
     return n * jnp.dtype(dtype).itemsize
 
 
-def constrain_cache(cache: KVCache, sharding: NamedSharding | None) -> KVCache:
+def constrain_cache(cache: Cache, sharding: NamedSharding | None) -> Cache:
     """Inside a jit: the updated cache leaves with the sharding it came in with (no step reshards it)."""
     if sharding is None:
         return cache
-    return KVCache(*(jax.lax.with_sharding_constraint(a, sharding) for a in (cache.k, cache.v)))
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, sharding), cache)  # type: ignore[no-any-return]

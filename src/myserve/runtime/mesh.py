@@ -85,8 +85,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def kv_cache_sharding(mapping: Mapping[str, str], mesh: Mesh) -> NamedSharding:
-    """Sharding of each KV cache array [layers, kv_heads, pages, page_size, head_dim]: KV heads over ``model``."""
+def kv_cache_sharding(mapping: Mapping[str, str], mesh: Mesh, backend: str = "reference") -> NamedSharding:
+    """Sharding of each KV cache array (``runtime/kv_cache.py``): KV heads over ``model``. The
+    kernel's layout [layers, pages, page_size, 2 * kv_heads, head_dim] splits its combined heads
+    axis in blocks, so each device keeps whole K/V pairs of its own heads."""
+    if backend == "pallas":
+        return named_sharding(("layers", "pages", "page_size", "kv_heads", "head_size"), mapping, mesh)
     return named_sharding(("layers", "kv_heads", "pages", "page_size", "head_size"), mapping, mesh)
 
 

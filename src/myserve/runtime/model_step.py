@@ -37,9 +37,9 @@ from jax.sharding import NamedSharding
 from myserve.engine.params import MAX_TOP_LOGPROBS
 from myserve.models.llama import BATCH, POS, DecoderLayer, LlamaModel, decoder_block
 from myserve.models.spec import ModelSpec
-from myserve.ops.paged_attention import KVCache
+from myserve.ops.kernel_attention import KernelKVCache, kernel_meta
 from myserve.ops.ragged_attention import RaggedBatch
-from myserve.runtime.kv_cache import constrain_cache
+from myserve.runtime.kv_cache import Cache, constrain_cache
 from myserve.runtime.sampler import SampleOutput, sample, token_logprobs
 from myserve.runtime.sampling_rows import unpack as unpack_rows
 from myserve.runtime.step_layout import StepShape, unpack
@@ -54,21 +54,20 @@ class StepOutput(NamedTuple):
     """(logprob of the following token [T], top ids [T, K], top logprobs [T, K]); zeros when nothing is scored."""
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 7))
+@functools.partial(jax.jit, static_argnums=(0, 1, 6))
 def _layer(
     spec: ModelSpec,
-    backend: str,
     treedef: jax.tree_util.PyTreeDef,
     leaves: tuple[jax.Array, ...],
     x: hax.NamedArray,
     batch: RaggedBatch,
-    cache: KVCache,
-    sharded: bool,
+    cache: Cache,
+    cache_sharding: NamedSharding | None,
     index: jax.Array,
-) -> tuple[hax.NamedArray, KVCache]:
+) -> tuple[hax.NamedArray, Cache]:
     """One decoder layer (weights ``leaves``, layer ``index`` of the cache), traced once per bucket."""
     layer: DecoderLayer = jax.tree_util.tree_unflatten(treedef, leaves)
-    return decoder_block(spec, backend, layer, x, batch, cache, index, sharded)
+    return decoder_block(spec, layer, x, batch, cache, index, cache_sharding)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7, 9))
@@ -79,7 +78,7 @@ def model_step(
     replicated: NamedSharding | None,
     outer: LlamaModel,
     layers: tuple[tuple[jax.Array, ...], ...],
-    cache: KVCache,
+    cache: Cache,
     counts: jax.Array,
     prompt_mask: jax.Array,
     fed: jax.Array,
@@ -87,7 +86,7 @@ def model_step(
     ints: jax.Array,
     floats: jax.Array,
     bitmask: jax.Array,
-) -> tuple[StepOutput, KVCache, jax.Array, jax.Array]:
+) -> tuple[StepOutput, Cache, jax.Array, jax.Array]:
     """One engine step. ``outer`` is the model without its layers, ``layers`` each layer's leaves
     (flattened once by the executor: a tuple of arrays flattens in C++, equinox modules in Python).
     ``flat`` is ``HostStep.pack()``; ``ints``/``floats`` the sampling rows [N1, ...]; ``bitmask``
@@ -99,11 +98,11 @@ def model_step(
         flat = jax.lax.with_sharding_constraint(flat, replicated)
     tokens, batch, sample_idx, following, feed = unpack(flat, shape)
     tokens = jnp.where(feed >= 0, fed[jnp.maximum(feed, 0)], tokens)
-    spec = outer.spec
-    sharded = cache_sharding is not None and cache_sharding.spec[1:2] not in ((), (None,))
+    if isinstance(cache, KernelKVCache):  # the TPU kernel's per-sequence view of the rows, once per step
+        batch = batch.with_kernel(kernel_meta(batch, shape.tokens))
     x = outer.embed_tokens(tokens[None])  # one row of T tokens: [1, T, embed]
     for i, leaves in enumerate(layers):
-        x, cache = _layer(spec, outer.attention_backend, treedef, leaves, x, batch, cache, sharded, jnp.int32(i))
+        x, cache = _layer(outer.spec, treedef, leaves, x, batch, cache, cache_sharding, jnp.int32(i))
     cache = constrain_cache(cache, cache_sharding)
     hidden = x.rearrange((BATCH, POS, "embed")).array[0]  # [T, embed]
     last = hax.named(hidden[sample_idx], (BATCH, "embed"))

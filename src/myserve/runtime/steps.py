@@ -27,30 +27,28 @@ from jax.sharding import NamedSharding
 
 from myserve.models.llama import DecoderLayer, LlamaModel, decoder_block
 from myserve.models.spec import ModelSpec
-from myserve.ops.paged_attention import KVCache, PageBatch
+from myserve.ops.paged_attention import PageBatch
 from myserve.runtime.batch_layout import Entry, row_batch
-from myserve.runtime.kv_cache import constrain_cache
+from myserve.runtime.kv_cache import Cache, constrain_cache
 
 LAYERS_PER_CALL = 6
 """Decoder layers unrolled into one jitted call (see the module docstring)."""
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=7)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=6)
 def _blocks(
     spec: ModelSpec,
-    backend: str,
     treedef: jax.tree_util.PyTreeDef,
     cache_sharding: NamedSharding | None,
     leaves: tuple[jax.Array, ...],
     x: hax.NamedArray,
     batch: PageBatch,
-    cache: KVCache,
+    cache: Cache,
     first_layer: jax.Array,
-) -> tuple[hax.NamedArray, KVCache]:
+) -> tuple[hax.NamedArray, Cache]:
     layers: tuple[DecoderLayer, ...] = jax.tree_util.tree_unflatten(treedef, leaves)
-    sharded = cache_sharding is not None and cache_sharding.spec[1:2] not in ((), (None,))
     for j, layer in enumerate(layers):
-        x, cache = decoder_block(spec, backend, layer, x, batch, cache, first_layer + j, sharded)
+        x, cache = decoder_block(spec, layer, x, batch, cache, first_layer + j, cache_sharding)
     return x, constrain_cache(cache, cache_sharding)
 
 
@@ -118,17 +116,15 @@ class LayerGroups:
 
 
 def run_layers(
-    model: LlamaModel, x: hax.NamedArray, batch: PageBatch, cache: KVCache, groups: LayerGroups | None = None
-) -> tuple[hax.NamedArray, KVCache]:
+    model: LlamaModel, x: hax.NamedArray, batch: PageBatch, cache: Cache, groups: LayerGroups | None = None
+) -> tuple[hax.NamedArray, Cache]:
     """Every decoder layer, a group per jitted call; the cache is donated through the chain.
 
     ``groups`` is ``LayerGroups.of(model)``, passed by callers that step often.
     """
     groups = groups or LayerGroups.of(model)
     for start, treedef, leaves in groups.groups:
-        x, cache = _blocks(
-            model.spec, model.attention_backend, treedef, groups.cache_sharding, leaves, x, batch, cache, start
-        )
+        x, cache = _blocks(model.spec, treedef, groups.cache_sharding, leaves, x, batch, cache, start)
     return x, cache
 
 
@@ -136,10 +132,10 @@ def forward_last_logits(
     model: LlamaModel,
     tokens: jax.Array,
     batch: PageBatch,
-    kv_cache: KVCache,
+    kv_cache: Cache,
     outer: LlamaModel | None = None,
     groups: LayerGroups | None = None,
-) -> tuple[jax.Array, KVCache]:
+) -> tuple[jax.Array, Cache]:
     """Logits of each row's last real token: float32 [B, vocab], and the updated cache.
 
     ``outer`` (``outer_part(model)``) and ``groups`` (``LayerGroups.of(model)``) are passed by
@@ -151,8 +147,8 @@ def forward_last_logits(
 
 
 def forward_all_logits(
-    model: LlamaModel, tokens: jax.Array, batch: PageBatch, kv_cache: KVCache
-) -> tuple[jax.Array, KVCache]:
+    model: LlamaModel, tokens: jax.Array, batch: PageBatch, kv_cache: Cache
+) -> tuple[jax.Array, Cache]:
     """Logits of every query token: float32 [B, T, vocab], and the updated cache."""
     outer = outer_part(model)
     x, kv_cache = run_layers(model, _embed(outer, tokens), batch, kv_cache)
