@@ -305,3 +305,60 @@ def test_seed_choice_and_position_change_the_sample() -> None:
         sequences = {tuple(tokens[g * 10 : (g + 1) * 10].tolist()) for g in range(N // 10)}
         assert len(sequences) == N // 10
     assert len(set(by_seed[:10].tolist())) > 5  # the positions of one sequence differ too
+
+
+def test_a_plain_greedy_batch_takes_the_raw_argmax_and_every_edit_still_applies() -> None:
+    """The engine's flags are traced: a greedy batch without logprobs or logit edits skips the
+    processing (``_untouched``); each kind of edit on a single row must still reach that row."""
+    b, words = 8, -(-V // 32)
+    rng = np.random.default_rng(9)
+    logits = random_logits(rng, b)
+    top = np.argmax(logits, axis=-1)
+    second = int(np.argsort(-logits[0])[1])
+
+    @jax.jit
+    def step(params: SamplingArrays, counts: Any, prompt: Any, mask: Any, greedy: Any, lp: Any) -> SampleOutput:
+        x = jnp.asarray(logits)
+        return sample(x, params, counts, prompt, num_top_logprobs=K, all_greedy=greedy, logprobs=lp, bitmask=mask)
+
+    def row0(shape: tuple[int, ...], fill: Any, value: Any, dtype: Any) -> np.ndarray:
+        a = np.full(shape, fill, dtype)
+        a[0, 0] = value
+        return a
+
+    counts, prompt = np.zeros((b, V), np.int32), np.zeros((b, V), bool)
+    full_mask = np.full((b, words), -1, np.int32)
+    plain = step(make(b), counts, prompt, full_mask, True, False)
+    np.testing.assert_array_equal(np.asarray(plain.tokens), top)
+    with_lp = step(make(b), counts, prompt, full_mask, True, True)
+    np.testing.assert_array_equal(np.asarray(with_lp.tokens), top)
+    want_lp = np_log_softmax(logits.astype(np.float64))[np.arange(b), top]
+    np.testing.assert_allclose(np.asarray(with_lp.logprobs), want_lp, rtol=1e-5, atol=1e-5)
+
+    seen_top = prompt.copy()
+    seen_top[0, top[0]] = True
+    counted_top = counts.copy()
+    counted_top[0, top[0]] = 1
+    bits = full_mask.view(np.uint32).copy()
+    bits[0, top[0] // 32] &= ~np.uint32(1 << (top[0] % 32))
+    banned_mask = bits.view(np.int32)
+    grammar = dataclasses.replace(make(b), constrained=jnp.asarray(np.arange(b) == 0))
+    per_row = lambda value, neutral: np.where(np.arange(b) == 0, value, neutral)  # noqa: E731
+    edits: dict[str, tuple[SamplingArrays, np.ndarray, np.ndarray, np.ndarray]] = {
+        "logit_bias": (
+            make(b, bias_ids=row0((b, NB), -1, top[0], np.int32), bias_values=row0((b, NB), 0.0, -100.0, np.float32)),
+            counts,
+            prompt,
+            full_mask,
+        ),
+        "banned": (make(b, banned_ids=row0((b, NS), -1, top[0], np.int32)), counts, prompt, full_mask),
+        "repetition": (make(b, repetition_penalty=per_row(1e6, 1.0)), counts, seen_top, full_mask),
+        "frequency": (make(b, frequency_penalty=per_row(100.0, 0.0)), counted_top, prompt, full_mask),
+        "presence": (make(b, presence_penalty=per_row(100.0, 0.0)), counted_top, prompt, full_mask),
+        "grammar": (grammar, counts, prompt, banned_mask),
+    }
+    want = top.copy()
+    want[0] = second
+    for name, (params, c, p, m) in edits.items():
+        got = np.asarray(step(params, c, p, m, True, False).tokens)
+        np.testing.assert_array_equal(got, want, err_msg=name)

@@ -304,11 +304,57 @@ def sample(
     ``lax.switch`` (the engine step: one executable for every mix of rows).
     """
     logits = logits.astype(jnp.float32)
-    processed = process_logits(logits, params, output_counts, prompt_mask, slots, bitmask)
-    greedy_rows = params.temperature <= 0
-
     b, k = logits.shape[0], num_top_logprobs
     k_none = 0 if logprobs is False else k  # every branch of the conditional has one shape
+
+    def processed_and_sampled() -> _Sampled:
+        return _process_and_sample(
+            logits, params, output_counts, prompt_mask, slots, bitmask, k, k_none, candidates, all_greedy, logprobs
+        )
+
+    if all_greedy is False or logprobs is True:
+        tokens, chosen, top_ids, top_logprobs = processed_and_sampled()
+    else:
+        # The common serving batch (greedy, no logprobs, nothing that edits the logits) takes the
+        # argmax of the raw logits: the same tokens, without copying [B, V] through the bias and
+        # ban scatters (~1 ms of a 9 ms 64-row step of the tiny yardstick model on the 2-core CPU).
+        def raw_argmax() -> _Sampled:
+            return argmax(logits), jnp.zeros(b), jnp.zeros((b, k_none), jnp.int32), jnp.zeros((b, k_none), jnp.float32)
+
+        plain = jnp.asarray(all_greedy) & ~jnp.asarray(logprobs) & _untouched(params, logits.shape[1], bitmask)
+        tokens, chosen, top_ids, top_logprobs = lax.cond(plain, raw_argmax, processed_and_sampled)
+    return SampleOutput(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def _untouched(params: SamplingArrays, vocab: int, bitmask: jax.Array | None) -> jax.Array:
+    """True when ``process_logits`` is the identity for every row: no in-vocabulary logit bias or
+    banned id, no penalty, no grammar mask."""
+    edits = jnp.any((params.bias_ids >= 0) & (params.bias_ids < vocab))
+    edits |= jnp.any((params.banned_ids >= 0) & (params.banned_ids < vocab))
+    edits |= jnp.any(params.repetition_penalty != 1) | jnp.any(params.frequency_penalty != 0)
+    edits |= jnp.any(params.presence_penalty != 0)
+    if bitmask is not None and params.constrained is not None:
+        edits |= jnp.any(params.constrained)
+    return ~edits
+
+
+def _process_and_sample(
+    logits: jax.Array,
+    params: SamplingArrays,
+    output_counts: jax.Array,
+    prompt_mask: jax.Array,
+    slots: jax.Array | None,
+    bitmask: jax.Array | None,
+    k: int,
+    k_none: int,
+    candidates: int,
+    all_greedy: bool | jax.Array,
+    logprobs: bool | jax.Array,
+) -> _Sampled:
+    """``sample``'s general path: process the logits, then one of the greedy/logprobs cases."""
+    processed = process_logits(logits, params, output_counts, prompt_mask, slots, bitmask)
+    greedy_rows = params.temperature <= 0
+    b = logits.shape[0]
 
     def draw(processed: jax.Array) -> jax.Array:
         temperature = jnp.where(greedy_rows, 1.0, params.temperature)
@@ -334,15 +380,14 @@ def sample(
     logprob_cases = (logprobs,) if isinstance(logprobs, bool) else (False, True)
     cases = [branch(g, lp) for g in greedy_cases for lp in logprob_cases]
     if len(cases) == 1:
-        tokens, chosen, top_ids, top_logprobs = cases[0]()
-    else:
-        index = jnp.int32(0)  # position in ``cases``: greedy-major, as built
-        if len(greedy_cases) == 2:
-            index = index + len(logprob_cases) * jnp.asarray(all_greedy, jnp.int32)
-        if len(logprob_cases) == 2:
-            index = index + jnp.asarray(logprobs, jnp.int32)
-        tokens, chosen, top_ids, top_logprobs = lax.switch(index, cases)
-    return SampleOutput(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
+        return cases[0]()
+    index = jnp.int32(0)  # position in ``cases``: greedy-major, as built
+    if len(greedy_cases) == 2:
+        index = index + len(logprob_cases) * jnp.asarray(all_greedy, jnp.int32)
+    if len(logprob_cases) == 2:
+        index = index + jnp.asarray(logprobs, jnp.int32)
+    tokens, chosen, top_ids, top_logprobs = lax.switch(index, cases)
+    return tokens, chosen, top_ids, top_logprobs
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
