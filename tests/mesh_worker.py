@@ -5,6 +5,8 @@ Usage: python tests/mesh_worker.py CHECKPOINT_OR_BUNDLED MESH [MESH ...]  (MESH:
 
 With ``KERNEL_CONTRACT=1`` in the environment the engines take the TPU kernel's path (its cache
 layout, and ``shard_map`` over the model axis) with ``kernel_contract.py`` standing in for the kernel.
+With ``GPU_KERNEL_INTERPRET=1`` they take the GPU decode kernel's path, the kernel itself run by
+Pallas's interpreter.
 """
 
 from __future__ import annotations
@@ -32,6 +34,18 @@ if KERNEL:
 
     kernel_attention._tpu_kernel = lambda: contract_attention  # type: ignore[assignment]
     deployment.resolve_backend = lambda *a, **k: "pallas"  # type: ignore[assignment]
+GPU_KERNEL = os.environ.get("GPU_KERNEL_INTERPRET") == "1"
+if GPU_KERNEL:
+    import functools
+
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    from myserve.ops import gpu_decode_attention
+    from myserve.runtime import deployment
+
+    interpreted = functools.partial(paged_attention, interpret=True)
+    gpu_decode_attention._gpu_kernel = lambda: interpreted  # type: ignore[assignment]
+    deployment.resolve_backend = lambda *a, **k: "pallas_gpu"  # type: ignore[assignment]
 
 # A small engine: few shapes to compile per mesh.
 ENGINE = (

@@ -11,6 +11,7 @@ import pytest
 from myserve import serve
 from myserve.config import load_config
 from myserve.errors import ConfigError
+from myserve.ops.gpu_decode_attention import gpu_fit
 from myserve.ops.kernel_attention import pallas_fit
 from myserve.runtime.deployment import Deployment
 
@@ -44,7 +45,8 @@ def test_deployment_validates_and_fits_its_devices(name: str) -> None:
     assert c.engine.max_num_batched_tokens >= c.engine.max_num_seqs
     # On its TPU or GPU, attention "auto" picks the Pallas kernel only if the shapes fit it.
     heads = {"llama-3.1-8b-tpu-v5e-8.yaml": 32, "llama-3.1-8b-h100.yaml": 32, "qwen3-32b-tpu-v6e-8.yaml": 64}[name]
-    assert pallas_fit(heads, kv_heads, head_dim, c.engine.page_size) is None
+    fit = gpu_fit if "h100" in name else pallas_fit
+    assert fit(heads, kv_heads, head_dim, c.engine.page_size) is None
 
 
 @pytest.mark.parametrize("name", [n for n, d in DEPLOYMENTS.items() if d[5] > 1])

@@ -74,3 +74,13 @@ def test_the_tpu_kernel_path_serves_identically_on_every_mesh(tiny_checkpoints) 
     check_identical(result, vocab=256)
     assert all(r["cache_layout"] == "KernelKVCache" for r in result.values())
     assert result["1x2"]["cache_spec"] == "P(None, None, None, 'model')"  # the combined K/V heads
+
+
+def test_the_gpu_kernel_path_serves_identically_on_every_mesh(tiny_checkpoints) -> None:
+    """The GPU decode kernel's path (JAX's kernel run by Pallas's interpreter): the reference cache
+    layout with its KV heads split over model=2, the kernel per device under shard_map on the
+    decode rows, the same tokens on every mesh and no collective beyond the reference path's."""
+    result = served_tokens(str(tiny_checkpoints["llama3"]), env={"GPU_KERNEL_INTERPRET": "1"})
+    check_identical(result, vocab=256)
+    assert all(r["cache_layout"] == "KVCache" for r in result.values())
+    assert result["1x2"]["cache_spec"] == "P(None, 'model')"  # [layers, kv_heads, ...]: heads split

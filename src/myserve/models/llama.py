@@ -156,7 +156,8 @@ def decoder_block(
     KV cache's sharding; with its heads split over devices the reference attention gathers pages
     per head shard and the TPU kernel runs per device. The cache's layout picks the attention:
     ``KernelKVCache`` (a ragged step whose batch carries the kernel's metadata) the TPU kernel,
-    ``KVCache`` the pure-JAX reference.
+    ``KVCache`` the pure-JAX reference (with a ragged batch's decode rows on the GPU kernel when
+    it is marked for it).
     """
     ax, eps = ModelAxes.of(spec), spec.rms_norm_eps
     h = rms_norm(x, layer.attn_norm, ax.Embed, eps)
@@ -182,7 +183,10 @@ def decoder_block(
         heads_sharded = cache_sharding is not None and cache_sharding.spec[1:2] not in ((), (None,))
         cache = write_kv(cache, layer_idx, k, v, batch)
         if isinstance(batch, RaggedBatch):  # one flat row of tokens from many sequences
-            out = ragged_attention(q[0], cache, layer_idx, batch, sm_scale=sm_scale, heads_sharded=heads_sharded)[None]
+            out = ragged_attention(
+                q[0], cache, layer_idx, batch, sm_scale=sm_scale, heads_sharded=heads_sharded,
+                cache_sharding=cache_sharding,
+            )[None]  # fmt: skip
         else:
             out = paged_attention(q, cache, layer_idx, batch, heads_sharded=heads_sharded)
     out_axes = (h.resolve_axis(BATCH), h.resolve_axis(POS), ax.KVHeads, ax.QPerKV, ax.HeadSize)

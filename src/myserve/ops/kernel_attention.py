@@ -42,6 +42,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from myserve.errors import ConfigError
+from myserve.ops.gpu_decode_attention import gpu_fit
 from myserve.ops.ragged_attention import RaggedBatch
 
 logger = logging.getLogger(__name__)
@@ -200,20 +201,30 @@ def pallas_fit(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int)
 
 def resolve_backend(
     backend: AttentionBackend, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int
-) -> Literal["reference", "pallas"]:
-    """Pick the attention implementation: the Pallas ragged kernel on TPU when it imports and the
-    model's shapes fit it (``pallas_fit``), else the reference. ``reference`` forces the reference."""
+) -> Literal["reference", "pallas", "pallas_gpu"]:
+    """Pick the attention implementation. ``auto`` and ``pallas``: on TPU the Pallas ragged kernel
+    (``pallas``), on GPU the Pallas paged decode kernel for the decode rows (``pallas_gpu``,
+    ``ops/gpu_decode_attention.py``), each when it imports and the model's shapes fit it; the
+    reference otherwise (``pallas`` instead fails with the reason). ``reference`` forces the
+    reference."""
     if backend == "reference":
         return "reference"
-    on_tpu = jax.default_backend() == "tpu"
-    if backend == "pallas" and not on_tpu:
-        raise ConfigError("engine.attention_backend 'pallas' needs a TPU; use 'auto' or 'reference'")
-    if not on_tpu:
+    platform = jax.default_backend()
+    if platform == "tpu":
+        misfit = pallas_fit(num_heads, num_kv_heads, head_dim, page_size)
+        if misfit is None and _tpu_kernel() is None:
+            misfit = "the kernel does not import"
+        picked: Literal["pallas", "pallas_gpu"] = "pallas"
+    elif platform in ("gpu", "cuda", "rocm"):
+        misfit = gpu_fit(num_heads, num_kv_heads, head_dim, page_size)
+        picked = "pallas_gpu"
+    elif backend == "pallas":
+        raise ConfigError("engine.attention_backend 'pallas' needs a TPU or a GPU; use 'auto' or 'reference'")
+    else:
         return "reference"
-    misfit = pallas_fit(num_heads, num_kv_heads, head_dim, page_size)
-    if misfit is None and _tpu_kernel() is not None:
-        return "pallas"
+    if misfit is None:
+        return picked
     if backend == "pallas":
         raise ConfigError(f"engine.attention_backend 'pallas' cannot serve this model: {misfit}")
-    logger.warning("Pallas ragged paged attention not used (%s); using the reference", misfit)
+    logger.warning("Pallas attention kernel not used (%s); using the reference", misfit)
     return "reference"

@@ -31,7 +31,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding
 
+from myserve.ops.gpu_decode_attention import decode_attention
 from myserve.ops.paged_attention import _MASK_VALUE, KVCache, _gather_pages
 
 if TYPE_CHECKING:
@@ -68,11 +70,27 @@ class RaggedBatch(eqx.Module):
     """Pages of context each loop iteration reads (static: a compile-time tile size)."""
     kernel: KernelMeta | None = None
     """The same rows as the TPU kernel's sequences (``kernel_attention.kernel_meta``), when it is used."""
+    decode_kernel: bool = eqx.field(static=True, default=False)
+    """The single view runs on the GPU decode kernel (``ops/gpu_decode_attention.py``)."""
 
     def with_kernel(self, kernel: KernelMeta) -> RaggedBatch:
-        """This batch with the kernel's metadata attached."""
+        """This batch with the TPU kernel's metadata attached."""
+        return self._with(kernel, self.decode_kernel)
+
+    def with_decode_kernel(self) -> RaggedBatch:
+        """This batch with its single view marked for the GPU decode kernel."""
+        return self._with(self.kernel, True)
+
+    def _with(self, kernel: KernelMeta | None, decode_kernel: bool) -> RaggedBatch:
         return RaggedBatch(
-            self.positions, self.q_lens, self.write_pages, self.single, self.blocks, self.chunk_pages, kernel
+            self.positions,
+            self.q_lens,
+            self.write_pages,
+            self.single,
+            self.blocks,
+            self.chunk_pages,
+            kernel,
+            decode_kernel,
         )
 
 
@@ -134,14 +152,24 @@ def ragged_attention(
     *,
     sm_scale: float,
     heads_sharded: bool = False,
+    cache_sharding: NamedSharding | None = None,
 ) -> jax.Array:
-    """Pure-JAX attention of flat queries ``q`` [T, heads, D] over their sequences' paged context
-    (this step's K/V already written); returns [T, heads, D] in q's dtype (padding tokens: zeros)."""
+    """Attention of flat queries ``q`` [T, heads, D] over their sequences' paged context (this
+    step's K/V already written); returns [T, heads, D] in q's dtype (padding tokens: zeros). Pure
+    JAX, except the single view on the GPU decode kernel when ``batch.decode_kernel`` (which reads
+    ``cache_sharding`` to run per device when heads are split)."""
     t, h, d = q.shape
     padded = jnp.concatenate([q, jnp.zeros((1, h, d), q.dtype)])
     out = jnp.zeros((t + 1, h, d), jnp.float32)
     for view in (batch.single, batch.blocks):
         if view.idx.shape[0] == 0:
+            continue
+        if batch.decode_kernel and view is batch.single:
+            rows = decode_attention(
+                padded[view.idx[:, 0]], cache, layer, view.kv_lens, view.pages,
+                sm_scale=sm_scale, cache_sharding=cache_sharding,
+            )  # fmt: skip
+            out = out.at[view.idx[:, 0]].set(rows.astype(jnp.float32))
             continue
         rows = _view_attention(
             padded, cache, layer, view, chunk_pages=batch.chunk_pages, sm_scale=sm_scale, heads_sharded=heads_sharded

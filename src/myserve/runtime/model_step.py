@@ -100,6 +100,8 @@ def model_step(
     tokens = jnp.where(feed >= 0, fed[jnp.maximum(feed, 0)], tokens)
     if isinstance(cache, KernelKVCache):  # the TPU kernel's per-sequence view of the rows, once per step
         batch = batch.with_kernel(kernel_meta(batch, shape.tokens))
+    elif outer.attention_backend == "pallas_gpu":
+        batch = batch.with_decode_kernel()
     x = outer.embed_tokens(tokens[None])  # one row of T tokens: [1, T, embed]
     for i, leaves in enumerate(layers):
         x, cache = _layer(outer.spec, treedef, leaves, x, batch, cache, cache_sharding, jnp.int32(i))

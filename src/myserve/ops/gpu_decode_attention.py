@@ -1,0 +1,146 @@
+"""The GPU attention path: JAX's Pallas (Triton) paged decode kernel for a step's one-token rows.
+
+JAX ships the kernel (``jax.experimental.pallas.ops.gpu.paged_attention``). It serves one query
+token per sequence: ``q`` [B, heads, D] over ``k_pages``/``v_pages`` [kv_heads, pages, page_size, D]
+with a page table [B, W] and context lengths [B], splitting each sequence's pages over ``k_splits``
+programs (flash-decoding) and skipping the pages past its length. So on a GPU it takes the step's
+single view (the decode rows, ``ops/ragged_attention.py``), and the block view (prefill chunks)
+keeps the reference, in the same executable.
+
+No copy per call. The reference cache ``[layers, kv_heads, pages, page_size, D]`` is read as it
+lies: merging its leading axes is a bitcast to ``[1, layers * kv_heads * pages, page_size, D]``,
+one "KV head" whose page ``(layer * kv_heads + h) * pages + p`` is page ``p`` of head ``h`` of
+``layer``. Each (row, KV head) pair becomes one of the kernel's sequences, with its ``g`` query
+heads and its page table shifted by that offset. (Slicing the layer out of the cache instead
+would copy the layer's whole cache on every call: a custom call reads whole buffers.) The grid is
+then the same as the kernel's own over KV heads: one program per (row, KV head, k split).
+
+The kernel does not scale its scores, so the queries are scaled by ``sm_scale`` first.
+
+Tensor parallelism: with KV heads sharded over ``model`` the merge would cross devices, so the
+call runs under ``shard_map``, each device on its own heads (query heads are grouped under their
+KV head, so a block split of the heads axis keeps each group with its KV head).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from myserve.ops.paged_attention import KVCache
+
+logger = logging.getLogger(__name__)
+
+Kernel = Callable[..., jax.Array]
+"""``paged_attention(q, k_pages, v_pages, block_tables, lengths, *, pages_per_compute_block, k_splits)``."""
+
+BLOCK_H = 16
+"""Query heads per program (the kernel's default): a KV head's group is padded up to it, since a
+Triton dot needs at least 16 rows."""
+
+
+def decode_attention(
+    q: jax.Array,
+    cache: KVCache,
+    layer: int | jax.Array,
+    kv_lens: jax.Array,
+    pages: jax.Array,
+    *,
+    sm_scale: float,
+    cache_sharding: NamedSharding | None = None,
+) -> jax.Array:
+    """The kernel's attention of one query token per row, ``q`` [N, heads, D], over layer ``layer``
+    of ``cache`` (this step's K/V already written): row ``n`` reads ``kv_lens[n]`` tokens of its
+    pages ``pages[n]`` [N, W]. Returns [N, heads, D] in q's dtype (rows with ``kv_lens == 0``: zeros).
+    ``cache_sharding``: the cache's sharding; with its KV heads split the kernel runs per device."""
+    call = functools.partial(_decode, layer=layer, sm_scale=sm_scale)
+    heads = None if cache_sharding is None else cache_sharding.spec[1] if len(cache_sharding.spec) > 1 else None
+    if heads is None:
+        return call(q, cache.k, cache.v, kv_lens, pages)
+    per_device = jax.shard_map(
+        call,
+        mesh=cache_sharding.mesh,  # type: ignore[union-attr]
+        in_specs=(P(None, heads, None), P(None, heads), P(None, heads), P(), P()),
+        out_specs=P(None, heads, None),
+        check_vma=False,
+    )
+    return per_device(q, cache.k, cache.v, kv_lens, pages)
+
+
+def _decode(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_lens: jax.Array,
+    pages: jax.Array,
+    *,
+    layer: int | jax.Array,
+    sm_scale: float,
+) -> jax.Array:
+    """``decode_attention`` on one device's heads: ``k``/``v`` [layers, kv_heads, pages, page_size, D]."""
+    kernel = _gpu_kernel()
+    if kernel is None:  # resolve_backend never picks this backend without the kernel
+        raise RuntimeError("the Pallas paged decode attention kernel is not available")
+    n, h, d = q.shape
+    num_layers, kvh, num_pages, page_size, _ = k.shape
+    g = h // kvh
+    width = pages.shape[1]
+    k_splits, per_block = split_sizes(width)
+    # (row, KV head) pairs are the kernel's sequences, row-major: pair n * kvh + j is head j of row n.
+    qs = (q.astype(jnp.float32) * sm_scale).astype(q.dtype).reshape(n * kvh, g, d)
+    # Entries past a row's length may be anything; the kernel loads whole compute blocks, so clip them.
+    heads = (layer * kvh + jnp.arange(kvh, dtype=pages.dtype)) * num_pages  # [KVH]
+    tables = (jnp.clip(pages, 0, num_pages - 1)[:, None, :] + heads[None, :, None]).reshape(n * kvh, width)
+    lengths = jnp.repeat(kv_lens.astype(jnp.int32), kvh)
+    merged = (1, num_layers * kvh * num_pages, page_size, d)  # bitcasts: no data moves
+    out = kernel(
+        qs,
+        k.reshape(merged),
+        v.reshape(merged),
+        tables,
+        lengths,
+        pages_per_compute_block=per_block,
+        k_splits=k_splits,
+    )
+    # The kernel divides by (sum + eps), so a row with no context is already zeros.
+    return out.reshape(n, h, d).astype(q.dtype)
+
+
+def split_sizes(width: int) -> tuple[int, int]:
+    """``(k_splits, pages_per_compute_block)`` for page tables ``width`` pages wide: up to 16 splits
+    and 8 pages per block, each dividing what it must (the kernel asserts both)."""
+    k_splits = math.gcd(width, 16)
+    return k_splits, math.gcd(width // k_splits, 8)
+
+
+@functools.cache
+def _gpu_kernel() -> Kernel | None:
+    """JAX's paged decode attention kernel for GPUs, or None where it does not import."""
+    try:
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+    except ImportError as e:
+        logger.warning("Pallas GPU paged attention unavailable (%s); using the reference", e)
+        return None
+    return paged_attention  # type: ignore[no-any-return]
+
+
+def gpu_fit(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int) -> str | None:
+    """Why the GPU decode kernel cannot serve these shapes, or None if it can. Triton blocks need
+    power-of-two sizes of at least 16: ``head_dim``, and a compute block's tokens (``page_size`` a
+    power of two; the smallest block is one page, so at least 16 tokens per page)."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two >= 16"
+    if page_size < 16 or page_size & (page_size - 1):
+        return f"page_size {page_size} is not a power of two >= 16"
+    if num_heads % num_kv_heads:
+        return f"{num_heads} query heads do not group evenly over {num_kv_heads} KV heads"
+    if _gpu_kernel() is None:
+        return "the kernel does not import"
+    return None
