@@ -282,3 +282,12 @@ def test_random_checkpoint_without_torch_loads_as_a_checkpoint(tmp_path: Path) -
     tokenizer = Tokenizer.load(directory)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert ids and tokenizer.decode(tokenizer.encode("Hello world")) == "Hello world"
+
+
+def test_engine_bench_random_prompts_are_seeded_and_in_the_vocabulary() -> None:
+    from myserve.bench.engine import random_prompts
+
+    prompts = random_prompts(300, 3, 4096)
+    assert [len(p) for p in prompts] == [4096] * 3
+    assert all(0 <= t < 300 for p in prompts for t in p)
+    assert prompts == random_prompts(300, 3, 4096) and prompts[0] != prompts[1]

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+from ragged_steps import MIXED, mixed_step
 
 from myserve.engine.params import SamplingParams
 from myserve.errors import ConfigError
@@ -25,7 +26,6 @@ from myserve.ops.gpu_decode_attention import decode_attention, gpu_fit, split_si
 from myserve.ops.kernel_attention import resolve_backend
 from myserve.ops.paged_attention import KVCache, write_kv
 from myserve.ops.ragged_attention import ragged_attention
-from myserve.runtime.step_layout import Span, StepShape, layout, unpack
 from myserve.testing import collect, hf_greedy
 
 
@@ -35,27 +35,14 @@ def interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gpu_decode_attention, "_gpu_kernel", lambda: functools.partial(paged_attention, interpret=True))
 
 
-def _mixed_step(rng: np.random.RandomState, n_pages: int, ps: int):
-    """A ragged step of decode tokens beside prefill chunks (one cut into blocks) and padding."""
-    perm = [int(p) for p in rng.permutation(n_pages)]
-    seqs = [(2, 1), (16, 1), (0, 7), (24, 13), (38, 1), (5, 3), (0, 1)]  # (context before, tokens)
-    spans, used = [], 0
-    for before, n in seqs:
-        pages = perm[used : used + -(-(before + n) // ps)]
-        used += len(pages)
-        spans.append(Span([0] * n, before, pages, samples=True))
-    shape = StepShape.of(32, max_num_seqs=8, block_tokens=4, max_pages=12, chunk_pages=2)
-    _, batch, _, _, _ = unpack(jnp.asarray(layout(spans, shape, ps).pack()), shape)
-    return shape, batch, sum(n for _, n in seqs)
-
-
 def test_the_decode_kernel_equals_the_reference_on_a_mixed_ragged_step(interpreted) -> None:
     """The decode rows through the kernel (layer 1 of a merged two-layer cache, 3 query heads per
     KV head padded to the kernel's 16), the blocks through the reference: every token's attention
     equals the all-reference step's."""
     rng = np.random.RandomState(1)
     layers, kvh, h, d, ps, n_pages = 2, 2, 6, 16, 4, 64
-    shape, batch, real = _mixed_step(rng, n_pages, ps)
+    shape, spans, batch = mixed_step(rng, n_pages, ps, [*MIXED, (0, 1)])  # and a first token without context
+    real = sum(len(span.token_ids) for span in spans)
     cache = KVCache(*(jnp.asarray(rng.randn(layers, kvh, n_pages, ps, d), jnp.float32) for _ in range(2)))
     k_new, v_new = (jnp.asarray(rng.randn(1, shape.tokens, kvh, d), jnp.float32) for _ in range(2))
     cache = write_kv(cache, 1, k_new, v_new, batch)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from kernel_contract import contract_attention
+from ragged_steps import MIXED, mixed_step
 
 from myserve.engine.params import SamplingParams
 from myserve.ops import kernel_attention
@@ -21,7 +22,6 @@ from myserve.ops.kernel_attention import KernelKVCache, kernel_meta, write_kv_ke
 from myserve.ops.kernel_attention import kernel_attention as run_kernel
 from myserve.ops.paged_attention import KVCache, write_kv
 from myserve.ops.ragged_attention import ragged_attention
-from myserve.runtime.step_layout import Span, StepShape, layout, unpack
 from myserve.testing import collect, hf_greedy
 
 
@@ -64,15 +64,7 @@ def test_kernel_path_equals_the_reference_on_a_mixed_ragged_step(monkeypatch) ->
     monkeypatch.setattr(kernel_attention, "_tpu_kernel", lambda: contract_attention)
     rng = np.random.RandomState(1)
     layers, kvh, h, d, ps, n_pages = 2, 2, 6, 8, 4, 64
-    perm = [int(p) for p in rng.permutation(n_pages)]
-    seqs = [(2, 1), (16, 1), (0, 7), (24, 13), (38, 1), (5, 3)]  # (context before, tokens this step)
-    spans, used = [], 0
-    for before, n in seqs:
-        pages = perm[used : used + -(-(before + n) // ps)]
-        used += len(pages)
-        spans.append(Span([0] * n, before, pages, samples=True))
-    shape = StepShape.of(32, max_num_seqs=8, block_tokens=4, max_pages=12, chunk_pages=2)
-    _, batch, _, _, _ = unpack(jnp.asarray(layout(spans, shape, ps).pack()), shape)
+    shape, _, batch = mixed_step(rng, n_pages, ps)
     ref_cache, kernel_cache = _both_layouts(rng, layers, kvh, n_pages, ps, d)
     # This step's K/V written through each layout's own write into layer 1.
     k_new = jnp.asarray(rng.randn(1, shape.tokens, kvh, d), jnp.float32)
@@ -91,7 +83,7 @@ def test_kernel_path_equals_the_reference_on_a_mixed_ragged_step(monkeypatch) ->
         )
 
     want, got, meta = both(q, ref_cache, kernel_cache, batch)
-    real = sum(n for _, n in seqs)
+    real = sum(n for _, n in MIXED)
     np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], atol=1e-5)
     # One kernel sequence per single row and per block: 3 decode rows, blocks of 4 of 7, 13 and 3 tokens.
     assert int(meta.num_seqs[0]) == 3 + 2 + 4 + 1

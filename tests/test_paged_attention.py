@@ -111,23 +111,14 @@ def test_ragged_attention_equals_per_token_attention() -> None:
     the block size, padding) attends exactly like each token alone over its own causal context;
     the context loop runs several iterations (2-page chunks, contexts up to 10 pages)."""
     import jax
+    from ragged_steps import MIXED, mixed_step
 
     from myserve.ops.ragged_attention import ragged_attention
-    from myserve.runtime.step_layout import Span, StepShape, layout, unpack
 
     rng = np.random.RandomState(1)
     kvh, h, d, ps, n_pages = 2, 6, 8, 4, 64
-    perm = [int(p) for p in rng.permutation(n_pages)]
-    # (context before this step, tokens this step) per sequence
-    seqs = [(2, 1), (16, 1), (0, 7), (24, 13), (38, 1), (5, 3)]
-    spans, used = [], 0
-    for before, n in seqs:
-        pages = perm[used : used + -(-(before + n) // ps)]
-        used += len(pages)
-        spans.append(Span([0] * n, before, pages, samples=True))
-    shape = StepShape.of(32, max_num_seqs=8, block_tokens=4, max_pages=12, chunk_pages=2)
-    host = layout(spans, shape, ps)
-    _, batch, _, _, _ = unpack(jnp.asarray(host.pack()), shape)
+    seqs = MIXED
+    shape, spans, batch = mixed_step(rng, n_pages, ps)
     cache_shape = (1, kvh, n_pages, ps, d)
     cache = KVCache(
         jnp.asarray(rng.randn(*cache_shape), jnp.float32), jnp.asarray(rng.randn(*cache_shape), jnp.float32)

@@ -45,6 +45,14 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
     ]
 
 
+def random_prompts(vocab_size: int, n: int, length: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` token ids drawn uniformly (seeded) from the tokenizer's vocabulary."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return [[int(t) for t in rng.integers(0, vocab_size, size=length)] for _ in range(n)]
+
+
 def builtin_chat_prompts(tokenizer, n: int) -> list[list[int]]:
     """The first ``n`` built-in prompts of ``python -m myserve.bench`` as chat-templated token ids."""
     from myserve.bench.prompts import builtin_prompts
@@ -207,6 +215,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="1,8,32,64",
         help="also time transformers generate with static batches of these sizes (the serving floor)",
     )
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="prompts of N random token ids instead of the chat prompts (long contexts: attention's share)",
+    )
     parser.add_argument("--output", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -236,7 +251,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     service.start()
     warmup_s = time.perf_counter() - t0
-    prompts = chat_prompts(dep.tokenizer, args.concurrency)
+    if args.prompt_tokens:
+        prompts = random_prompts(
+            min(dep.tokenizer.vocab_size, dep.model.spec.vocab_size), args.concurrency, args.prompt_tokens
+        )
+    else:
+        prompts = chat_prompts(dep.tokenizer, args.concurrency)
     bench_myserve(service, prompts[:2], 4)  # first-request effects out of the measurement
     device = jax.devices()[0]
     results: dict[str, Any] = {
