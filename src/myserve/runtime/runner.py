@@ -36,14 +36,8 @@ from myserve.runtime.executor import (
 )
 from myserve.runtime.model_step import StepOutput
 from myserve.runtime.sampling_rows import (
-    CHOICE,
     CONSTRAINED,
-    FLOAT_PARAMS,
-    LOGPROBS,
-    POSITION,
     SLOT,
-    TOP_K,
-    WEIGHT,
     SamplingRows,
 )
 from myserve.runtime.step_layout import HostStep, Span, StepShape, layout
@@ -149,18 +143,16 @@ class ModelRunner:
     def _sampling_rows(self, chunks: Sequence[ScheduledChunk], rows: int) -> SamplingRows:
         """The packed sampling rows of a step: row ``i`` samples for ``chunks[i]``."""
         packed = SamplingRows.empty(rows, self.scratch_slot)
-        for i, chunk in enumerate(chunks):
-            seq, p = chunk.seq, chunk.seq.params
-            packed.floats[i, : len(FLOAT_PARAMS)] = [getattr(p, name) for name in FLOAT_PARAMS]
-            packed.ints[i, TOP_K], packed.ints[i, WEIGHT] = p.top_k, 1
-            packed.ints[i, LOGPROBS] = p.logprobs is not None
-            generated = len(seq.output_ids) + seq.num_inflight  # the token in flight is generated
-            packed.ints[i, CHOICE], packed.ints[i, POSITION] = seq.choice, generated
-            packed.set_seed(i, seq.seed)
+        seqs = [chunk.seq for chunk in chunks]
+        generated = [len(seq.output_ids) + seq.num_inflight for seq in seqs]  # the token in flight is generated
+        params = [seq.params for seq in seqs]
+        packed.set_leading(params, [seq.seed for seq in seqs], [seq.choice for seq in seqs], generated)
+        for i, (seq, done) in enumerate(zip(seqs, generated, strict=True)):
+            p = seq.params
             if p.logit_bias:
                 ids, values = zip(*p.logit_bias, strict=True)
                 packed.set_bias(i, ids, values)
-            if generated < p.min_tokens:
+            if done < p.min_tokens:
                 packed.set_banned(i, (() if p.ignore_eos else self.eos_ids) + p.stop_token_ids)
             if p.uses_penalties:
                 assert seq.slot is not None, "the scheduler gives a running penalty sequence its slot"
