@@ -147,8 +147,7 @@ class ModelRunner:
         generated = [len(seq.output_ids) + seq.num_inflight for seq in seqs]  # the token in flight is generated
         params = [seq.params for seq in seqs]
         packed.set_leading(params, [seq.seed for seq in seqs], [seq.choice for seq in seqs], generated)
-        for i, (seq, done) in enumerate(zip(seqs, generated, strict=True)):
-            p = seq.params
+        for i, (seq, p, done) in enumerate(zip(seqs, params, generated, strict=True)):
             if p.logit_bias:
                 ids, values = zip(*p.logit_bias, strict=True)
                 packed.set_bias(i, ids, values)
