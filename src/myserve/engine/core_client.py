@@ -33,6 +33,7 @@ from myserve.engine.grammar import LazyGrammars
 from myserve.engine.output_processor import OutputProcessor
 from myserve.engine.outputs import EngineDead, EngineStats, Overloaded, RequestOutput, Usage
 from myserve.engine.params import SamplingParams
+from myserve.engine.peer_guard import PeerGuard
 from myserve.engine.stream import RequestStream
 from myserve.engine.validation import validate_request
 from myserve.errors import ConfigError
@@ -89,7 +90,8 @@ class EngineClient:
         self._send_lock = threading.Lock()
         self._owner = link is None
         # Linux: abstract socket names, which vanish with their processes (a SIGKILL leaves no
-        # files behind); elsewhere files in a temporary directory, removed on shutdown.
+        # files behind); elsewhere files in a 0700 temporary directory, removed on shutdown. Either
+        # way only the core process may connect (PeerGuard).
         self._dir = "" if link is not None or sys.platform.startswith("linux") else tempfile.mkdtemp(prefix="myserve-")
         base = f"{self._dir}/" if self._dir else f"@myserve-{os.getpid()}-{uuid.uuid4().hex[:12]}-"
         self.links = [
@@ -102,9 +104,12 @@ class EngineClient:
         # No send limit: a send never waits on a live core. A send with no core connected (it died,
         # or has not connected yet) fails at once instead of blocking (_send).
         self._context.setsockopt(zmq.SNDHWM, 0)
+        self._guard = PeerGuard(self._context)
         self._out = self._context.socket(zmq.PUSH)
+        self._guard.protect(self._out)
         self._out.bind(self.link.to_core)
         self._in = self._context.socket(zmq.PULL)
+        self._guard.protect(self._in)
         self._in.bind(self.link.from_core)
         self._open: dict[str, RequestStream] = {}
         self._open_lock = threading.Lock()
@@ -133,9 +138,11 @@ class EngineClient:
             )
             self.process.start()
             assert self.process.pid is not None
+            self._guard.allow(self.process.pid)
             self.links = [dataclasses.replace(x, core_pid=self.process.pid) for x in self.links]
             self.link = self.links[0]
         else:
+            self._guard.allow(link.core_pid)
             # Not our child: a pidfd turns readable when the core ends (Linux); os.kill otherwise.
             try:
                 self._core_fd = os.pidfd_open(link.core_pid)
