@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import zmq
 from test_server import free_port
 
 from myserve.bundled import bundled_gguf_path
@@ -101,6 +102,38 @@ def chat(url: str, question: str) -> tuple[str, int]:
     return reply["choices"][0]["message"]["content"], reply["usage"]["completion_tokens"]
 
 
+class Intruders:
+    """Two SUB sockets of a process outside the deployment on the leader's step channel: one with
+    no security, one with a CURVE key pair of its own (and the leader's public key, which is no
+    secret)."""
+
+    def __init__(self, leader_log: list[str]):
+        found = re.search(r"step channel: publishing on (\S+) \(CURVE server key (\S+),", "".join(leader_log))
+        assert found, "".join(leader_log)[-3000:]
+        self.context = zmq.Context()
+        plain = self.context.socket(zmq.SUB)
+        keyed = self.context.socket(zmq.SUB)
+        public, secret = zmq.curve_keypair()
+        keyed.curve_serverkey, keyed.curve_publickey, keyed.curve_secretkey = found[2].encode(), public, secret
+        self.sockets = [plain, keyed]
+        for s in self.sockets:
+            s.setsockopt(zmq.SUBSCRIBE, b"")
+            s.connect(found[1])
+
+    def received(self) -> list[int]:
+        """Messages each socket got so far (then closes them)."""
+        counts = []
+        for s in self.sockets:
+            n = 0
+            while s.poll(200):
+                s.recv()
+                n += 1
+            counts.append(n)
+            s.close(linger=0)
+        self.context.term()
+        return counts
+
+
 @pytest.fixture(scope="module")
 def chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with SmolLM2's vocabulary size, so chat-templated prompts fit."""
@@ -114,9 +147,14 @@ def test_two_processes_serve_chat_like_one_and_stop_together(chat_checkpoint: Pa
     cluster = Cluster(checkpoint)
     try:
         cluster.wait_ready()
+        intruders = Intruders(cluster.logs[0])
         with concurrent.futures.ThreadPoolExecutor(len(QUESTIONS)) as pool:  # concurrent: batched steps
             got = list(pool.map(lambda q: chat(cluster.url, q), QUESTIONS))
         assert got == expected
+        # A process outside the deployment (this one) subscribed to the step channel, with no key and
+        # with a key of its own and the leader's public key: it received no step, and was refused.
+        assert intruders.received() == [0, 0]
+        assert "step channel: refused a subscriber" in "".join(cluster.logs[0]), cluster.output()
         # Grammar masks travel with the steps to the follower (only the constrained rows' masks).
         constrained = {
             "model": "tiny",

@@ -211,6 +211,9 @@ class MeshConfig:
     """This process's index, 0 = the leader that serves HTTP (also MYSERVE_PROCESS_ID)."""
     heartbeat_timeout_s: int = 30
     """Seconds without the leader's heartbeat after which the other processes stop (multi-host)."""
+    step_channel_host: str | None = None
+    """The leader's own address (IP or host name) on which it publishes each step to the followers,
+    the only interface that socket binds; null = the coordinator address's host (multi-host)."""
 
     def __post_init__(self) -> None:
         _check(self.data >= 1, f"mesh.data must be >= 1, got {self.data}")
@@ -223,6 +226,7 @@ class MeshConfig:
         if n is not None and pid is not None:
             _check(pid < n, f"mesh.process_id ({pid}) must be < mesh.num_processes ({n})")
         _check(self.heartbeat_timeout_s >= 1, f"mesh.heartbeat_timeout_s must be >= 1, got {self.heartbeat_timeout_s}")
+        _check_not_empty("mesh.step_channel_host", self.step_channel_host)
 
     def from_env(self, key: str) -> Any:
         """``key``'s value, from its ``MYSERVE_*`` environment variable (``MESH_ENV``) when set."""

@@ -240,10 +240,15 @@ def _follow(dep) -> int:
 
     from myserve.engine.replica import make_executors
     from myserve.runtime import multihost
+    from myserve.runtime.step_channel import StepChannelError
 
     executors = make_executors(dep)
     logger.info("process %d: following process 0's steps", jax.process_index())
-    applied = multihost.follow(executors)
+    try:
+        applied = multihost.follow(executors)
+    except StepChannelError as e:
+        logger.error("process %d: %s; this follower stops", jax.process_index(), e)
+        return 1
     logger.info("process %d: the leader stopped after %d steps; exiting", jax.process_index(), applied)
     multihost.shutdown()
     return 0

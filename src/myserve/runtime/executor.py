@@ -14,7 +14,6 @@ counts, so the state never crosses back to the host.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -24,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import msgspec
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
@@ -51,23 +51,20 @@ native work that mostly runs without the GIL: a warm start of the bundled model 
 took 6.1-6.9 s of warmup with two threads against 7.3-7.9 s with one."""
 
 
-@dataclasses.dataclass(frozen=True)
-class CopyPage:
+class CopyPage(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
     """Copy one page's K/V in every layer and head (copy-on-write of a shared prompt's last page)."""
 
     src: int
     dst: int
 
 
-@dataclasses.dataclass(frozen=True)
-class ClearSlot:
+class ClearSlot(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
     """Reset a penalty slot."""
 
     slot: int
 
 
-@dataclasses.dataclass(frozen=True)
-class WriteSlot:
+class WriteSlot(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
     """Record ``ids[:n]`` (int32 [SLOT_CHUNK]) in a penalty slot: prompt tokens, or generated ones."""
 
     slot: int
@@ -76,16 +73,14 @@ class WriteSlot:
     to_prompt: bool
 
 
-@dataclasses.dataclass(frozen=True)
-class CompileSteps:
+class CompileSteps(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
     """Build the step executable of each shape (warmup): every process of a multi-host run
     builds the same ones, so the ops it replays later find them."""
 
     shapes: tuple[StepShape, ...]
 
 
-@dataclasses.dataclass(frozen=True)
-class StepCall:
+class StepCall(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
     """One engine step: the model over a ragged token batch, then the sampler (``model_step``)."""
 
     batch: np.ndarray
@@ -105,6 +100,8 @@ class StepCall:
 
 
 Op = CopyPage | ClearSlot | WriteSlot | CompileSteps | StepCall
+"""The ops are msgspec Structs, tagged by class name, so that a multi-host leader sends them to its
+followers as typed data (``runtime/step_channel.py``), never as pickle."""
 
 
 def _full_mask(op: StepCall, words: int) -> np.ndarray:

@@ -12,7 +12,6 @@ their identical executors, in order. A stop message ends the followers' loop.
 from __future__ import annotations
 
 import logging
-import pickle
 import socket
 from collections.abc import Sequence
 
@@ -22,7 +21,7 @@ from myserve.config import MESH_ENV, MeshConfig
 from myserve.errors import ConfigError
 from myserve.runtime.executor import Executor, Op, Progress
 from myserve.runtime.model_step import StepOutput
-from myserve.runtime.step_channel import StepChannel
+from myserve.runtime.step_channel import StepChannel, decode_step, encode_step
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +52,13 @@ def initialize(mesh: MeshConfig) -> None:
         )
     except (RuntimeError, ValueError) as e:
         raise ConfigError(f"jax.distributed.initialize failed: {' '.join(str(e).split())}") from None
-    # The leader runs the coordinator, so the followers reach it at the coordinator's host.
-    host = (values["coordinator_address"] or "").rpartition(":")[0] or socket.gethostbyname(socket.gethostname())
+    # The leader runs the coordinator, so the followers reach it at the coordinator's host: the
+    # step channel binds that interface alone (or the one the config names).
+    host = mesh.step_channel_host or (values["coordinator_address"] or "").rpartition(":")[0]
     try:
-        _channel = StepChannel.open(is_leader(), host, jax.process_count() - 1, mesh.heartbeat_timeout_s * 10)
-    except ConnectionError as e:
+        address = socket.gethostbyname(host.strip("[]") or socket.gethostname())
+        _channel = StepChannel.open(is_leader(), address, jax.process_count() - 1, mesh.heartbeat_timeout_s * 10)
+    except (ConnectionError, OSError) as e:
         raise ConfigError(f"the step channel to the followers failed: {e}") from None
     logger.info(
         "process %d of %d: %d of %d devices are local",
@@ -88,7 +89,7 @@ class BroadcastingDevice:
 
     def run(self, ops: Sequence[Op], progress: Progress | None = None) -> list[StepOutput]:
         """Send ``ops`` to the followers, then apply them here; the model calls' outputs."""
-        _step_channel().send(pickle.dumps((self.replica, list(ops)), protocol=pickle.HIGHEST_PROTOCOL))
+        _step_channel().send(encode_step(self.replica, ops))
         return self.executor.run(ops, progress)
 
 
@@ -103,12 +104,14 @@ def stop_followers() -> None:
 
 
 def follow(executors: Sequence[Executor]) -> int:
-    """Follower: apply every op list the leader broadcasts until it says stop; returns the lists applied."""
+    """Follower: apply every op list the leader broadcasts until it says stop; returns the lists applied.
+
+    A message that is not a step of ours raises ``StepChannelError`` (nothing of it is run)."""
     applied = 0
     while True:
         message = _step_channel().recv()
         if message is None:
             return applied
-        replica, ops = pickle.loads(message)  # from our own leader process
+        replica, ops = decode_step(message, len(executors))
         executors[replica].run(ops)
         applied += 1
