@@ -67,7 +67,7 @@ class StepMessage(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_f
 def _encode_array(obj: object) -> object:
     if isinstance(obj, np.ndarray):
         array = np.ascontiguousarray(obj)
-        return (array.dtype.str, array.shape, memoryview(array).cast("B"))
+        return (array.dtype.str, array.shape, array.data.cast("B"))
     raise NotImplementedError(f"not a step op field: {type(obj).__name__}")
 
 
