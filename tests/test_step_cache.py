@@ -4,6 +4,7 @@ the same tokens, and a bad entry is rebuilt rather than trusted (``runtime/step_
 from __future__ import annotations
 
 import logging
+import stat
 from pathlib import Path
 
 import jax
@@ -12,9 +13,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from myserve.engine.params import SamplingParams
+from myserve.errors import ConfigError
 from myserve.runtime import executor as executor_module
 from myserve.runtime.compile_counter import compile_counts
-from myserve.runtime.step_cache import SUBDIRECTORY, StepCache
+from myserve.runtime.step_cache import SUBDIRECTORY, StepCache, check_trusted_directory
 from myserve.testing import TINY_ENGINE, collect, start_service
 
 PROMPTS = [[5, 9, 23, 42, 7], [100, 3, 3, 8], [17] * 20]
@@ -54,16 +56,48 @@ def test_a_warm_start_loads_every_step_without_tracing_and_serves_the_same_token
     finally:
         warm.shutdown()
 
-    for entry in entries:  # damaged entries: a warning, then built and stored again
-        entry.write_bytes(b"not an executable")
+    assert stat.S_IMODE((tmp_path / SUBDIRECTORY).stat().st_mode) == 0o700
+    assert {stat.S_IMODE(entry.stat().st_mode) for entry in entries} == {0o600}
+    # Damaged entries: corrupt, truncated, empty: a warning each, then built and stored again.
+    damaged = [b"not an executable", entries[1].read_bytes()[:1000], b""]
+    for entry, data in zip(entries, damaged, strict=True):
+        entry.write_bytes(data)
     with caplog.at_level(logging.WARNING, logger="myserve.runtime.step_cache"):
         rebuilt = start_service(tiny_checkpoints["llama3"], *engine)
     try:
         assert sum("unreadable" in r.getMessage() for r in caplog.records) == 3
         assert greedy(rebuilt) == expected
-        assert all(entry.read_bytes() != b"not an executable" for entry in entries)
+        assert all(entry.read_bytes() not in damaged for entry in entries)
     finally:
         rebuilt.shutdown()
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o707, 0o777])
+def test_a_cache_directory_others_can_write_is_refused_in_one_line(tiny_checkpoints, tmp_path: Path, mode: int) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    with pytest.raises(ConfigError) as refused:
+        start_service(tiny_checkpoints["llama3"], *TINY_ENGINE, f"engine.compilation_cache_dir={shared}")
+    message = str(refused.value)
+    assert "\n" not in message and str(shared) in message and f"chmod go-w {shared}" in message, message
+    shared.chmod(0o755)  # ours, writable by us alone: trusted
+    assert check_trusted_directory(shared) == shared
+
+
+def test_a_step_cache_inside_others_can_write_or_a_writable_parent_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "a" / SUBDIRECTORY).mkdir(parents=True)
+    (tmp_path / "a" / SUBDIRECTORY).chmod(0o777)
+    with pytest.raises(ConfigError, match=SUBDIRECTORY):
+        check_trusted_directory(tmp_path / "a")
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    open_parent.chmod(0o777)  # anyone could rename the cache away and put their own in its place
+    with pytest.raises(ConfigError, match="lies under"):
+        check_trusted_directory(open_parent / "cache")
+    open_parent.chmod(0o1777)  # sticky, as /tmp is: only the owner may rename what is inside
+    made = check_trusted_directory(open_parent / "cache")
+    assert made.is_dir() and stat.S_IMODE(made.stat().st_mode) == 0o700
 
 
 def test_the_key_changes_with_every_argument_shape_dtype_sharding_and_static(tmp_path: Path) -> None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,7 @@ from myserve.runtime.buckets import Buckets
 from myserve.runtime.compile_counter import compile_counts
 from myserve.runtime.executor import Executor, Prebuilt
 from myserve.runtime.mesh import axis_mapping, make_mesh, replica_meshes
-from myserve.runtime.step_cache import StepCache
+from myserve.runtime.step_cache import StepCache, check_trusted_directory
 from myserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -37,13 +37,12 @@ def resolve_dtype(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def enable_compilation_cache(directory: str | None) -> None:
-    """Turn on JAX's persistent compilation cache in ``directory`` (every executable, however fast to build)."""
+def enable_compilation_cache(directory: Path | None) -> None:
+    """Turn on JAX's persistent compilation cache in ``directory`` (every executable, however fast
+    to build); the caller has checked that it is trusted (``check_trusted_directory``)."""
     if directory is None:
         return
-    path = os.path.expanduser(directory)
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
@@ -89,7 +88,9 @@ class Deployment:
         # With the step cache the steps need no other: and an executable JAX loaded from its own
         # cache cannot be stored in the step cache (XLA:CPU serializes a loaded one without its
         # code), so JAX's cache stays off unless the step cache cannot be used (multi-host).
-        enable_compilation_cache(None if StepCache.for_process(cache_dir) is not None else cache_dir)
+        # Refused in one line naming the path and the fix, before any work, if another user could write it.
+        trusted = None if cache_dir is None else check_trusted_directory(cache_dir)
+        enable_compilation_cache(None if StepCache.for_process(cache_dir) is not None else trusted)
         # The mesh first: a mesh the visible devices cannot hold fails before anything is read.
         mesh = make_mesh(config.mesh.data, config.mesh.model)
         resolved = resolve_checkpoint(config.model.checkpoint)

@@ -16,9 +16,13 @@ that module instead:
 A miss (first start, another config, an edited source file) is lowered and compiled as before, and
 the result stored here. JAX's own persistent cache stays off beside this one (``Deployment.load``):
 XLA:CPU re-serializes an executable it loaded from that cache without its code. Only
-single-process deployments use it: a multi-host executable spans devices of other processes. The
-files are loaded with pickle (what ``jax.experimental.serialize_executable`` writes): like JAX's
-cache, this directory must be the server owner's, never a shared writable one.
+single-process deployments use it: a multi-host executable spans devices of other processes.
+
+Trust: the files are loaded with pickle (what ``jax.experimental.serialize_executable`` writes),
+and an executable is code in any case, so whoever can write this directory runs code in the
+server. ``check_trusted_directory`` (at start, for this cache and JAX's) refuses a directory that
+is not the serving user's or that group or others may write, and directories are made 0700 and
+files 0600. A damaged entry (truncated, corrupt, foreign) is a miss: built and stored again.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import importlib.metadata
 import logging
 import os
 import pickle
+import stat
 import tempfile
 import zlib
 from collections.abc import Sequence
@@ -37,6 +42,8 @@ from typing import Any
 
 import jax
 from jax.experimental import serialize_executable
+
+from myserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -119,13 +126,43 @@ class StepCache:
             logger.warning("step executable's trees differ from the executor's: not cached (a stale out tree?)")
             return
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")  # 0600
             with os.fdopen(fd, "wb") as f:
                 f.write(zlib.compress(blob, 1))  # 4.4 MB -> 0.8 MB for a 30-layer step; 10 ms to inflate
             os.replace(tmp, self.directory / key)
         except OSError as e:
             logger.warning("could not write the step cache in %s: %s", self.directory, e)
+
+
+def check_trusted_directory(directory: str | os.PathLike[str], key: str = "engine.compilation_cache_dir") -> Path:
+    """Make ``directory`` (0700) if it is missing and return it; ``ConfigError`` naming the path and
+    the fix if another user could put an executable in it: it, and the step cache inside it, must be
+    ours and not writable by group or others, and each directory above must be ours or root's and
+    not writable by others unless sticky (as ``/tmp`` is)."""
+    path = Path(directory).expanduser().absolute()
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    uid = os.getuid()
+    for own in (path, path / SUBDIRECTORY):
+        try:
+            info = own.stat()
+        except FileNotFoundError:
+            continue
+        if info.st_uid != uid or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise ConfigError(
+                f"{key} {own} is not safe to load executables from (owner uid {info.st_uid}, mode "
+                f"{stat.S_IMODE(info.st_mode):o}): it must be owned by uid {uid} and not writable by group or "
+                f"others; run 'chmod go-w {own}' if it is yours, or set {key} to a directory of your own"
+            )
+    for parent in path.parents:
+        info = parent.stat()
+        writable = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX
+        if info.st_uid not in (uid, 0) or writable:
+            raise ConfigError(
+                f"{key} {path} lies under {parent}, which another user can change (owner uid {info.st_uid}, "
+                f"mode {stat.S_IMODE(info.st_mode):o}): set {key} to a directory under one of your own"
+            )
+    return path
 
 
 def _in_tree(args: object) -> jax.tree_util.PyTreeDef:
