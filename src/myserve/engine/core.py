@@ -21,7 +21,7 @@ from typing import Self, cast
 
 import jax
 
-from myserve.engine.grammar import LazyGrammars
+from myserve.engine.grammar import LazyGrammars, matchers_alive
 from myserve.engine.outputs import (
     EngineDead,
     EngineStats,
@@ -254,6 +254,8 @@ class EngineCore:
             generated_tokens=self._generated,
             host_seconds=dict(self.timer.seconds),
             step_gap_seconds=self.timer.mean_gap,
+            grammar_matchers=matchers_alive(),
+            penalty_slots_used=sum(r.scheduler.slots.num_used for r in self.replicas),
         )
 
     # -- engine thread ------------------------------------------------------------------------
@@ -461,6 +463,7 @@ class EngineCore:
     def _finish_seq(self, req: _Request, seq: Seq, reason: str) -> None:
         seq.finish_reason = reason
         req.replica.scheduler.finish(seq)
+        seq.matcher = seq.pending_matcher = None  # its grammar state goes with its pages
         req.unfinished -= 1
         if req.unfinished == 0:
             self._close(req)
@@ -487,6 +490,7 @@ class EngineCore:
         for seq in req.seqs:
             if seq.finish_reason is None:
                 seq.finish_reason = "error"
+                seq.matcher = seq.pending_matcher = None
                 try:
                     req.replica.scheduler.finish(seq)
                 except Exception:  # the bookkeeping may be what broke: the client hears of it anyway

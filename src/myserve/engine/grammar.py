@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import json
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -79,6 +80,7 @@ class GrammarMatcher:
     """One constrained sequence's grammar state, advanced by the tokens it accepted."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
+        _alive.add(self)
         self._matcher = matcher
         self.vocab_size = vocab_size
         """The model's vocabulary: the width of this matcher's bitmask rows (in bits)."""
@@ -111,6 +113,15 @@ class GrammarMatcher:
     def error(self) -> str:
         """Why the matcher failed, or an empty string."""
         return str(self._matcher.get_error())
+
+
+_alive: weakref.WeakSet[GrammarMatcher] = weakref.WeakSet()
+
+
+def matchers_alive() -> int:
+    """``GrammarMatcher``s alive in this process: in the engine, one per constrained sequence that has
+    not finished (a finished one drops its matcher); more at idle means one was kept (the soak checks)."""
+    return len(_alive)
 
 
 class Grammars:

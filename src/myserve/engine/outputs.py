@@ -97,3 +97,7 @@ class EngineStats:
     """Engine-thread seconds so far by phase: plan, dispatch, read, postprocess (``StepTimer``)."""
     step_gap_seconds: float = 0.0
     """Mean host-measured gap between consecutive steps over the last 100 (device idle, at most)."""
+    grammar_matchers: int = 0
+    """Grammar matchers alive in the engine (one per unfinished constrained sequence)."""
+    penalty_slots_used: int = 0
+    """Penalty slots owned by running sequences."""

@@ -28,6 +28,11 @@ class SlotPool:
         """Slots no sequence owns."""
         return len(self._free)
 
+    @property
+    def num_used(self) -> int:
+        """Slots owned by a sequence."""
+        return self.num_slots - len(self._free)
+
     def owner(self, slot: int) -> object | None:
         """Who owns ``slot`` (None if it is free)."""
         return self._owner.get(slot)

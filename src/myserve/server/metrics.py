@@ -52,6 +52,12 @@ class Metrics:
         self.running = Gauge("myserve_num_requests_running", "Sequences running", registry=r)
         self.pages_used = Gauge("myserve_kv_pages_used", "KV cache pages referenced", registry=r)
         self.pages_total = Gauge("myserve_kv_pages_total", "KV cache pages", registry=r)
+        self.grammar_matchers = Gauge(
+            "myserve_grammar_matchers_active",
+            "Grammar matchers alive in the engine (unfinished constrained sequences)",
+            registry=r,
+        )
+        self.penalty_slots = Gauge("myserve_penalty_slots_used", "Penalty slots owned by running sequences", registry=r)
         self.hit_rate = Gauge("myserve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", registry=r)
         self.compiles = Gauge(
             "myserve_compile_count", "XLA executables built in this process (compiled or loaded)", registry=r
@@ -85,6 +91,8 @@ class Metrics:
         self.running.set(s.running)
         self.pages_used.set(s.pages_used)
         self.pages_total.set(s.pages_total)
+        self.grammar_matchers.set(s.grammar_matchers)
+        self.penalty_slots.set(s.penalty_slots_used)
         self.hit_rate.set(s.prefix_cache_hit_rate)
         self.compiles.set(s.compile_count)
         self.cache_loads.set(s.cache_load_count)
