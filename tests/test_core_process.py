@@ -252,3 +252,23 @@ def test_a_dead_front_end_ends_the_server(two_fronts) -> None:
     os.kill(server.fronts[0], signal.SIGKILL)
     assert server.exit_code() == 1, server.log[-2000:]
     assert _gone(server.core, EXIT_WITHIN_S)
+
+
+@pytest.mark.slow
+def test_a_request_the_front_end_admitted_is_never_refused_by_the_core(tiny_checkpoints) -> None:
+    # The front end admits against the core's last report plus what it sent since; a report that
+    # arrives while requests are still in transit does not count them. The core must not refuse
+    # those (it used to, as a 500 engine_error): it serves every request the front end took.
+    from myserve.engine.params import SamplingParams
+    from myserve.testing import TINY_ENGINE, collect, start_client
+
+    client = start_client(tiny_checkpoints["llama3"], *TINY_ENGINE, "engine.max_num_seqs=1", "engine.max_waiting=2")
+    try:
+        streams = []
+        for i in range(8):
+            client._added_since_stats = 0  # as if a report had just come that counts none of them
+            streams.append(client.submit([40 + i, 41, 42], SamplingParams(max_tokens=4, temperature=0.0)))
+        finishes = [collect(s)[2] for s in streams]
+        assert finishes == ["length"] * 8
+    finally:
+        client.shutdown()

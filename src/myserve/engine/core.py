@@ -208,9 +208,15 @@ class EngineCore:
             self._on_shutdown = None
 
     # -- front (any thread) -------------------------------------------------------------------
-    def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def add(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, admitted: bool = False
+    ) -> None:
         """Queue a request, its token deltas to come through ``sink``. Raises on invalid or excess
-        requests (``InvalidParams``, ``ContextLengthExceeded``, ``Overloaded``, ``EngineDead``)."""
+        requests (``InvalidParams``, ``ContextLengthExceeded``, ``Overloaded``, ``EngineDead``).
+
+        ``admitted``: a front end has already checked the waiting queue (and answers 429 itself), so
+        the bound is not checked again here: its view lags the queue by the requests in transit, and
+        refusing one of those would fail a request that was told it was accepted."""
         if self.dead is not None:
             raise EngineDead(f"engine stopped: {self.dead}")
         prompt = [int(t) for t in prompt_ids]
@@ -218,7 +224,7 @@ class EngineCore:
             prompt, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len, grammars=self.grammars
         )
         with self._pending_lock:
-            if self._pending + self._num_waiting() >= self.max_waiting:
+            if not admitted and self._pending + self._num_waiting() >= self.max_waiting:
                 raise Overloaded(f"the waiting queue is full ({self.max_waiting} requests)")
             self._pending += 1
         self._inbox.put(("submit", _Request(request_id, prompt, params)))
