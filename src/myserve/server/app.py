@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -149,9 +149,14 @@ def create_app(
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:
         check_ready(req.model)
-        if any(t < 0 or t >= service.vocab_size for t in req.tokens):
-            raise APIError(400, f"token ids must be in [0, {service.vocab_size})", param="tokens")
+        check_token_ids(req.tokens, "tokens")
         return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    def check_token_ids(ids: Iterable[int], param: str) -> None:
+        """Token ids a client sent must index the model's vocabulary (its logits' width)."""
+        vocab = service.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"{param} token ids must be in [0, {vocab})", param=param, code="invalid_value")
 
     def render_chat(
         messages: list,
@@ -193,7 +198,7 @@ def create_app(
     ) -> SamplingParams:
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
@@ -217,6 +222,10 @@ def create_app(
             )
         except InvalidParams as e:
             raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+        # logit_bias keys are strings (JSON object keys) until SamplingParams has parsed them.
+        check_token_ids((t for t, _ in params.logit_bias), "logit_bias")
+        check_token_ids(params.stop_token_ids, "stop_token_ids")
+        return params
 
     def submit_all(
         prompts: list[list[int]], params: SamplingParams, request_id: str, grammar_param: str | None
@@ -293,6 +302,8 @@ def create_app(
         check_ready(req.model)
         check_supported(req)
         prompts = _completion_prompts(req.prompt, tokenizer.encode)
+        if isinstance(req.prompt, list) and not isinstance(req.prompt[0], str):  # the client's token ids,
+            check_token_ids((t for p in prompts for t in p), "prompt")  # checked before echo decodes them
         # echo with logprobs scores the prompt; echo with max_tokens 0 returns only the prompt.
         prompt_logprobs = None
         if req.echo and (req.logprobs is not None or req.max_tokens == 0):

@@ -4,15 +4,37 @@ OpenAI fields that would change the output but that we do not implement are decl
 request using them is refused (400 ``unsupported_parameter``) rather than silently answered
 differently: each request class lists them in its ``UNSUPPORTED`` table. Fields that change nothing
 here (``metadata``, ``service_tier``, ...) are ignored like unknown ones.
+
+Every integer field carries its range here (so ``/openapi.json`` states it and pydantic refuses the
+rest with a 400 naming the field): nothing a client sends reaches the engine core's wire message
+(msgspec MessagePack, which holds signed or unsigned 64-bit integers only) or the device's int32
+sampling rows out of range. The bounds that need the model's vocabulary (token ids: a completions
+prompt, ``logit_bias`` keys, ``stop_token_ids``, ``/detokenize`` tokens) are checked by the app,
+which knows it (``server/app.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from myserve.engine.params import MAX_TOP_LOGPROBS
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""What the wire to the engine core can carry (msgspec encodes a larger Python int as an OverflowError)."""
+_INT64_END = 2**63
+"""The bound as ``lt``: OpenAPI's numbers are floats, and 2**63 is one exactly (2**63 - 1 is not)."""
+INT32_MAX = 2**31 - 1
+MAX_N = 16
+"""Most choices per prompt: ``SamplingParams``' own bound (``engine/params.py``), stated here for the schema."""
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, lt=_INT64_END)]
+TokenCount = Annotated[int, Field(ge=0, lt=_INT64_END)]
+"""``max_tokens`` and friends: beyond the context length they are refused by the engine's context
+check (``context_length_exceeded``); beyond 64 bits already here."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +71,14 @@ class _Sampling(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
+    """vLLM's range (signed 64-bit, what the wire carries). The sampler keys jax.random with the
+    seed's low 32 bits (``seed & 0xFFFFFFFF``, runtime/sampling_rows.py), so any int64 maps to a
+    valid uint32 key, negative ones included; seeds equal modulo 2**32 sample alike."""
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
@@ -61,12 +86,15 @@ class _Sampling(_Request):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    """-1 or 0 disables; an int32 column of the device's sampling rows (at or above the vocabulary
+    size it filters nothing)."""
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: TokenCount = 0
     stop_token_ids: list[int] | None = None
+    """Inside the vocabulary (checked by the app)."""
     skip_special_tokens: bool = True
     response_format: dict[str, Any] | None = None
     """OpenAI's output format: text, json_object or json_schema (``server/structured.py``)."""
@@ -85,8 +113,9 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    """Token ids inside the vocabulary (checked by the app)."""
+    max_tokens: TokenCount | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -181,10 +210,11 @@ class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    """0 to 20, checked with ``logprobs`` by ``SamplingParams`` (whose errors name ``logprobs``)."""
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -230,3 +260,4 @@ class DetokenizeRequest(_Request):
 
     model: str | None = None
     tokens: list[int]
+    """Inside the vocabulary (checked by the app)."""
