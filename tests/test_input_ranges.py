@@ -5,6 +5,7 @@ an engine core in its own process (whose wire message holds 64-bit integers only
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Iterator
 
@@ -14,7 +15,7 @@ from test_server import LiveServer
 
 from myserve.engine.params import InvalidParams, SamplingParams
 from myserve.server.app import create_app
-from myserve.server.protocol import INT64_MAX, INT64_MIN, MAX_N
+from myserve.server.protocol import INT64_MAX, INT64_MIN, MAX_N, CompletionRequest
 
 MODEL = "smol"
 CHAT = "/v1/chat/completions"
@@ -99,7 +100,7 @@ COMPLETION_CASES = [
     ({"prompt": [1, 2**80]}, "prompt"),
     ({"prompt": [[1, 2], [-1]]}, "prompt"),
     ({"prompt": [[10**9]]}, "prompt"),
-    # Refused before echo decodes the prompt (was a 500 OverflowError).
+    # Refused before echo decodes the prompt (found by test_fuzz_openapi: a 500 OverflowError).
     ({"prompt": [-1], "echo": True}, "prompt"),
     ({"prompt": [[10**9]], "echo": True, "logprobs": 1}, "prompt"),
     ({"logprobs": 2**70}, "logprobs"),
@@ -183,10 +184,25 @@ def test_the_bounds_themselves_are_served(live, service, path, stream) -> None:
 
 
 def test_the_schema_ranges_are_the_engines() -> None:
-    """The ranges protocol.py states (for the 400s) are SamplingParams' own."""
+    """The ranges protocol.py states (for the schema and the 400s) are SamplingParams' own."""
     SamplingParams(n=MAX_N)
     with pytest.raises(InvalidParams):
         SamplingParams(n=MAX_N + 1)
     SamplingParams(top_k=-1)
     with pytest.raises(InvalidParams):
         SamplingParams(top_k=-2)
+    properties = CompletionRequest.model_json_schema()["properties"]
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty"):
+        bounds = next(s for s in properties[name]["anyOf"] if s.get("type") == "number")
+        high = bounds["maximum"]
+        SamplingParams(**{name: high})
+        with pytest.raises(InvalidParams):
+            SamplingParams(**{name: math.nextafter(high, math.inf)})
+        if "minimum" in bounds:
+            SamplingParams(**{name: bounds["minimum"]})
+            with pytest.raises(InvalidParams):
+                SamplingParams(**{name: math.nextafter(bounds["minimum"], -math.inf)})
+        else:
+            SamplingParams(**{name: math.nextafter(bounds["exclusiveMinimum"], math.inf)})
+            with pytest.raises(InvalidParams):
+                SamplingParams(**{name: bounds["exclusiveMinimum"]})

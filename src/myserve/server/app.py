@@ -103,6 +103,23 @@ def create_app(
 
     app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, api_key=api_key)
 
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema, with the bound of token ids (the vocabulary) once the model has loaded."""
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = FastAPI.openapi(app)
+        if not service.ready.is_set():  # a core process's vocabulary is not known yet: ask again later
+            app.openapi_schema = None
+            return schema
+        token_id = {"type": "integer", "minimum": 0, "maximum": service.vocab_size - 1}
+        bodies = schema.get("components", {}).get("schemas", {})
+        for model, field in TOKEN_ID_FIELDS:
+            if field in bodies.get(model, {}).get("properties", {}):
+                _bound_integers(bodies[model]["properties"][field], token_id)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
     def check_ready(model: str | None) -> None:
         if state.draining:
             raise APIError(503, "the server is shutting down", code="server_draining")
@@ -366,6 +383,27 @@ def create_app(
         return await run(request, "chat", [ids], params, req.stream, include_usage, expires, None, param, choice_parser)
 
     return app
+
+
+TOKEN_ID_FIELDS = (
+    ("CompletionRequest", "prompt"),
+    ("CompletionRequest", "stop_token_ids"),
+    ("ChatCompletionRequest", "stop_token_ids"),
+    ("DetokenizeRequest", "tokens"),
+)
+"""The request fields whose integers are token ids (checked by ``check_token_ids``)."""
+
+
+def _bound_integers(node: Any, bound: dict[str, Any]) -> None:
+    """Every ``{"type": "integer"}`` schema inside ``node`` gets ``bound``'s range."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            node.update(bound)
+        for child in node.values():
+            _bound_integers(child, bound)
+    elif isinstance(node, list):
+        for child in node:
+            _bound_integers(child, bound)
 
 
 def _grammar_param(req: CompletionRequest | ChatCompletionRequest) -> str:

@@ -75,7 +75,8 @@ def install_error_handlers(app: FastAPI) -> None:
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         param = _param(tuple(first.get("loc", ())))
         if first.get("type") == "json_invalid":
-            message = "the request body is not valid JSON"
+            # Its loc is ("body", offset of the error): no field to name.
+            message, param = "the request body is not valid JSON", None
         else:
             # Our own validators raise ValueError; pydantic prefixes its message with "Value error, ".
             message = f"{param or 'body'}: {str(first.get('msg')).removeprefix('Value error, ')}"

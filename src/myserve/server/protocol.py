@@ -70,6 +70,16 @@ class StreamOptions(_Request):
 class _Sampling(_Request):
     """Fields shared by completions and chat completions."""
 
+    # The schema states what the validator below enforces: stream_options only with stream true.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["stream"], "properties": {"stream": {"const": True}}},
+                {"properties": {"stream_options": {"type": "null"}}},
+            ]
+        }
+    )
+
     model: str
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
@@ -79,18 +89,19 @@ class _Sampling(_Request):
     """vLLM's range (signed 64-bit, what the wire carries). The sampler keys jax.random with the
     seed's low 32 bits (``seed & 0xFFFFFFFF``, runtime/sampling_rows.py), so any int64 maps to a
     valid uint32 key, negative ones included; seeds equal modulo 2**32 sample alike."""
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    # The float ranges are SamplingParams' (engine/params.py), stated here for the schema too.
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     """-1 or 0 disables; an int32 column of the device's sampling rows (at or above the vocabulary
     size it filters nothing)."""
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
     ignore_eos: bool = False
     min_tokens: TokenCount = 0
     stop_token_ids: list[int] | None = None
@@ -180,6 +191,16 @@ class NamedToolChoice(_Request):
 class ChatMessage(_Request):
     """One message of a conversation."""
 
+    # The schema states what the validator below enforces: content (not null) unless assistant.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"properties": {"role": {"const": "assistant"}}},
+                {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+            ]
+        }
+    )
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     """Required (not null) except on assistant messages, which may carry only tool calls."""
@@ -210,8 +231,9 @@ class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: TokenCount | None = None
-    max_completion_tokens: TokenCount | None = None
+    # At least 1: only completions' echo scores a prompt without generating.
+    max_tokens: Annotated[int, Field(ge=1, lt=_INT64_END)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, lt=_INT64_END)] | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     """0 to 20, checked with ``logprobs`` by ``SamplingParams`` (whose errors name ``logprobs``)."""
@@ -247,6 +269,16 @@ class ChatCompletionRequest(_Sampling):
 
 class TokenizeRequest(_Request):
     """``POST /tokenize``: a prompt, or messages rendered with the chat template."""
+
+    # The schema states what the route enforces: exactly one of prompt and messages.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}},
+            ]
+        }
+    )
 
     model: str | None = None
     prompt: str | None = None
