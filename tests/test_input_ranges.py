@@ -91,8 +91,8 @@ CASES = [
 CHAT_CASES = [
     ({"max_completion_tokens": 10**30}, "max_completion_tokens"),
     ({"max_completion_tokens": -5}, "max_completion_tokens"),
-    ({"logprobs": True, "top_logprobs": 2**70}, "logprobs"),
-    ({"logprobs": True, "top_logprobs": -1}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 2**70}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
 ]
 COMPLETION_CASES = [
     ({"prompt": [-1]}, "prompt"),
@@ -206,3 +206,13 @@ def test_the_schema_ranges_are_the_engines() -> None:
             SamplingParams(**{name: math.nextafter(bounds["exclusiveMinimum"], math.inf)})
             with pytest.raises(InvalidParams):
                 SamplingParams(**{name: bounds["exclusiveMinimum"]})
+
+
+def test_the_engine_itself_refuses_a_top_k_its_sampling_rows_cannot_hold() -> None:
+    # A Python caller of the engine (no HTTP in front) gets the same bound as the edge.
+    from myserve.engine.params import InvalidParams, SamplingParams
+
+    SamplingParams(top_k=2**31 - 1)
+    with pytest.raises(InvalidParams) as refused:
+        SamplingParams(top_k=2**31)
+    assert refused.value.param == "top_k"

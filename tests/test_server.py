@@ -191,7 +191,7 @@ BAD = [
     ("presence penalty out of range", _chat_body(presence_penalty=5), 400, "presence_penalty", "invalid_value"),
     ("frequency penalty out of range", _chat_body(frequency_penalty=-3), 400, "frequency_penalty", "invalid_value"),
     ("repetition penalty zero", _chat_body(repetition_penalty=0), 400, "repetition_penalty", "invalid_value"),
-    ("top_logprobs too many", _chat_body(logprobs=True, top_logprobs=25), 400, "logprobs", "invalid_value"),
+    ("top_logprobs too many", _chat_body(logprobs=True, top_logprobs=25), 400, "top_logprobs", "invalid_value"),
     ("top_logprobs without logprobs", _chat_body(top_logprobs=2), 400, "top_logprobs", "invalid_value"),
     ("logit_bias out of range", _chat_body(logit_bias={"5": 200}), 400, "logit_bias", "invalid_value"),
     ("logit_bias bad token", _chat_body(logit_bias={"99999999": 1}), 400, "logit_bias", "invalid_value"),

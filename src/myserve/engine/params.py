@@ -72,7 +72,8 @@ class SamplingParams:
         )
         check(0.0 <= self.temperature <= 2.0, "temperature", "temperature must be between 0 and 2")
         check(0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
-        check(self.top_k >= -1, "top_k", "top_k must be -1 (disabled) or at least 0")
+        # The device's sampling rows hold top_k as int32: a larger one would fail the engine's step.
+        check(-1 <= self.top_k < 2**31, "top_k", "top_k must be -1 (disabled) or between 0 and 2^31-1")
         check(0.0 <= self.min_p <= 1.0, "min_p", "min_p must be between 0 and 1")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2]")

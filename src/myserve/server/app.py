@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from myserve.engine.core_client import EngineClient
 from myserve.engine.grammar import GrammarSpec
 from myserve.engine.outputs import ContextLengthExceeded, EngineDead, Overloaded
-from myserve.engine.params import InvalidParams, SamplingParams
+from myserve.engine.params import MAX_TOP_LOGPROBS, InvalidParams, SamplingParams
 from myserve.engine.stream import RequestStream
 from myserve.server.chat_output import ChoiceParser
 from myserve.server.errors import APIError, install_error_handlers
@@ -340,6 +340,9 @@ def create_app(
         check_supported(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            message = f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"
+            raise APIError(400, message, param="top_logprobs", code="invalid_value")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         grammar = request_grammar(req.response_format, req.structured_outputs)
