@@ -100,6 +100,26 @@ def smol_service():
     svc.shutdown()
 
 
+@pytest.fixture(scope="module", params=["in_process", "core_process"])
+def service(request):
+    """SmolLM2 served in this process, or by an engine core in its own process (as serve runs it):
+    the HTTP suites that hold for both (test_conformance, test_input_ranges). Modules with a
+    ``service`` of their own override it."""
+    return request.getfixturevalue("smol_service" if request.param == "in_process" else "smol_client")
+
+
+@pytest.fixture(scope="module")
+def live(service):
+    """``service`` behind the real app over uvicorn, as model ``smol``."""
+    from test_server import LiveServer
+
+    from myserve.server.app import create_app
+
+    server = LiveServer(create_app(service, served_model_name="smol"))
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def hf_gguf_model():
     """transformers' own load of the bundled GGUF (dequantized to float32): the parity reference."""

@@ -8,7 +8,6 @@ import codecs
 import json
 import re
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
@@ -24,19 +23,6 @@ from myserve.testing import collect
 MODEL = "smol"
 LONG_CHAT = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 400, "ignore_eos": True}
 LOG_LINE = re.compile(r"request_id=(\S+) status=(\S+) prompt_tokens=(\d+) completion_tokens=(\d+)")
-
-
-@pytest.fixture(scope="module", params=["in_process", "core_process"])
-def service(request):
-    """SmolLM2 served in this process, or by an engine core in its own process (as serve runs it)."""
-    return request.getfixturevalue("smol_service" if request.param == "in_process" else "smol_client")
-
-
-@pytest.fixture(scope="module")
-def live(service) -> Iterator[LiveServer]:
-    server = LiveServer(create_app(service, served_model_name=MODEL))
-    yield server
-    server.stop()
 
 
 def post(server: LiveServer, path: str, **body) -> httpx.Response:
@@ -356,3 +342,16 @@ def test_time_in_the_queue_counts_toward_the_deadline(service, caplog: pytest.Lo
     lines = [m for r in caplog.records if (m := LOG_LINE.match(r.getMessage())) and m[2] == "timeout"]
     assert len(lines) == running + 1 and any(int(m[4]) == 0 for m in lines)
     wait_idle(service)
+
+
+def test_an_sse_frame_never_holds_a_character_that_splitlines_takes_for_a_line_end() -> None:
+    # Found by the soak: a streamed logprobs chunk held a token "\u2028" raw (valid JSON), and a
+    # client reading lines with httpx's iter_lines (str.splitlines) got half a JSON object.
+    from myserve.server.responses import _sse
+
+    text = "a\u2028b\u2029c\x85d\u2013e\x1cf\rg\nh"
+    frame = _sse({"choices": [{"text": text, "logprobs": {"top_logprobs": [{text: -1.0}]}}]})
+    lines = frame.decode().splitlines()
+    assert len(lines) == 2 and lines[1] == "" and lines[0].startswith("data: ")
+    assert json.loads(lines[0][len("data: ") :])["choices"][0]["text"] == text
+    assert "\u2013" in lines[0]  # other non-ASCII text stays as it is (UTF-8, not escaped)

@@ -7,32 +7,16 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
-from test_server import LiveServer
 
 from myserve.engine.params import InvalidParams, SamplingParams
-from myserve.server.app import create_app
 from myserve.server.protocol import INT64_MAX, INT64_MIN, MAX_N, CompletionRequest
 
 MODEL = "smol"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-
-
-@pytest.fixture(scope="module", params=["in_process", "core_process"])
-def service(request):
-    """The session's SmolLM2 engines (shared with test_server and test_conformance)."""
-    return request.getfixturevalue("smol_service" if request.param == "in_process" else "smol_client")
-
-
-@pytest.fixture(scope="module")
-def live(service) -> Iterator[LiveServer]:
-    server = LiveServer(create_app(service, served_model_name=MODEL))
-    yield server
-    server.stop()
 
 
 def body_for(path: str, **fields) -> dict:
