@@ -95,3 +95,36 @@ def test_a_malformed_or_foreign_message_is_refused(message: object) -> None:
 def test_the_stop_message_and_garbage_are_told_apart() -> None:
     with pytest.raises(StepChannelError):
         decode_step(b"\xc1\x00garbage", replicas=1)
+
+
+class _Channel:
+    def __init__(self, messages: list[bytes | None]):
+        self.messages = messages
+
+    def recv(self) -> bytes | None:
+        return self.messages.pop(0)
+
+
+class _Executor:
+    def __init__(self) -> None:
+        self.ran: list[list] = []
+
+    def run(self, ops: list) -> None:
+        self.ran.append(ops)
+
+
+def test_a_follower_runs_its_leader_s_steps_and_stops_at_a_foreign_message(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from myserve.runtime import multihost
+
+    marker = tmp_path / "ran"
+    forged = pickle.dumps((0, [_Marker(marker)]))
+    executor = _Executor()
+    good = encode_step(0, [ClearSlot(1)])
+    monkeypatch.setattr(multihost, "_channel", _Channel([good, forged, good]))
+    with pytest.raises(StepChannelError):
+        multihost.follow([executor])  # type: ignore[list-item]
+    assert executor.ran == [[ClearSlot(1)]] and not marker.exists()  # the good step only
+    monkeypatch.setattr(multihost, "_channel", _Channel([good, None]))
+    assert multihost.follow([executor]) == 1  # the leader's stop ends the loop
