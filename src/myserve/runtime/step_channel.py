@@ -68,7 +68,7 @@ def _encode_array(obj: object) -> object:
     if isinstance(obj, np.ndarray):
         array = np.ascontiguousarray(obj)
         return (array.dtype.str, array.shape, array.data.cast("B"))
-    raise NotImplementedError(f"not a step op field: {type(obj).__name__}")
+    raise TypeError(f"not a step op field: {type(obj).__name__}")
 
 
 def _decode_array(kind: type, obj: object) -> np.ndarray:
