@@ -7,6 +7,9 @@ import asyncio
 import json
 import os
 import random
+import signal
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -36,7 +39,32 @@ def test_parse_metrics() -> None:
 def test_rss_of_this_process_and_of_none() -> None:
     assert (rss_kb(os.getpid()) or 0) > 1000
     assert rss_kb(-1) is None
-    assert core_pid(os.getpid()) is None  # no spawned child
+
+
+# A front end's stand-in: spawns one child the way EngineClient starts the core, prints its pid.
+SPAWNING = """
+import multiprocessing, time
+child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+child.start()
+print(child.pid, flush=True)
+child.join()
+"""
+
+
+def test_the_core_is_the_spawned_child_of_its_front_end() -> None:
+    # Not this process: the test session may hold engine cores of its own.
+    front = subprocess.Popen([sys.executable, "-c", SPAWNING], stdout=subprocess.PIPE, text=True)
+    leaf = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert front.stdout is not None
+        child = int(front.stdout.readline())
+        assert core_pid(front.pid) == child
+        assert core_pid(leaf.pid) is None  # no spawned child
+        os.kill(child, signal.SIGKILL)
+    finally:
+        for proc in (front, leaf):
+            proc.kill()
+            proc.wait()
 
 
 def clean_tally() -> Tally:
