@@ -245,7 +245,7 @@ def create_app(
         return params
 
     def submit_all(
-        prompts: list[list[int]], params: SamplingParams, request_id: str, grammar_param: str | None
+        prompts: list[list[int]], params: SamplingParams, request_id: str, grammar_param: str | None, prompt_param: str
     ) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
@@ -258,7 +258,7 @@ def create_app(
                 param = grammar_param if e.param == "grammar" else e.param  # the field that asked for it
                 raise APIError(400, str(e), param=param, code="invalid_value") from None
             if isinstance(e, ContextLengthExceeded):
-                raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
+                raise APIError(400, str(e), param=prompt_param, code="context_length_exceeded") from None
             if isinstance(e, Overloaded):
                 raise APIError(429, str(e), code="overloaded", headers={"Retry-After": "1"}) from None
             if isinstance(e, EngineDead):
@@ -289,7 +289,8 @@ def create_app(
     ) -> Response:
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         t0 = time.perf_counter()
-        streams = submit_all(prompts, params, request_id, grammar_param)
+        prompt_param = "messages" if kind == "chat" else "prompt"  # the field that made the prompt too long
+        streams = submit_all(prompts, params, request_id, grammar_param, prompt_param)
         response = CompletionResponse(
             kind=kind,
             request_id=request_id,
