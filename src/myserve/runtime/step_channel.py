@@ -13,8 +13,8 @@ devices, so
   ``StepChannelError`` before a single op is built, and the follower stops;
 - the leader binds one interface (the coordinator's host, or ``mesh.step_channel_host``), not all;
 - the socket is a CURVE server (authenticated and encrypted): each process makes a key pair at
-  start, the public keys travel over the deployment's own device collective
-  (``process_allgather``, among the processes ``jax.distributed`` admitted), and the leader's ZAP
+  start, the public keys (and the leader's address) go through ``jax.distributed``'s key-value
+  store in the coordinator (among the processes it admitted), and the leader's ZAP
   handler admits only the followers' keys. A process outside the deployment cannot subscribe
   (no admitted key) nor pose as the leader (the followers check the leader's key). Secret keys never
   leave their process.
@@ -31,20 +31,21 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
+import jax
 import msgspec
 import numpy as np
 import zmq
 import zmq.auth.thread
-from jax.experimental import multihost_utils
 
 from myserve.runtime.executor import Op
 
 logger = logging.getLogger(__name__)
 
-_ADDRESS_BYTES = 256
-_KEY_BYTES = 40
-"""A Z85-encoded CURVE key."""
+_KEY_PREFIX = "myserve/step_channel"
+"""Where the leader's address and everyone's public CURVE keys go in the distributed runtime's
+key-value store."""
 _STOP = b""
 """The message that ends the followers' loop (an encoded op list is never empty)."""
 
@@ -118,6 +119,23 @@ class _FollowerKeys:
         return key in self.keys
 
 
+def _key_value_store() -> Any:
+    """The ``jax.distributed`` client: its key-value store lives in the coordinator, reached over the
+    deployment's own connection (no device collective, nothing queued behind a step)."""
+    from jax._src import distributed
+
+    if distributed.global_state.client is None:
+        raise ConnectionError("jax.distributed is not initialized")
+    return distributed.global_state.client
+
+
+def _get(store: Any, key: str, timeout_ms: int) -> str:
+    try:
+        return str(store.blocking_key_value_get(f"{_KEY_PREFIX}/{key}", timeout_ms))
+    except Exception as e:  # the runtime's own error type: a timeout, or the coordinator gone
+        raise ConnectionError(f"no {key!r} in the key-value store: {' '.join(str(e).split())[:200]}") from None
+
+
 class StepChannel:
     """One leader's PUB socket, or one follower's SUB socket, for the op lists of every step."""
 
@@ -133,8 +151,8 @@ class StepChannel:
         ``timeout_s``)."""
         context = zmq.Context()  # its own: the ZAP handler below answers for every socket of a context
         public, secret = zmq.curve_keypair()
-        row = np.zeros(_KEY_BYTES + _ADDRESS_BYTES, np.uint8)
-        row[:_KEY_BYTES] = np.frombuffer(public, np.uint8)
+        store = _key_value_store()
+        wait_ms = int(timeout_s * 1000)
         auth = None
         if leader:
             auth = zmq.auth.thread.ThreadAuthenticator(context, log=logger)
@@ -144,27 +162,27 @@ class StepChannel:
             socket.curve_secretkey = secret
             socket.setsockopt(zmq.SNDHWM, 0)
             port = socket.bind_to_random_port(f"tcp://{host}")
-            address = f"tcp://{host}:{port}".encode()
-            row[_KEY_BYTES : _KEY_BYTES + len(address)] = np.frombuffer(address, np.uint8)
-        rows = np.asarray(multihost_utils.process_allgather(row)).reshape(-1, row.size)
-        keys = [r[:_KEY_BYTES].tobytes() for r in rows]
-        if not leader:
-            address = rows[0, _KEY_BYTES:].tobytes().rstrip(b"\0")
+            address = f"tcp://{host}:{port}"
+            store.key_value_set(f"{_KEY_PREFIX}/leader", f"{address} {public.decode()}")
+            keys = {_get(store, f"follower/{i}", wait_ms).encode() for i in range(1, followers + 1)}
+        else:
+            store.key_value_set(f"{_KEY_PREFIX}/follower/{jax.process_index()}", public.decode())
+            address, server_key = _get(store, "leader", wait_ms).split()
             socket = context.socket(zmq.SUB)
-            socket.curve_serverkey = keys[0]
+            socket.curve_serverkey = server_key.encode()
             socket.curve_publickey = public
             socket.curve_secretkey = secret
             socket.setsockopt(zmq.RCVHWM, 0)
             socket.setsockopt(zmq.SUBSCRIBE, b"")
-            socket.connect(address.decode())
+            socket.connect(address)
             return StepChannel(socket, leader=False)
         assert auth is not None
-        auth.configure_curve_callback("*", _FollowerKeys(set(keys[1:])))
+        auth.configure_curve_callback("*", _FollowerKeys(keys))
         logger.info(
             "step channel: publishing on %s (CURVE server key %s, %d follower keys)",
-            address.decode(),
+            address,
             public.decode(),
-            len(keys) - 1,
+            len(keys),
         )
         deadline = time.monotonic() + timeout_s
         subscribed = 0
