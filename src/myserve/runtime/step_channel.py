@@ -163,8 +163,11 @@ class StepChannel:
             socket.setsockopt(zmq.SNDHWM, 0)
             port = socket.bind_to_random_port(f"tcp://{host}")
             address = f"tcp://{host}:{port}"
-            store.key_value_set(f"{_KEY_PREFIX}/leader", f"{address} {public.decode()}")
             keys = {_get(store, f"follower/{i}", wait_ms).encode() for i in range(1, followers + 1)}
+            # Admit the followers' keys before they learn where to connect: a connection the
+            # handler refused (no keys yet) is not retried, and the follower would never subscribe.
+            auth.configure_curve_callback("*", _FollowerKeys(keys))
+            store.key_value_set(f"{_KEY_PREFIX}/leader", f"{address} {public.decode()}")
         else:
             store.key_value_set(f"{_KEY_PREFIX}/follower/{jax.process_index()}", public.decode())
             address, server_key = _get(store, "leader", wait_ms).split()
@@ -177,7 +180,6 @@ class StepChannel:
             socket.connect(address)
             return StepChannel(socket, leader=False)
         assert auth is not None
-        auth.configure_curve_callback("*", _FollowerKeys(keys))
         logger.info(
             "step channel: publishing on %s (CURVE server key %s, %d follower keys)",
             address,
