@@ -113,7 +113,7 @@ def live(service):
     """``service`` behind the real app over uvicorn, as model ``smol``."""
     from test_server import LiveServer
 
-    from myserve.server.app import create_app
+    from myserve.frontend.app import create_app
 
     server = LiveServer(create_app(service, served_model_name="smol"))
     yield server

@@ -22,8 +22,8 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 
-from myserve.engine.params import SamplingParams  # noqa: E402
 from myserve.testing import start_service  # noqa: E402
+from myserve.wire.params import SamplingParams  # noqa: E402
 
 KERNEL = os.environ.get("KERNEL_CONTRACT") == "1"
 if KERNEL:

@@ -14,7 +14,7 @@ import os
 import sys
 
 from myserve import serve
-from myserve.runtime.runner import ModelRunner, PendingStep, PlannedStep
+from myserve.core.runner import ModelRunner, PendingStep, PlannedStep
 
 
 def inject(fault: str) -> None:
@@ -44,7 +44,7 @@ def inject_from_env() -> None:
 
 
 if __name__ == "__main__":
-    from myserve.engine.core_process import CORE_HOOK_ENV
+    from myserve.core.process import CORE_HOOK_ENV
 
     inject_from_env()  # for a server that runs the engine in this process
     os.environ[CORE_HOOK_ENV] = "serve_with_fault:inject_from_env"

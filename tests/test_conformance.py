@@ -14,11 +14,11 @@ import openai
 import pytest
 from test_server import LiveServer
 
-from myserve.engine.detokenizer import token_bytes
-from myserve.engine.params import SamplingParams
-from myserve.server.app import create_app
-from myserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from myserve.frontend.app import create_app
+from myserve.frontend.detokenizer import token_bytes
+from myserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from myserve.testing import collect
+from myserve.wire.params import SamplingParams
 
 MODEL = "smol"
 LONG_CHAT = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 400, "ignore_eos": True}
@@ -347,7 +347,7 @@ def test_time_in_the_queue_counts_toward_the_deadline(service, caplog: pytest.Lo
 def test_an_sse_frame_never_holds_a_character_that_splitlines_takes_for_a_line_end() -> None:
     # Found by the soak: a streamed logprobs chunk held a token "\u2028" raw (valid JSON), and a
     # client reading lines with httpx's iter_lines (str.splitlines) got half a JSON object.
-    from myserve.server.responses import _sse
+    from myserve.frontend.responses import _sse
 
     text = "a\u2028b\u2029c\x85d\u2013e\x1cf\rg\nh"
     frame = _sse({"choices": [{"text": text, "logprobs": {"top_logprobs": [{text: -1.0}]}}]})

@@ -259,8 +259,8 @@ def test_a_request_the_front_end_admitted_is_never_refused_by_the_core(tiny_chec
     # The front end admits against the core's last report plus what it sent since; a report that
     # arrives while requests are still in transit does not count them. The core must not refuse
     # those (it used to, as a 500 engine_error): it serves every request the front end took.
-    from myserve.engine.params import SamplingParams
     from myserve.testing import TINY_ENGINE, collect, start_client
+    from myserve.wire.params import SamplingParams
 
     client = start_client(tiny_checkpoints["llama3"], *TINY_ENGINE, "engine.max_num_seqs=1", "engine.max_waiting=2")
     try:

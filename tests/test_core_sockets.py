@@ -17,8 +17,8 @@ import httpx
 import pytest
 from test_core_process import Server
 
-from myserve.engine import core_messages as msg
-from myserve.engine.peer_guard import allowed, peer_credentials
+from myserve.frontend.peer_guard import allowed, peer_credentials
+from myserve.wire import messages as msg
 
 # Finds the front end's abstract socket names the way an attacker would (/proc/net/unix), drops to
 # another uid if asked (after importing zmq: that user cannot read root's Python), connects a PULL

@@ -18,7 +18,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from myserve.bundled import bundled_gguf_path
-from myserve.engine.detokenizer import IncrementalDetokenizer, token_bytes
+from myserve.frontend.detokenizer import IncrementalDetokenizer, token_bytes
 from myserve.tokenizer import Tokenizer
 
 IM_START, IM_END = 1, 2  # SmolLM2's chat markers, both special

@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from myserve.engine.params import SamplingParams
 from myserve.runtime.compile_counter import compile_count
 from myserve.testing import collect, hf_greedy, hf_logits
+from myserve.wire.params import SamplingParams
 
 LENGTHS = [3, 200, 17, 64, 5, 120, 33, 9, 150, 48, 77, 11]
 
@@ -203,7 +203,7 @@ def test_n_greedy_choices_share_prompt_pages_copy_on_write(service, hf_tiny) -> 
 
 
 def test_full_waiting_queue_raises_overloaded_and_the_rest_finish(make_service, prompts) -> None:
-    from myserve.engine.outputs import Overloaded
+    from myserve.wire.outputs import Overloaded
 
     svc = make_service("engine.max_num_seqs=1", "engine.max_waiting=3")
     accepted, refused = [], 0
@@ -240,7 +240,7 @@ def test_prompt_logprobs_equal_transformers_log_softmax(service, tiny_checkpoint
 
 
 def test_engine_crash_fails_requests_instead_of_hanging(make_service, prompts) -> None:
-    from myserve.engine.outputs import EngineDead
+    from myserve.wire.outputs import EngineDead
 
     svc = make_service("engine.num_pages=64")
     all_submitted = threading.Event()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from myserve.engine.params import SamplingParams
 from myserve.testing import hf_greedy
+from myserve.wire.params import SamplingParams
 
 TEXT = (
     "The history of the bicycle spans more than two centuries. Early designs had no pedals, and riders pushed "

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 
-from myserve.engine.params import SamplingParams
+from myserve.wire.params import SamplingParams
 
 # The preemption test's engine (48 pages of 8 tokens = 384 tokens for 8 sequences of up to 256):
 # same shapes, so no new executables to compile.

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from test_server import LiveServer
 
-from myserve.server.app import create_app
+from myserve.frontend.app import create_app
 
 MODEL = "smol"
 MAX_NEW = 3

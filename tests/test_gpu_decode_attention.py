@@ -19,7 +19,6 @@ import pytest
 from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 from ragged_steps import MIXED, mixed_step
 
-from myserve.engine.params import SamplingParams
 from myserve.errors import ConfigError
 from myserve.ops import gpu_decode_attention
 from myserve.ops.gpu_decode_attention import decode_attention, gpu_fit, split_sizes
@@ -27,6 +26,7 @@ from myserve.ops.kernel_attention import resolve_backend
 from myserve.ops.paged_attention import KVCache, write_kv
 from myserve.ops.ragged_attention import ragged_attention
 from myserve.testing import collect, hf_greedy
+from myserve.wire.params import SamplingParams
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding, host side (``engine/grammar.py``) and the device's mask application.
+"""Grammar-constrained decoding, host side (``grammar.py``) and the device's mask application.
 
 Real llguidance grammars over SmolLM2's real tokenizer (the bundled GGUF's): a valid document's
 tokens are each allowed by the mask at their position, invalid continuations are masked out, and
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from myserve.bundled import bundled_gguf_path
-from myserve.engine.grammar import GrammarMatcher, Grammars, GrammarSpec, InvalidGrammar, allocate_bitmask, fill_bitmask
+from myserve.grammar import GrammarMatcher, Grammars, GrammarSpec, InvalidGrammar, allocate_bitmask, fill_bitmask
 from myserve.runtime.sampler import apply_token_bitmask
 from myserve.tokenizer import Tokenizer
 

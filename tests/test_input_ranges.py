@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from myserve.engine.params import InvalidParams, SamplingParams
-from myserve.server.protocol import INT64_MAX, INT64_MIN, MAX_N, CompletionRequest
+from myserve.frontend.protocol import INT64_MAX, INT64_MIN, MAX_N, CompletionRequest
+from myserve.wire.params import InvalidParams, SamplingParams
 
 MODEL = "smol"
 CHAT = "/v1/chat/completions"
@@ -197,7 +197,7 @@ def test_the_schema_ranges_are_the_engines() -> None:
 
 def test_the_engine_itself_refuses_a_top_k_its_sampling_rows_cannot_hold() -> None:
     # A Python caller of the engine (no HTTP in front) gets the same bound as the edge.
-    from myserve.engine.params import InvalidParams, SamplingParams
+    from myserve.wire.params import InvalidParams, SamplingParams
 
     SamplingParams(top_k=2**31 - 1)
     with pytest.raises(InvalidParams) as refused:

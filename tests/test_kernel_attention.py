@@ -16,13 +16,13 @@ import pytest
 from kernel_contract import contract_attention
 from ragged_steps import MIXED, mixed_step
 
-from myserve.engine.params import SamplingParams
 from myserve.ops import kernel_attention
 from myserve.ops.kernel_attention import KernelKVCache, kernel_meta, write_kv_kernel
 from myserve.ops.kernel_attention import kernel_attention as run_kernel
 from myserve.ops.paged_attention import KVCache, write_kv
 from myserve.ops.ragged_attention import ragged_attention
 from myserve.testing import collect, hf_greedy
+from myserve.wire.params import SamplingParams
 
 
 def test_the_stand_in_equals_jax_reference_of_the_kernel() -> None:

@@ -21,8 +21,8 @@ import zmq
 from test_server import free_port
 
 from myserve.bundled import bundled_gguf_path
-from myserve.engine.params import SamplingParams
 from myserve.testing import TINY_ENGINE, make_tiny_checkpoint, start_service
+from myserve.wire.params import SamplingParams
 
 ENGINE = [*TINY_ENGINE, "engine.num_pages=64", "engine.compilation_cache_dir=null"]
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Count to five.", "Say hi."]

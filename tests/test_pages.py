@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from myserve.engine.pages import OutOfPages, PageAllocator, chain_hashes
-from myserve.engine.slots import OutOfSlots, SlotPool
+from myserve.core.pages import OutOfPages, PageAllocator, chain_hashes
+from myserve.core.slots import OutOfSlots, SlotPool
 
 
 def test_allocate_release_and_refcounts() -> None:

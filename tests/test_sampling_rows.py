@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from myserve.engine.params import SamplingParams
 from myserve.runtime.sampling_rows import (
     CHOICE,
     FLOAT_PARAMS,
@@ -16,6 +15,7 @@ from myserve.runtime.sampling_rows import (
     WEIGHT,
     SamplingRows,
 )
+from myserve.wire.params import SamplingParams
 
 
 def test_leading_rows_carry_their_requests_and_padding_rows_stay_inert() -> None:

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from myserve.engine.pages import PageAllocator
-from myserve.engine.params import SamplingParams
-from myserve.engine.scheduler import Scheduler
-from myserve.engine.sequence import SeqStatus
+from myserve.core.pages import PageAllocator
+from myserve.core.scheduler import Scheduler
+from myserve.core.sequence import SeqStatus
 from myserve.testing import HostEngine, assert_consistent
+from myserve.wire.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 PENALTY = SamplingParams(max_tokens=8, temperature=1.0, frequency_penalty=0.5, seed=1)
@@ -191,7 +191,7 @@ def test_abort_at_every_stage_releases_everything(stage: str) -> None:
 def test_host_bookkeeping_imports_no_jax() -> None:
     code = (
         "import sys\n"
-        "import myserve.engine.scheduler, myserve.engine.pages, myserve.engine.slots, myserve.engine.sequence\n"
+        "import myserve.core.scheduler, myserve.core.pages, myserve.core.slots, myserve.core.sequence\n"
         "import myserve.testing\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'torch', 'transformers'))\n"
         "assert not bad, bad\n"

@@ -12,14 +12,14 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from myserve.engine.pages import PageAllocator
-from myserve.engine.params import SamplingParams
-from myserve.engine.scheduler import ScheduledBatch, Scheduler
-from myserve.engine.sequence import SeqStatus
+from myserve.core.pages import PageAllocator
+from myserve.core.runner import span_of
+from myserve.core.scheduler import ScheduledBatch, Scheduler
+from myserve.core.sequence import SeqStatus
 from myserve.runtime.buckets import Buckets
-from myserve.runtime.runner import span_of
 from myserve.runtime.step_layout import layout
 from myserve.testing import HostEngine, assert_consistent
+from myserve.wire.params import SamplingParams
 
 PAGE_SIZE = 4
 NUM_PAGES = 8  # 32 tokens: two requests of up to 24 tokens can already need more than that

@@ -13,7 +13,7 @@ import openai
 import pytest
 import uvicorn
 
-from myserve.server.app import create_app
+from myserve.frontend.app import create_app
 
 MODEL = "smol"
 KEY = "sk-test-key"

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from myserve.bench.soak_checks import parse_metrics
-from myserve.engine.grammar import GrammarSpec
-from myserve.engine.params import SamplingParams
-from myserve.server.metrics import Metrics
+from myserve.frontend.metrics import Metrics
+from myserve.grammar import GrammarSpec
 from myserve.testing import TINY_ENGINE, collect, make_tiny_checkpoint, start_client
+from myserve.wire.params import SamplingParams
 
 PROMPT = [(7 * j) % 5000 + 100 for j in range(12)]
 GAUGES = ("myserve_grammar_matchers_active", "myserve_penalty_slots_used", "myserve_kv_pages_used")

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from myserve.engine.params import SamplingParams
 from myserve.errors import ConfigError
 from myserve.runtime import executor as executor_module
 from myserve.runtime.compile_counter import compile_counts
 from myserve.runtime.step_cache import SUBDIRECTORY, StepCache, check_trusted_directory
 from myserve.testing import TINY_ENGINE, collect, start_service
+from myserve.wire.params import SamplingParams
 
 PROMPTS = [[5, 9, 23, 42, 7], [100, 3, 3, 8], [17] * 20]
 

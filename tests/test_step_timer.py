@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from myserve.engine.step_timer import PHASES, StepTimer
+from myserve.core.step_timer import PHASES, StepTimer
 
 
 def test_phases_and_the_gap_between_steps_one_at_a_time() -> None:

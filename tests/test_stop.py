@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from myserve.engine.stop import StopChecker
+from myserve.frontend.stop import StopChecker
 
 
 def run(checker: StopChecker, deltas: list[str]) -> tuple[str, bool]:

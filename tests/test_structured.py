@@ -16,11 +16,11 @@ import openai
 import pytest
 from test_server import LiveServer
 
-from myserve.engine.grammar import GrammarSpec
-from myserve.engine.params import InvalidParams, SamplingParams
+from myserve.frontend.app import create_app
+from myserve.grammar import GrammarSpec
 from myserve.runtime.compile_counter import compile_count
-from myserve.server.app import create_app
 from myserve.testing import NESTED_SCHEMA, TINY_ENGINE, collect, make_tiny_checkpoint, start_service, streamed_and_not
+from myserve.wire.params import InvalidParams, SamplingParams
 
 SCHEMA = {
     "type": "object",

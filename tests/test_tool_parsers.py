@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from myserve.server.chat_output import ChoiceMessage, ChoiceParser, finish_reason
-from myserve.server.reasoning import FORMATS, ReasoningParser
-from myserve.server.tool_parsers import (
+from myserve.frontend.chat_output import ChoiceMessage, ChoiceParser, finish_reason
+from myserve.frontend.reasoning import FORMATS, ReasoningParser
+from myserve.frontend.tool_parsers import (
     HermesParser,
     Llama3JsonParser,
     MistralParser,
@@ -183,7 +183,7 @@ def test_reasoning_then_tool_call(how: str) -> None:
 
 
 def test_every_parser_is_a_tool_parser() -> None:
-    from myserve.server.tool_parsers import PARSERS
+    from myserve.frontend.tool_parsers import PARSERS
 
     assert set(PARSERS) == {"hermes", "llama3_json", "mistral"}
     assert all(issubclass(p, ToolParser) for p in PARSERS.values())

@@ -14,7 +14,7 @@ import openai
 import pytest
 from test_server import LiveServer
 
-from myserve.server.app import create_app
+from myserve.frontend.app import create_app
 from myserve.testing import NESTED_SCHEMA, streamed_and_not
 
 MODEL = "smol-tools"

@@ -33,9 +33,9 @@ def _check(ok: bool, message: str) -> None:
 
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
-"""``server.tool_call_parser`` values (``server/tool_parsers.py``)."""
+"""``server.tool_call_parser`` values (``frontend/tool_parsers.py``)."""
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
-"""``server.reasoning_parser`` values (``server/reasoning.py``)."""
+"""``server.reasoning_parser`` values (``frontend/reasoning.py``)."""
 
 
 def _check_choice(key: str, value: str, choices: Sequence[str]) -> None:

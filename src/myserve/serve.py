@@ -25,8 +25,8 @@ from myserve.errors import ConfigError, MyserveError
 
 if TYPE_CHECKING:
     from myserve.config import Config
-    from myserve.engine.core_client import EngineClient
-    from myserve.engine.service import GenerationService
+    from myserve.frontend.core_client import EngineClient
+    from myserve.service import GenerationService
 
 logger = logging.getLogger("myserve.serve")
 
@@ -115,8 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics_dir = _shared_metrics_dir()  # before prometheus_client is imported
 
         from myserve.bundled import BUNDLED_MODEL_NAME
-        from myserve.engine.core_client import EngineClient
-        from myserve.server.http_server import serve_http
+        from myserve.frontend.core_client import EngineClient
+        from myserve.frontend.http_server import serve_http
 
         service: GenerationService | EngineClient
         # A multi-host leader's core (process 0) broadcasts its steps from its own process; a
@@ -166,10 +166,10 @@ def _in_process(config: Config) -> GenerationService | int:
     """The engine in this process: the service, or a multi-host follower's exit status."""
     import jax
 
-    from myserve.engine.service import GenerationService
     from myserve.runtime import multihost
     from myserve.runtime.deployment import Deployment
     from myserve.runtime.host_memory import keep_freed_memory
+    from myserve.service import GenerationService
 
     multihost.initialize(config.mesh)  # before anything touches a JAX backend
     if jax.default_backend() == "cpu":
@@ -184,8 +184,8 @@ def _serve_front_ends(config: Config, service: EngineClient, name: str) -> int:
     """``--api-server-count N``: this process and N-1 spawned ones serve one port."""
     import multiprocessing
 
-    from myserve.server.front_end_process import run_front_end
-    from myserve.server.http_server import serve_http
+    from myserve.frontend.front_end_process import run_front_end
+    from myserve.frontend.http_server import serve_http
 
     address = (config.server.host, config.server.port)
     if not hasattr(socket, "SO_REUSEPORT"):
@@ -238,7 +238,7 @@ def _follow(dep) -> int:
     """A process other than 0 of a multi-host deployment: run the leader's steps until it stops."""
     import jax
 
-    from myserve.engine.replica import make_executors
+    from myserve.core.replica import make_executors
     from myserve.runtime import multihost
     from myserve.runtime.step_channel import StepChannelError
 

@@ -127,8 +127,8 @@ def start_service(checkpoint: Path | None, *overrides: str, prebuild: bool = Fal
     """
     from myserve.bundled import bundled_gguf_path
     from myserve.config import load_config
-    from myserve.engine.service import GenerationService
     from myserve.runtime.deployment import Deployment
+    from myserve.service import GenerationService
 
     base = ["model.dtype=float32"]
     if checkpoint is not None:
@@ -144,7 +144,7 @@ def start_client(checkpoint: Path | None, *overrides: str):
     ``python -m myserve.serve`` runs it; arguments as ``start_service``."""
     from myserve.bundled import bundled_gguf_path
     from myserve.config import load_config
-    from myserve.engine.core_client import EngineClient
+    from myserve.frontend.core_client import EngineClient
     from myserve.serve import front_tokenizer
 
     base = ["model.dtype=float32"]
@@ -204,7 +204,7 @@ class HostEngine:
     """
 
     def __init__(self, scheduler: Any, on_schedule: Any = None, overlap: bool = False):
-        from myserve.engine.sequence import Sequence
+        from myserve.core.sequence import Sequence
 
         self.scheduler = scheduler
         self.overlap = overlap
@@ -221,7 +221,7 @@ class HostEngine:
 
     def submit(self, prompt: list[int], params: Any, max_len: int | None = None) -> list[Any]:
         """Queue a request's ``params.n`` choices (later ones share the first's prompt pages)."""
-        from myserve.engine.sequence import Sequence
+        from myserve.core.sequence import Sequence
 
         self._ids += 1
         max_len = max_len or len(prompt) + (params.max_tokens or 16)
@@ -245,7 +245,7 @@ class HostEngine:
     def step(self) -> Any:
         """One engine step: schedule and 'dispatch' (after_step), then read the step in flight
         before it (overlap) or this one: append each sampled token, finish full sequences."""
-        from myserve.engine.sequence import SeqStatus
+        from myserve.core.sequence import SeqStatus
 
         batch = self.scheduler.schedule()
         if self.on_schedule is not None:
@@ -286,7 +286,7 @@ def assert_consistent(scheduler: Any, live: list[Any]) -> None:
     every page is free, evictable (cached, unreferenced) or referenced, exactly one of them; every
     penalty slot is free or owned by exactly one running sequence that knows it.
     """
-    from myserve.engine.sequence import SeqStatus
+    from myserve.core.sequence import SeqStatus
 
     alloc, slots = scheduler.allocator, scheduler.slots
     held = [0] * alloc.num_pages

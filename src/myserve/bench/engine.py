@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from myserve.engine.params import SamplingParams
+from myserve.wire.params import SamplingParams
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -229,9 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax
 
     from myserve.config import load_config
-    from myserve.engine.service import GenerationService
     from myserve.runtime.deployment import Deployment
     from myserve.runtime.host_memory import keep_freed_memory
+    from myserve.service import GenerationService
 
     overrides = list(args.set)
     hf_device = args.hf_device or ("cpu" if jax.default_backend() == "cpu" else "cuda")

@@ -1,7 +1,7 @@
 """The device side of the engine: the ops a step is made of, and the executor that applies them.
 
 Everything the device does is described by plain data — which pages to copy, which penalty slots to
-fill, and each model call's packed host arrays — built by the host (``runtime/runner.py``). That
+fill, and each model call's packed host arrays — built by the host (``core/runner.py``). That
 keeps the jitted functions few and explicit, and lets a multi-host deployment replay a step on
 every process: the leader broadcasts the step's ops and every process applies the same ones
 (``runtime/multihost.py``).

@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from myserve.engine.params import MAX_TOP_LOGPROBS
 from myserve.models.llama import BATCH, POS, DecoderLayer, LlamaModel, decoder_block
 from myserve.models.spec import ModelSpec
 from myserve.ops.kernel_attention import KernelKVCache, kernel_meta
@@ -43,6 +42,7 @@ from myserve.runtime.kv_cache import Cache, constrain_cache
 from myserve.runtime.sampler import SampleOutput, sample, token_logprobs
 from myserve.runtime.sampling_rows import unpack as unpack_rows
 from myserve.runtime.step_layout import StepShape, unpack
+from myserve.wire.params import MAX_TOP_LOGPROBS
 
 
 class StepOutput(NamedTuple):

@@ -408,7 +408,7 @@ def token_logprobs(logits: jax.Array, targets: jax.Array, k: int) -> tuple[jax.A
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     """Disallowed tokens to -inf: logits f32 [B, V], bitmask int32 [B, ceil(V / 32)] with bit
     ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed (llguidance's format,
-    ``engine/grammar.py``); an unconstrained row is all ones (-1)."""
+    ``grammar.py``); an unconstrained row is all ones (-1)."""
     b, v = logits.shape
     bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32], little-endian
     allowed = bits.reshape(b, -1)[:, :v].astype(bool)

@@ -19,7 +19,7 @@ import numpy as np
 from myserve.runtime.sampler import SamplingArrays
 
 if TYPE_CHECKING:
-    from myserve.engine.params import SamplingParams
+    from myserve.wire.params import SamplingParams
 
 MAX_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
 MAX_BANNED = 32  # EOS + stop_token_ids banned while min_tokens is not reached

@@ -19,13 +19,13 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from myserve.engine.outputs import RequestOutput, Usage
-from myserve.engine.params import SamplingParams
-from myserve.engine.stream import RequestStream
-from myserve.server.chat_output import ChoiceMessage, ChoiceParser, finish_reason
-from myserve.server.errors import APIError
-from myserve.server.formatting import LogprobFormatter, usage_json
-from myserve.server.metrics import Metrics
+from myserve.frontend.chat_output import ChoiceMessage, ChoiceParser, finish_reason
+from myserve.frontend.errors import APIError
+from myserve.frontend.formatting import LogprobFormatter, usage_json
+from myserve.frontend.metrics import Metrics
+from myserve.frontend.stream import RequestStream
+from myserve.wire.outputs import RequestOutput, Usage
+from myserve.wire.params import SamplingParams
 
 logger = logging.getLogger("myserve.requests")
 

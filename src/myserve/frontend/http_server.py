@@ -1,7 +1,7 @@
 """Running one HTTP front end: the app on uvicorn, draining on a signal, exiting 1 when the engine dies.
 
 ``serve_http`` is what ``python -m myserve.serve`` runs in its own process, and what each extra
-front-end process of ``--api-server-count`` runs (``server/front_end_process.py``) on the listening
+front-end process of ``--api-server-count`` runs (``frontend/front_end_process.py``) on the listening
 socket they share. Rules: the first SIGTERM/SIGINT refuses new requests (503) and lets in-flight
 ones finish within ``server.drain_timeout_s``; a second one exits at once. A dead engine (or a failed
 warmup, or a sibling front end that died) ends the server with status 1 after open responses had
@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from myserve.engine.core_client import EngineClient
-from myserve.server.app import create_app
+from myserve.frontend.app import create_app
+from myserve.frontend.core_client import EngineClient
 
 if TYPE_CHECKING:
     from myserve.config import Config
-    from myserve.engine.service import GenerationService
+    from myserve.service import GenerationService
 
 logger = logging.getLogger("myserve.serve")
 

@@ -9,7 +9,7 @@ turned into the engine's ``GrammarSpec``.
   dialect of llguidance, or GBNF as llama.cpp writes it).
 
 Whether the grammar compiles is checked by the engine when the request is submitted
-(``engine/validation.py``), which compiles it once and caches it.
+(``validation.py``), which compiles it once and caches it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from myserve.engine.grammar import GrammarSpec
-from myserve.server.errors import APIError
+from myserve.frontend.errors import APIError
+from myserve.grammar import GrammarSpec
 
 _STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 

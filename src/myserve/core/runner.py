@@ -19,9 +19,9 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from myserve.engine.grammar import allocate_bitmask, fill_bitmask
-from myserve.engine.scheduler import ScheduledBatch, ScheduledChunk
-from myserve.engine.sequence import Sequence as Seq
+from myserve.core.scheduler import ScheduledBatch, ScheduledChunk
+from myserve.core.sequence import Sequence as Seq
+from myserve.grammar import allocate_bitmask, fill_bitmask
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.executor import (
     SLOT_CHUNK,

@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from myserve.engine import core_messages as msg
 from myserve.errors import MyserveError
+from myserve.wire import messages as msg
 
 if TYPE_CHECKING:
     from myserve.config import Config
-    from myserve.engine.core import EngineCore
-    from myserve.engine.core_client import CoreLink
+    from myserve.core.engine_core import EngineCore
+    from myserve.frontend.core_client import CoreLink
 
 logger = logging.getLogger("myserve.core")
 
@@ -178,7 +178,7 @@ def run_core(config: Config, links: Sequence[CoreLink]) -> None:
 
 
 def _failed(request_id: str, error: Exception):  # noqa: ANN202 - a RequestOutput
-    from myserve.engine.outputs import RequestOutput, Usage
+    from myserve.wire.outputs import RequestOutput, Usage
 
     return RequestOutput(request_id, -1, usage=Usage(0, 0), error=f"{type(error).__name__}: {error}")
 
@@ -195,7 +195,7 @@ def _linger(inbox: zmq.Socket, outboxes: Sequence[zmq.Socket]) -> None:
 def _load(config: Config) -> EngineCore:
     import jax
 
-    from myserve.engine.core import EngineCore
+    from myserve.core.engine_core import EngineCore
     from myserve.runtime import multihost
     from myserve.runtime.deployment import Deployment
     from myserve.runtime.host_memory import keep_freed_memory

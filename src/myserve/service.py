@@ -12,10 +12,10 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
-from myserve.engine.core import EngineCore
-from myserve.engine.output_processor import OutputProcessor
-from myserve.engine.params import SamplingParams
-from myserve.engine.stream import RequestStream
+from myserve.core.engine_core import EngineCore
+from myserve.frontend.output_processor import OutputProcessor
+from myserve.frontend.stream import RequestStream
+from myserve.wire.params import SamplingParams
 
 
 class GenerationService(EngineCore):

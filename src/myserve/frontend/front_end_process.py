@@ -21,21 +21,21 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from myserve.config import Config
-    from myserve.engine.core_client import CoreLink
+    from myserve.frontend.core_client import CoreLink
 
 logger = logging.getLogger("myserve.serve")
 
 
 def run_front_end(config: Config, link: CoreLink, address: tuple[str, int], name: str) -> None:
     """The process's entry point: attach to the core, serve HTTP on ``address``, exit with the status."""
-    from myserve.engine.core_process import die_with_parent
+    from myserve.core.process import die_with_parent
 
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # until uvicorn's handlers (which ignore it too)
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from myserve.engine.core_client import EngineClient
+    from myserve.frontend.core_client import EngineClient
+    from myserve.frontend.http_server import serve_http
     from myserve.serve import GIL_SWITCH_INTERVAL_S, front_tokenizer
-    from myserve.server.http_server import serve_http
 
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     service = EngineClient.attach(config, lambda: front_tokenizer(config), link)

@@ -6,7 +6,7 @@ import asyncio
 import queue
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from myserve.engine.outputs import RequestOutput
+from myserve.wire.outputs import RequestOutput
 
 
 class RequestStream:

@@ -7,12 +7,12 @@ import itertools
 import random
 from typing import TYPE_CHECKING
 
-from myserve.engine.outputs import TokenLogprob
-from myserve.engine.pages import PageHash, chain_hashes
-from myserve.engine.params import SamplingParams
+from myserve.core.pages import PageHash, chain_hashes
+from myserve.wire.outputs import TokenLogprob
+from myserve.wire.params import SamplingParams
 
 if TYPE_CHECKING:
-    from myserve.engine.grammar import GrammarMatcher
+    from myserve.grammar import GrammarMatcher
 
 _admission_counter = itertools.count()
 

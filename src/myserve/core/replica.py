@@ -18,12 +18,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from myserve.engine.pages import PageAllocator
-from myserve.engine.scheduler import Scheduler
+from myserve.core.pages import PageAllocator
+from myserve.core.runner import Device, ModelRunner
+from myserve.core.scheduler import Scheduler
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.deployment import Deployment, executor_for
 from myserve.runtime.executor import Executor
-from myserve.runtime.runner import Device, ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from myserve.server.errors import APIError
+from myserve.frontend.errors import APIError
 
 OPEN_PATHS = ("/health", "/healthz", "/metrics", "/docs", "/openapi.json", "/redoc")
 """Paths served without the API key."""

@@ -18,31 +18,31 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from myserve.engine.core_client import EngineClient
-from myserve.engine.grammar import GrammarSpec
-from myserve.engine.outputs import ContextLengthExceeded, EngineDead, Overloaded
-from myserve.engine.params import MAX_TOP_LOGPROBS, InvalidParams, SamplingParams
-from myserve.engine.stream import RequestStream
-from myserve.server.chat_output import ChoiceParser
-from myserve.server.errors import APIError, install_error_handlers
-from myserve.server.formatting import LogprobFormatter
-from myserve.server.guard import RequestGuard
-from myserve.server.metrics import Metrics
-from myserve.server.protocol import (
+from myserve.frontend.chat_output import ChoiceParser
+from myserve.frontend.core_client import EngineClient
+from myserve.frontend.errors import APIError, install_error_handlers
+from myserve.frontend.formatting import LogprobFormatter
+from myserve.frontend.guard import RequestGuard
+from myserve.frontend.metrics import Metrics
+from myserve.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from myserve.server.reasoning import FORMATS, ReasoningParser
-from myserve.server.responses import CompletionResponse, ServerState
-from myserve.server.structured import request_grammar
-from myserve.server.tool_parsers import PARSERS
-from myserve.server.tools import plan_tools, template_messages
+from myserve.frontend.reasoning import FORMATS, ReasoningParser
+from myserve.frontend.responses import CompletionResponse, ServerState
+from myserve.frontend.stream import RequestStream
+from myserve.frontend.structured import request_grammar
+from myserve.frontend.tool_parsers import PARSERS
+from myserve.frontend.tools import plan_tools, template_messages
+from myserve.grammar import GrammarSpec
 from myserve.tokenizer import ChatTemplateError
+from myserve.wire.outputs import ContextLengthExceeded, EngineDead, Overloaded
+from myserve.wire.params import MAX_TOP_LOGPROBS, InvalidParams, SamplingParams
 
 if TYPE_CHECKING:  # (the front end of a core process never imports the engine, nor JAX)
-    from myserve.engine.service import GenerationService
+    from myserve.service import GenerationService
 
 
 def create_app(
@@ -62,8 +62,8 @@ def create_app(
     ``request_timeout_s``: a generation request still running this long after it reached its handler
     (time queued in the engine included) is aborted: HTTP 504, or an error event ending its stream.
     ``chat_template``: Jinja text replacing the tokenizer's template. ``tool_call_parser`` (a name
-    of ``server/tool_parsers.py::PARSERS``) reads calls out of ``tool_choice: auto`` outputs when
-    ``enable_auto_tool_choice``; ``reasoning_parser`` (``server/reasoning.py::FORMATS``) splits off
+    of ``frontend/tool_parsers.py::PARSERS``) reads calls out of ``tool_choice: auto`` outputs when
+    ``enable_auto_tool_choice``; ``reasoning_parser`` (``frontend/reasoning.py::FORMATS``) splits off
     ``reasoning_content``.
     """
     if tool_call_parser is not None and tool_call_parser not in PARSERS:

@@ -25,9 +25,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from myserve.engine.pages import PageAllocator, chain_hashes
-from myserve.engine.sequence import SeqStatus, Sequence
-from myserve.engine.slots import SlotPool
+from myserve.core.pages import PageAllocator, chain_hashes
+from myserve.core.sequence import SeqStatus, Sequence
+from myserve.core.slots import SlotPool
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,8 @@ import dataclasses
 import uuid
 from typing import Any
 
-from myserve.server.reasoning import ReasoningParser
-from myserve.server.tool_parsers import ToolParser
+from myserve.frontend.reasoning import ReasoningParser
+from myserve.frontend.tool_parsers import ToolParser
 
 
 def new_call_id() -> str:

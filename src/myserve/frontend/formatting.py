@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from myserve.engine.detokenizer import token_bytes
-from myserve.engine.outputs import TokenLogprob, Usage
+from myserve.frontend.detokenizer import token_bytes
 from myserve.tokenizer import Tokenizer
+from myserve.wire.outputs import TokenLogprob, Usage
 
 
 def usage_json(usage: Usage) -> dict:

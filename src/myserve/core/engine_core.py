@@ -5,8 +5,8 @@ inbox and aborts, plans a step with the scheduler, runs it on the runner, then p
 append sampled tokens, advance grammars, end choices on EOS, stop token ids or length, free
 finished sequences' pages, and hand the iteration's token deltas (``RequestOutput``s without text)
 to its ``sink`` in one call. The core never detokenizes: text, stop strings and streams belong to
-the front half (``engine/output_processor.py``), which runs beside it in ``GenerationService`` or in
-another process (``engine/core_process.py``).
+the front half (``frontend/output_processor.py``), which runs beside it in ``GenerationService`` or in
+another process (``core/process.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,19 @@ from typing import Self, cast
 
 import jax
 
-from myserve.engine.grammar import LazyGrammars, matchers_alive
-from myserve.engine.outputs import (
+from myserve.core.replica import Replica, engine_buckets, make_executors, make_replica
+from myserve.core.runner import Device, PendingStep, StepResults
+from myserve.core.scheduler import ScheduledBatch
+from myserve.core.sequence import Sequence as Seq
+from myserve.core.step_timer import StepTimer
+from myserve.grammar import LazyGrammars, matchers_alive
+from myserve.runtime.compile_counter import compile_count, compile_counts
+from myserve.runtime.deployment import Deployment
+from myserve.runtime.executor import Executor
+from myserve.runtime.multihost import BroadcastingDevice, stop_followers
+from myserve.tokenizer import Tokenizer
+from myserve.validation import validate_request
+from myserve.wire.outputs import (
     EngineDead,
     EngineStats,
     Overloaded,
@@ -30,18 +41,7 @@ from myserve.engine.outputs import (
     TokenLogprob,
     Usage,
 )
-from myserve.engine.params import SamplingParams
-from myserve.engine.replica import Replica, engine_buckets, make_executors, make_replica
-from myserve.engine.scheduler import ScheduledBatch
-from myserve.engine.sequence import Sequence as Seq
-from myserve.engine.step_timer import StepTimer
-from myserve.engine.validation import validate_request
-from myserve.runtime.compile_counter import compile_count, compile_counts
-from myserve.runtime.deployment import Deployment
-from myserve.runtime.executor import Executor
-from myserve.runtime.multihost import BroadcastingDevice, stop_followers
-from myserve.runtime.runner import Device, PendingStep, StepResults
-from myserve.tokenizer import Tokenizer
+from myserve.wire.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

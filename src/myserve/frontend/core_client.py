@@ -28,16 +28,16 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from myserve.engine import core_messages as msg
-from myserve.engine.grammar import LazyGrammars
-from myserve.engine.output_processor import OutputProcessor
-from myserve.engine.outputs import EngineDead, EngineStats, Overloaded, RequestOutput, Usage
-from myserve.engine.params import SamplingParams
-from myserve.engine.peer_guard import PeerGuard
-from myserve.engine.stream import RequestStream
-from myserve.engine.validation import validate_request
 from myserve.errors import ConfigError
+from myserve.frontend.output_processor import OutputProcessor
+from myserve.frontend.peer_guard import PeerGuard
+from myserve.frontend.stream import RequestStream
+from myserve.grammar import LazyGrammars
 from myserve.tokenizer import Tokenizer
+from myserve.validation import validate_request
+from myserve.wire import messages as msg
+from myserve.wire.outputs import EngineDead, EngineStats, Overloaded, RequestOutput, Usage
+from myserve.wire.params import SamplingParams
 
 if TYPE_CHECKING:
     from myserve.config import Config
@@ -131,7 +131,7 @@ class EngineClient:
         self.process: multiprocessing.process.BaseProcess | None = None
         self._core_fd: int | None = None
         if link is None:
-            from myserve.engine.core_process import run_core
+            from myserve.core.process import run_core
 
             self.process = multiprocessing.get_context("spawn").Process(
                 target=run_core, args=(config, self.links), name="myserve-core", daemon=True

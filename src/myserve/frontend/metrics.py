@@ -17,8 +17,8 @@ from prometheus_client import Gauge as _Gauge
 from prometheus_client.multiprocess import MultiProcessCollector
 
 if TYPE_CHECKING:
-    from myserve.engine.core_client import EngineClient
-    from myserve.engine.service import GenerationService
+    from myserve.frontend.core_client import EngineClient
+    from myserve.service import GenerationService
 
 
 Gauge = partial(_Gauge, multiprocess_mode="mostrecent")

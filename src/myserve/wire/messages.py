@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import msgspec
 
-from myserve.engine.outputs import EngineStats, RequestOutput
-from myserve.engine.params import SamplingParams
+from myserve.wire.outputs import EngineStats, RequestOutput
+from myserve.wire.params import SamplingParams
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from myserve.server.tool_parsers import holdback
+from myserve.frontend.tool_parsers import holdback
 
 State = Literal["undecided", "reasoning", "content"]
 

@@ -10,7 +10,7 @@ rest with a 400 naming the field): nothing a client sends reaches the engine cor
 (msgspec MessagePack, which holds signed or unsigned 64-bit integers only) or the device's int32
 sampling rows out of range. The bounds that need the model's vocabulary (token ids: a completions
 prompt, ``logit_bias`` keys, ``stop_token_ids``, ``/detokenize`` tokens) are checked by the app,
-which knows it (``server/app.py``).
+which knows it (``frontend/app.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from myserve.engine.params import MAX_TOP_LOGPROBS
+from myserve.wire.params import MAX_TOP_LOGPROBS
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """What the wire to the engine core can carry (msgspec encodes a larger Python int as an OverflowError)."""
@@ -29,7 +29,7 @@ _INT64_END = 2**63
 """The bound as ``lt``: OpenAPI's numbers are floats, and 2**63 is one exactly (2**63 - 1 is not)."""
 INT32_MAX = 2**31 - 1
 MAX_N = 16
-"""Most choices per prompt: ``SamplingParams``' own bound (``engine/params.py``), stated here for the schema."""
+"""Most choices per prompt: ``SamplingParams``' own bound (``wire/params.py``), stated here for the schema."""
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, lt=_INT64_END)]
 TokenCount = Annotated[int, Field(ge=0, lt=_INT64_END)]
@@ -89,7 +89,7 @@ class _Sampling(_Request):
     """vLLM's range (signed 64-bit, what the wire carries). The sampler keys jax.random with the
     seed's low 32 bits (``seed & 0xFFFFFFFF``, runtime/sampling_rows.py), so any int64 maps to a
     valid uint32 key, negative ones included; seeds equal modulo 2**32 sample alike."""
-    # The float ranges are SamplingParams' (engine/params.py), stated here for the schema too.
+    # The float ranges are SamplingParams' (wire/params.py), stated here for the schema too.
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
@@ -108,9 +108,9 @@ class _Sampling(_Request):
     """Inside the vocabulary (checked by the app)."""
     skip_special_tokens: bool = True
     response_format: dict[str, Any] | None = None
-    """OpenAI's output format: text, json_object or json_schema (``server/structured.py``)."""
+    """OpenAI's output format: text, json_object or json_schema (``frontend/structured.py``)."""
     structured_outputs: dict[str, Any] | None = None
-    """vLLM's constraint: one of json, json_object, regex, choice, grammar (``server/structured.py``)."""
+    """vLLM's constraint: one of json, json_object, regex, choice, grammar (``frontend/structured.py``)."""
 
     @field_validator("stream_options")
     @classmethod

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from myserve.engine.grammar import GrammarSpec
+from myserve.grammar import GrammarSpec
 
 MAX_TOP_LOGPROBS = 20
 """Most top logprobs a request may ask for (OpenAI's limit); the step always computes this many."""
@@ -53,7 +53,7 @@ class SamplingParams:
     """None = none; k = logprob of every prompt token after the first, plus the top k (k <= 20)."""
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None
-    """Constrains the output (a JSON schema, a regex, ...): ``engine/grammar.py``."""
+    """Constrains the output (a JSON schema, a regex, ...): ``grammar.py``."""
     grammar_after: tuple[int, ...] = ()
     """The grammar applies only after the output contains these tokens (a reasoning block's end
     marker); empty: from the first token."""

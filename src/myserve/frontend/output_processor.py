@@ -1,6 +1,6 @@
 """The front half of generation: the engine core's token deltas made into text deltas.
 
-The core (``engine/core.py``) samples tokens and ends a choice on EOS, a stop token id or its
+The core (``core/engine_core.py``) samples tokens and ends a choice on EOS, a stop token id or its
 length; it never detokenizes. This processor owns each choice's incremental detokenizer and stop
 strings: it turns each token delta into the text it completes, ends a choice whose stop string
 matched (and tells the core to abort just that choice: n > 1 siblings go on), drops the tokens the
@@ -16,12 +16,12 @@ import dataclasses
 import threading
 from collections.abc import Callable, Iterable
 
-from myserve.engine.detokenizer import IncrementalDetokenizer
-from myserve.engine.outputs import RequestOutput
-from myserve.engine.params import SamplingParams
-from myserve.engine.stop import StopChecker
-from myserve.engine.stream import RequestStream
+from myserve.frontend.detokenizer import IncrementalDetokenizer
+from myserve.frontend.stop import StopChecker
+from myserve.frontend.stream import RequestStream
 from myserve.tokenizer import Tokenizer
+from myserve.wire.outputs import RequestOutput
+from myserve.wire.params import SamplingParams
 
 
 class _Choice:

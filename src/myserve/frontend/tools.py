@@ -21,10 +21,10 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from myserve.engine.grammar import GrammarSpec
-from myserve.server.errors import APIError
-from myserve.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
-from myserve.server.tool_parsers import NamedCallParser, RequiredCallsParser, ToolParser
+from myserve.frontend.errors import APIError
+from myserve.frontend.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from myserve.frontend.tool_parsers import NamedCallParser, RequiredCallsParser, ToolParser
+from myserve.grammar import GrammarSpec
 
 _ANY_OBJECT = {"type": "object"}
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from myserve.engine.grammar import Grammars, InvalidGrammar
-from myserve.engine.outputs import ContextLengthExceeded
-from myserve.engine.params import InvalidParams, SamplingParams
+from myserve.grammar import Grammars, InvalidGrammar
+from myserve.wire.outputs import ContextLengthExceeded
+from myserve.wire.params import InvalidParams, SamplingParams
 
 
 def validate_request(

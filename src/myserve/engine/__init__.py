@@ -1,1 +1,0 @@
-"""engine package: scheduling, pages, sequences, detokenization, the GenerationService."""

@@ -1,1 +1,0 @@
-"""server package: the OpenAI-compatible HTTP front end."""
