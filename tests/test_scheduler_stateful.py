@@ -1,7 +1,8 @@
-"""A hypothesis state machine over the scheduler's host bookkeeping (no device): random submits,
-steps, finishes and aborts on a pool small enough that scheduling must preempt. After every rule
-the page and slot invariants hold (``assert_consistent``), every step is laid out by the runner's
-planner into a step shape and checked (``check_layout``); at the end every request finishes."""
+"""A hypothesis state machine over the engine core's host bookkeeping on a fake device (the
+real ``EngineCore``, scheduler and runner; no JAX): random submits, steps, choice and request
+aborts on a pool small enough that scheduling must preempt. After every rule the page and slot
+invariants hold (``assert_consistent``), every step is laid out by the runner's planner into a
+step shape and checked (``check_layout``); at the end every request finishes."""
 
 from __future__ import annotations
 
@@ -12,13 +13,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from myserve.core.pages import PageAllocator
 from myserve.core.runner import span_of
-from myserve.core.scheduler import ScheduledBatch, Scheduler
+from myserve.core.scheduler import ScheduledBatch
 from myserve.core.sequence import SeqStatus
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.step_layout import layout
-from myserve.testing import HostEngine, assert_consistent
+from myserve.testing import FakeCore, assert_consistent
 from myserve.wire.params import SamplingParams
 
 PAGE_SIZE = 4
@@ -68,7 +68,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.engine: HostEngine | None = None
+        self.engine: FakeCore | None = None
         self.prompts: list[list[int]] = []  # earlier prompts, reused so that prefix hits happen
 
     @rule(
@@ -80,27 +80,21 @@ class SchedulerMachine(RuleBasedStateMachine):
     )
     @precondition(lambda self: self.engine is None)
     def start(self, max_num_seqs: int, budget: int, block_tokens: int, prefix_cache: bool, overlap: bool) -> None:
-        alloc = PageAllocator(NUM_PAGES, PAGE_SIZE, enable_prefix_cache=prefix_cache)
         budget = max(budget, max_num_seqs)
-        buckets = Buckets(
-            tokens=(1, 2, budget) if budget > 2 else (1, budget),
-            max_num_seqs=max_num_seqs,
+        block_tokens = min(block_tokens, budget)
+        self.engine = FakeCore(
+            num_pages=NUM_PAGES,
             page_size=PAGE_SIZE,
-            max_pages=-(-MAX_LEN // PAGE_SIZE),
-            block_tokens=min(block_tokens, budget),
-            chunk_pages=2,
-        )
-        self.engine = HostEngine(
-            Scheduler(
-                alloc,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=budget,
-                max_prefill_chunk=budget,
-                max_prefill_chunks=buckets.max_prefill_chunks,
-            ),
-            on_schedule=functools.partial(check_layout, buckets=buckets, inflight_rows={}),
+            max_num_seqs=max_num_seqs,
+            budget=budget,
+            token_buckets=(1, 2, budget) if budget > 2 else (1, budget),
+            block_tokens=block_tokens,
+            max_model_len=MAX_LEN,
+            prefix_cache=prefix_cache,
             overlap=overlap,
         )
+        buckets = self.engine.core.replicas[0].runner.buckets
+        self.engine.on_schedule = functools.partial(check_layout, buckets=buckets, inflight_rows={})
 
     @rule(
         length=st.integers(1, MAX_LEN - 1),
@@ -142,17 +136,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         """An abort (client gone, deadline) ends every unfinished choice of a request."""
         assert self.engine is not None
         victim = data.draw(st.sampled_from(self.engine.live))
-        for seq in [s for s in self.engine.live if s.request_id == victim.request_id]:
-            self.engine.finish(seq, "abort")
+        self.engine.abort(victim.request_id)
 
     @rule(data=st.data())
     @precondition(lambda self: self.engine is not None and bool(self.engine.live))
     def stop_one_choice(self, data: st.DataObject) -> None:
-        """One choice ends early on its own (EOS, a stop string): its siblings go on."""
+        """One choice ends early (the front end aborts it on a stop string): its siblings go on."""
         assert self.engine is not None
         seq = data.draw(st.sampled_from(self.engine.live))
         if seq.output_ids:
-            self.engine.finish(seq, "stop")
+            self.engine.abort(seq.request_id, seq.choice)
 
     @invariant()
     def bookkeeping_is_consistent(self) -> None:

@@ -11,9 +11,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from myserve.runtime.executor import ClearSlot, CompileSteps, CopyPage, StepCall, WriteSlot
 from myserve.runtime.step_channel import StepChannelError, decode_step, encode_step
 from myserve.runtime.step_layout import StepShape
+from myserve.runtime.step_ops import ClearSlot, CompileSteps, CopyPage, StepCall, WriteSlot
 
 SHAPE = StepShape.of(8, max_num_seqs=4, block_tokens=4, max_pages=8, chunk_pages=4)
 

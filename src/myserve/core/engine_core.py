@@ -17,20 +17,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Self, cast
+from typing import TYPE_CHECKING, Self, cast
 
-import jax
-
-from myserve.core.replica import Replica, engine_buckets, make_executors, make_replica
-from myserve.core.runner import Device, PendingStep, StepResults
+from myserve.core.replica import Replica
+from myserve.core.runner import PendingStep, StepResults
 from myserve.core.scheduler import ScheduledBatch
 from myserve.core.sequence import Sequence as Seq
 from myserve.core.step_timer import StepTimer
 from myserve.grammar import LazyGrammars, matchers_alive
-from myserve.runtime.compile_counter import compile_count, compile_counts
-from myserve.runtime.deployment import Deployment
-from myserve.runtime.executor import Executor
-from myserve.runtime.multihost import BroadcastingDevice, stop_followers
 from myserve.tokenizer import Tokenizer
 from myserve.validation import validate_request
 from myserve.wire.outputs import (
@@ -42,6 +36,10 @@ from myserve.wire.outputs import (
     Usage,
 )
 from myserve.wire.params import SamplingParams
+
+if TYPE_CHECKING:
+    from myserve.runtime.deployment import Deployment
+    from myserve.runtime.executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +57,8 @@ class _Request:
         self.params = params
         self.seqs: list[Seq] = []
         self.unfinished = params.n
+        self.error: str | None = None
+        """Set when the engine failed it: its closing delta carries the message."""
         self.replica: Replica  # set at admission
 
 
@@ -79,6 +79,7 @@ class EngineCore:
         max_waiting: int = 1024,
         on_shutdown: Callable[[], None] | None = None,
         async_scheduling: bool = True,
+        compile_counts: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ):
         self.replicas = list(replicas)
         self.tokenizer = tokenizer
@@ -87,6 +88,8 @@ class EngineCore:
         self.num_pages = num_pages
         self.max_waiting = max_waiting
         self._on_shutdown = on_shutdown
+        self._compile_counts = compile_counts
+        """(compiled, loaded from a cache) executables so far in this process (``runtime/compile_counter``)."""
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._pending = 0  # submitted but not yet admitted to the scheduler (bounded by max_waiting)
         self._pending_lock = threading.Lock()
@@ -121,36 +124,10 @@ class EngineCore:
 
     @classmethod
     def from_deployment(cls, dep: Deployment, executors: Sequence[Executor] | None = None) -> Self:
-        """A service (not yet started) for a loaded deployment, sized by its engine config.
+        """A core (not yet started) for a loaded deployment (``core/build.py``; imports JAX)."""
+        from myserve.core.build import build_core
 
-        On a multi-host mesh this is the leader's service: every replica's ops are broadcast to
-        the other processes first (which run ``multihost.follow`` on their own executors).
-        """
-        cfg = dep.config.engine
-        buckets = engine_buckets(dep)
-        executors = make_executors(dep) if executors is None else executors
-        leader = jax.process_count() > 1
-        devices: list[Device] = [BroadcastingDevice(e, i) if leader else e for i, e in enumerate(executors)]
-        logger.info(
-            "engine: %d replica(s) of %d pages x %d tokens, max_num_seqs=%d, token buckets %s",
-            len(executors),
-            cfg.num_pages,
-            cfg.page_size,
-            cfg.max_num_seqs,
-            buckets.tokens,
-        )
-        service = cls(
-            [make_replica(dep, device, buckets) for device in devices],
-            dep.tokenizer,
-            vocab_size=dep.spec.vocab_size,
-            num_pages=cfg.num_pages,
-            max_model_len=dep.max_model_len,
-            max_waiting=cfg.max_waiting,
-            on_shutdown=stop_followers if leader else None,
-            async_scheduling=cfg.async_scheduling,
-        )
-        service.warmup_since = dep.prebuild_started
-        return service
+        return build_core(cls, dep, executors)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self, *, warmup: bool = True, progress: Callable[[int, int], None] | None = None) -> None:
@@ -172,7 +149,7 @@ class EngineCore:
                 tqdm.set_lock(threading.RLock())
                 bar = tqdm(total=total, desc="warmup (compiling step shapes)", unit="shape")
             # Counted from when the deployment started building steps early, if it did.
-            t0, *before = self.warmup_since or (t0, *compile_counts())
+            t0, *before = self.warmup_since or (t0, *self._compile_counts())
             compiled, loaded = before
             for k, runner in enumerate(runners):
 
@@ -185,7 +162,9 @@ class EngineCore:
                 runner.warmup(report)
             if bar is not None:
                 bar.close()
-            compiled, loaded = (now - before for now, before in zip(compile_counts(), (compiled, loaded), strict=True))
+            compiled, loaded = (
+                now - before for now, before in zip(self._compile_counts(), (compiled, loaded), strict=True)
+            )
             logger.info(
                 "warmup: %d executables (%d compiled, %d loaded from the compilation cache) in %.1fs",
                 compiled + loaded,
@@ -243,6 +222,7 @@ class EngineCore:
         allocators = [r.allocator for r in self.replicas]
         queries = sum(a.prefix_queries for a in allocators)
         hits = sum(a.prefix_hits for a in allocators)
+        compiled, loaded = self._compile_counts()
         return EngineStats(
             waiting=self._num_waiting() + self._pending,
             running=sum(len(r.scheduler.running) for r in self.replicas),
@@ -252,8 +232,8 @@ class EngineCore:
             prefix_cache_hit_rate=hits / queries if queries else 0.0,
             prefix_cache_hit_tokens=hits,
             prompt_tokens_computed=self._prompt_computed,
-            compile_count=compile_count(),
-            cache_load_count=compile_counts()[1],
+            compile_count=compiled + loaded,
+            cache_load_count=loaded,
             num_preemptions=sum(r.scheduler.num_preemptions for r in self.replicas),
             steps=self._steps,
             max_decode_batch=self._max_decode_batch,
@@ -268,11 +248,11 @@ class EngineCore:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain_inbox(block=not self._has_work())
+                self._drain_inbox(block=not self.has_work())
                 self._flush()
                 if self._stop.is_set():
                     break
-                if self._has_work():
+                if self.has_work():
                     self._step()
                     self._flush()
                     continue
@@ -299,6 +279,27 @@ class EngineCore:
             self._finish_request(req, "abort")
         self._flush()
 
+    def run_once(self, *, block: bool = False) -> bool:
+        """One iteration of the engine loop on the calling thread, for a core whose thread was never
+        started (the host-logic tests drive it step by step): admit and abort what is queued,
+        dispatch the next step and read the one before, hand the deltas to the sink. Returns
+        whether work is left (waiting or running sequences, or a step in flight)."""
+        self.drain_inbox(block=block and not self.has_work())
+        if self.has_work():
+            self._step()
+        self._flush()
+        return self.has_work()
+
+    def drain_inbox(self, *, block: bool = False) -> None:
+        """Admit the requests and apply the aborts queued since the last iteration (the start of
+        every loop iteration; ``block``: wait for one first), and hand their deltas to the sink."""
+        self._drain_inbox(block=block)
+        self._flush()
+
+    def sequences(self) -> list[Seq]:
+        """Every choice of the requests not yet closed, finished ones included (tests, debugging)."""
+        return [seq for req in self._requests.values() for seq in req.seqs]
+
     def _emit(self, output: RequestOutput) -> None:
         self._outbox.append(output)
 
@@ -308,7 +309,8 @@ class EngineCore:
             outputs, self._outbox = self._outbox, []
             self.sink(outputs)
 
-    def _has_work(self) -> bool:
+    def has_work(self) -> bool:
+        """Whether a sequence waits or runs on some replica, or a step is in flight."""
         return self._inflight is not None or any(r.scheduler.has_work() for r in self.replicas)
 
     def _drain_inbox(self, *, block: bool) -> None:
@@ -453,35 +455,48 @@ class EngineCore:
             k = params.logprobs
             top = tuple((int(i), float(v)) for i, v in zip(top_ids[:k], top_lps[:k], strict=True))
             logprobs = (TokenLogprob(token, logprob, top),)
-        # "stop" only for EOS and stop token ids (never text); stop strings are the front's.
-        finish: str | None = None
-        stop_reason: int | None = None
-        if token in params.stop_token_ids:
-            finish, stop_reason = "stop", token
-        elif not params.ignore_eos and token in self.tokenizer.eos_token_ids:
-            finish = "stop"
-        elif len(seq.output_ids) >= (params.max_tokens or 1 << 30) or seq.num_known >= seq.max_len:
-            finish = "length"
+        finish, stop_reason = self._token_finish(seq, token)
         self._emit(RequestOutput(req.request_id, seq.choice, (token,), "", logprobs, finish, stop_reason))
         if finish is not None:
             self._finish_seq(req, seq, finish)
 
+    def _token_finish(self, seq: Seq, token: int) -> tuple[str | None, int | None]:
+        """Whether ``token`` (just appended) ends its choice: (finish reason, the stop token id that
+        ended it). The one place the core decides a token-level finish: "stop" for a stop token id or
+        EOS (never for text: stop strings are the front end's), "length" at max_tokens or the context."""
+        params = seq.params
+        if token in params.stop_token_ids:
+            return "stop", token
+        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+            return "stop", None
+        if len(seq.output_ids) >= (params.max_tokens or 1 << 30) or seq.num_known >= seq.max_len:
+            return "length", None
+        return None, None
+
     def _finish_seq(self, req: _Request, seq: Seq, reason: str) -> None:
+        """End one choice (any reason: stop, length, abort, error): the one path that releases what
+        it holds (pages, penalty slot, grammar state) and closes the request after its last choice."""
         seq.finish_reason = reason
-        req.replica.scheduler.finish(seq)
         seq.matcher = seq.pending_matcher = None  # its grammar state goes with its pages
+        try:
+            req.replica.scheduler.finish(seq)
+        except Exception:
+            if reason != "error":
+                raise
+            # Ending on an engine error: the bookkeeping may be what broke; the client hears anyway.
+            logger.debug("could not release %r after the engine error", seq, exc_info=True)
         req.unfinished -= 1
         if req.unfinished == 0:
             self._close(req)
 
-    def _close(self, req: _Request, error: str | None = None) -> None:
+    def _close(self, req: _Request) -> None:
         self._requests.pop(req.request_id, None)
         usage = Usage(
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=sum(len(s.output_ids) for s in req.seqs),
             cached_tokens=max((s.num_prefix_hit_tokens for s in req.seqs), default=0),
         )
-        self._emit(RequestOutput(req.request_id, -1, usage=usage, error=error))
+        self._emit(RequestOutput(req.request_id, -1, usage=usage, error=req.error))
 
     def _finish_request(self, req: _Request, reason: str, choice: int | None = None) -> None:
         """Abort every unfinished choice of ``req`` (or just ``choice``; pages freed now); the
@@ -493,13 +508,10 @@ class EngineCore:
 
     def _fail(self, req: _Request, message: str) -> None:
         """End a request with an engine error; its sequences' resources go back like any other's."""
+        req.error = message
         for seq in req.seqs:
             if seq.finish_reason is None:
-                seq.finish_reason = "error"
-                seq.matcher = seq.pending_matcher = None
-                try:
-                    req.replica.scheduler.finish(seq)
-                except Exception:  # the bookkeeping may be what broke: the client hears of it anyway
-                    logger.debug("could not release %r after the engine error", seq, exc_info=True)
                 self._emit(RequestOutput(req.request_id, seq.choice, finish_reason="error", error=message))
-        self._close(req, error=message)
+                self._finish_seq(req, seq, "error")
+        if not req.seqs:  # never admitted (no choices yet): closed here
+            self._close(req)

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
+from myserve.config import EngineConfig
 from myserve.core.pages import PageAllocator
-from myserve.core.runner import Device, ModelRunner
+from myserve.core.runner import ModelRunner
 from myserve.core.scheduler import Scheduler
 from myserve.runtime.buckets import Buckets
-from myserve.runtime.deployment import Deployment, executor_for
-from myserve.runtime.executor import Executor
+from myserve.runtime.device import Device
 
 logger = logging.getLogger(__name__)
 
@@ -42,23 +43,8 @@ class Replica:
         return len(self.scheduler.running) + len(self.scheduler.waiting)
 
 
-def engine_buckets(dep: Deployment) -> Buckets:
-    """The deployment's step shapes (token buckets); int8 steps are at least MIN_ROWS tokens."""
-    return Buckets.for_deployment(dep.config, dep.max_model_len)
-
-
-def make_executors(dep: Deployment) -> list[Executor]:
-    """One executor per replica: its weights, KV cache and penalty state on its slice of the mesh
-    (with the step executables the deployment started building early, if it did)."""
-    return [
-        executor_for(dep.config, model, mesh, dep.mapping, prebuilt=dep.prebuilt[i] if dep.prebuilt else None)
-        for i, (model, mesh) in enumerate(zip(dep.models, dep.meshes, strict=True))
-    ]
-
-
-def make_replica(dep: Deployment, device: Device, buckets: Buckets) -> Replica:
-    """A replica whose runner sends its ops to ``device``."""
-    cfg = dep.config.engine
+def make_replica(cfg: EngineConfig, device: Device, buckets: Buckets, eos_ids: Sequence[int]) -> Replica:
+    """A replica whose runner sends its ops to ``device``, sized by the engine config."""
     allocator = PageAllocator(cfg.num_pages, cfg.page_size, enable_prefix_cache=cfg.enable_prefix_caching)
     scheduler = Scheduler(
         allocator,
@@ -67,10 +53,5 @@ def make_replica(dep: Deployment, device: Device, buckets: Buckets) -> Replica:
         max_prefill_chunk=cfg.max_num_batched_tokens,
         max_prefill_chunks=buckets.max_prefill_chunks,
     )
-    runner = ModelRunner(
-        device,
-        buckets=buckets,
-        max_num_seqs=cfg.max_num_seqs,
-        eos_ids=dep.tokenizer.eos_token_ids,
-    )
+    runner = ModelRunner(device, buckets=buckets, max_num_seqs=cfg.max_num_seqs, eos_ids=eos_ids)
     return Replica(allocator, scheduler, runner)

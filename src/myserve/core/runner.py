@@ -4,9 +4,10 @@ A scheduler step becomes one ``StepCall``: every chunk of the step (decode token
 chunks alike) is a ``Span`` of the flat token batch (``runtime/step_layout.py``), run by the
 executable of the smallest token bucket that holds them (``runtime/model_step.py``), sampler
 included. Before it come the step's page copies and penalty-slot fills, when it has any. The
-runner is host-only: it plans a step as ops (``runtime/executor.py``) and hands them to its
-``Device``, an ``Executor`` on this process's mesh or, on a multi-host mesh, one that broadcasts
-them to the other processes first.
+runner is host-only and imports no JAX: it plans a step as the runtime's plain-data ops
+(``runtime/step_ops.py``) and hands them to its ``Device`` (``runtime/device.py``): an ``Executor``
+on this process's mesh, one that broadcasts them to the other processes of a multi-host mesh first,
+or the scripted fake of the core's tests.
 """
 
 from __future__ import annotations
@@ -14,46 +15,26 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any
 
-import jax
 import numpy as np
 
 from myserve.core.scheduler import ScheduledBatch, ScheduledChunk
 from myserve.core.sequence import Sequence as Seq
 from myserve.grammar import allocate_bitmask, fill_bitmask
 from myserve.runtime.buckets import Buckets
-from myserve.runtime.executor import (
-    SLOT_CHUNK,
-    ClearSlot,
-    CompileSteps,
-    CopyPage,
-    Op,
-    Progress,
-    StepCall,
-    WriteSlot,
-    fetch,
-)
-from myserve.runtime.model_step import StepOutput
-from myserve.runtime.sampling_rows import (
-    CONSTRAINED,
-    SLOT,
-    SamplingRows,
-)
+from myserve.runtime.device import Device
+from myserve.runtime.sampling_rows import CONSTRAINED, MAX_TOP_LOGPROBS, SLOT, SamplingRows
 from myserve.runtime.step_layout import HostStep, Span, StepShape, layout
+from myserve.runtime.step_ops import SLOT_CHUNK, ClearSlot, CompileSteps, CopyPage, Op, StepCall, WriteSlot
+from myserve.wire import params as wire_params
 
 logger = logging.getLogger(__name__)
 
+# A request may ask for as many top logprobs as the API allows; the step must return that many.
+assert wire_params.MAX_TOP_LOGPROBS <= MAX_TOP_LOGPROBS
+
 _NO_TOP = np.zeros(0, np.int32)  # top logprobs of a row when no row of its step asked for them
-
-
-class Device(Protocol):
-    """Where a runner's ops run: ``Executor`` or a multi-host broadcaster in front of one."""
-
-    def run(self, ops: Sequence[Op], progress: Progress | None = None) -> list[StepOutput]:
-        """Apply ``ops`` in order; the outputs of the steps among them. ``progress(done, total)``
-        is told of each step executable built by a ``CompileSteps``."""
-        ...
 
 
 @dataclasses.dataclass
@@ -74,7 +55,8 @@ class PendingStep:
     """A dispatched step: its plan and its device outputs."""
 
     planned: PlannedStep
-    outputs: list[StepOutput]
+    outputs: list[Any]
+    """The device's output handles (one: the step call's)."""
     runner: ModelRunner
     """The runner that dispatched it (and reads it)."""
 
@@ -194,21 +176,15 @@ class ModelRunner:
     def collect(self, pending: PendingStep) -> StepResults:
         """Wait for a dispatched step: sampled tokens, and prompt scores of chunks that asked for them."""
         planned, (out,) = pending.planned, pending.outputs
+        read = self.device.read(out, tops=planned.tops, scored=planned.scored)  # one transfer
         results = StepResults()
-        sampled = out.sampled
-        arrays = [sampled.tokens, sampled.logprobs]
-        if planned.tops:
-            arrays += [sampled.top_ids, sampled.top_logprobs]
-        if planned.scored:
-            arrays += list(out.scores)
-        fetched = fetch(arrays)  # one transfer for the step's results
-        tokens, logprobs = fetched[0], fetched[1]
         for chunk, at, row in planned.chunks:
             if row is not None:
-                top = (fetched[2][row], fetched[3][row]) if planned.tops else (_NO_TOP, _NO_TOP)
-                results.sampled[chunk.seq] = [(int(tokens[row]), float(logprobs[row]), *top)]
+                top = (read.top_ids[row], read.top_logprobs[row]) if planned.tops else (_NO_TOP, _NO_TOP)  # type: ignore[index]
+                results.sampled[chunk.seq] = [(int(read.tokens[row]), float(read.logprobs[row]), *top)]
             if planned.scored and chunk.seq.scores_prompt(chunk.start):
-                lp, ids, tlp = fetched[-3:]
+                assert read.scores is not None
+                lp, ids, tlp = read.scores
                 n = chunk.num_tokens
                 results.prompt_scores.append(
                     (chunk.seq, chunk.start, lp[at : at + n], ids[at : at + n], tlp[at : at + n])
@@ -223,5 +199,5 @@ class ModelRunner:
         self.device.run([CompileSteps(tuple(self.buckets.shapes()))], progress)
         zeros = np.zeros(SLOT_CHUNK, np.int32)
         slot = self.scratch_slot
-        jax.block_until_ready(self.device.run([CopyPage(0, 0), ClearSlot(slot), WriteSlot(slot, zeros, 0, True)]))
+        self.device.run([CopyPage(0, 0), ClearSlot(slot), WriteSlot(slot, zeros, 0, True)])
         self.warmed_up = True

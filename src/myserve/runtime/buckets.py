@@ -13,8 +13,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from myserve.config import Config, EngineConfig
-from myserve.models.quant import MIN_ROWS
+from myserve.config import EngineConfig
 from myserve.runtime.step_layout import Span, StepShape, count
 
 BLOCK_TOKENS = 32
@@ -64,12 +63,6 @@ class Buckets:
             block_tokens=min(BLOCK_TOKENS, top),
             chunk_pages=max(1, CHUNK_TOKENS // cfg.page_size),
         )
-
-    @staticmethod
-    def for_deployment(config: Config, max_model_len: int) -> Buckets:
-        """A deployment's step shapes: ``from_config``, int8 steps at least MIN_ROWS tokens."""
-        min_tokens = MIN_ROWS if config.model.quantization == "int8" else 1
-        return Buckets.from_config(config.engine, max_model_len, min_tokens)
 
     def shape(self, tokens: int) -> StepShape:
         """The shape of one token bucket."""

@@ -18,12 +18,14 @@ from myserve.errors import ConfigError
 from myserve.models.checkpoint import resolve_checkpoint
 from myserve.models.llama import LlamaModel
 from myserve.models.loading import TensorSource, load_model, open_source
+from myserve.models.quant import MIN_ROWS
+from myserve.models.sharding import axis_mapping
 from myserve.models.spec import ModelSpec, check_max_len
-from myserve.ops.kernel_attention import resolve_backend
+from myserve.ops.attention import resolve_backend
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.compile_counter import compile_counts
 from myserve.runtime.executor import Executor, Prebuilt
-from myserve.runtime.mesh import axis_mapping, make_mesh, replica_meshes
+from myserve.runtime.mesh import make_mesh, replica_meshes
 from myserve.runtime.step_cache import StepCache, check_trusted_directory
 from myserve.tokenizer import Tokenizer
 
@@ -172,7 +174,7 @@ def _prebuild(
     max_len: int,
 ) -> tuple[Future[Prebuilt], ...]:
     """Start building each replica's step executables from abstract weights (nothing read)."""
-    shapes = Buckets.for_deployment(config, max_len).shapes()
+    shapes = step_buckets(config, max_len).shapes()
     pool = ThreadPoolExecutor(1, thread_name_prefix="prebuild")
     futures = []
     for replica_mesh in replica_meshes(mesh):
@@ -180,3 +182,9 @@ def _prebuild(
         futures.append(pool.submit(executor_for(config, model, replica_mesh, mapping).build_all, shapes))
     pool.shutdown(wait=False)  # the thread ends when its builds are done
     return tuple(futures)
+
+
+def step_buckets(config: Config, max_model_len: int) -> Buckets:
+    """A deployment's step shapes (``Buckets.from_config``); int8 steps are at least MIN_ROWS tokens."""
+    min_tokens = MIN_ROWS if config.model.quantization == "int8" else 1
+    return Buckets.from_config(config.engine, max_model_len, min_tokens)

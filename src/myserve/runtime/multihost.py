@@ -2,7 +2,7 @@
 
 JAX is multi-controller: each process launches the jitted computations on its own devices, so
 every process must call the same functions, in the same order, with the same arguments. myserve
-keeps that simple by making a step plain data (``runtime/executor.py``): process 0 runs HTTP and
+keeps that simple by making a step plain data (``runtime/step_ops.py``): process 0 runs HTTP and
 the scheduler and, before applying a replica's ops, sends them to the other processes over a host
 socket (``runtime/step_channel.py``: not a device collective, which would queue behind the step in
 flight and end the overlap of planning with device work); followers apply what they receive to
@@ -19,9 +19,11 @@ import jax
 
 from myserve.config import MESH_ENV, MeshConfig
 from myserve.errors import ConfigError
-from myserve.runtime.executor import Executor, Op, Progress
+from myserve.runtime.device import StepRead
+from myserve.runtime.executor import Executor
 from myserve.runtime.model_step import StepOutput
 from myserve.runtime.step_channel import StepChannel, decode_step, encode_step
+from myserve.runtime.step_ops import Op, Progress
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,10 @@ class BroadcastingDevice:
         """Send ``ops`` to the followers, then apply them here; the model calls' outputs."""
         _step_channel().send(encode_step(self.replica, ops))
         return self.executor.run(ops, progress)
+
+    def read(self, output: StepOutput, *, tops: bool, scored: bool) -> StepRead:
+        """The step's results, read from this process's devices (every result is replicated)."""
+        return self.executor.read(output, tops=tops, scored=scored)
 
 
 def _step_channel() -> StepChannel:

@@ -2,7 +2,8 @@
 
 Thirteen small arrays (plus penalty slots and sampled-row weights) moved one by one cost ~0.1 ms
 each on a GPU, more than a 1B model's decode step computes; the host fills one int32 and one float32
-matrix instead, and ``unpack`` slices them back into ``SamplingArrays`` inside the jitted sampler.
+matrix instead, and ``runtime/step_arrays.py`` slices them back into ``SamplingArrays`` inside the jitted
+sampler. No JAX here: the core fills them.
 """
 
 from __future__ import annotations
@@ -10,17 +11,12 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from myserve.runtime.sampler import SamplingArrays
-
-if TYPE_CHECKING:
-    from myserve.wire.params import SamplingParams
-
+MAX_TOP_LOGPROBS = 20
+"""Top logprobs a step returns per sampling row and per scored prompt token (a request asks for at most this many)."""
 MAX_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
 MAX_BANNED = 32  # EOS + stop_token_ids banned while min_tokens is not reached
 
@@ -29,9 +25,30 @@ MAX_BANNED = 32  # EOS + stop_token_ids banned while min_tokens is not reached
 FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _FLOAT_DEFAULTS = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)  # greedy, nothing filtered, no penalty
 INT_FIELDS = ("top_k", "seed", "choice", "position", "slot", "weight", "logprobs", "constrained")
-_NF, _NI = len(FLOAT_PARAMS), len(INT_FIELDS)
-TOP_K, SEED, CHOICE, POSITION, SLOT, WEIGHT, LOGPROBS, CONSTRAINED = range(_NI)
+NUM_FLOATS, NUM_INTS = len(FLOAT_PARAMS), len(INT_FIELDS)
+TOP_K, SEED, CHOICE, POSITION, SLOT, WEIGHT, LOGPROBS, CONSTRAINED = range(NUM_INTS)
 _float_params = operator.attrgetter(*FLOAT_PARAMS)
+
+
+class RowParams(Protocol):
+    """What a sampling row reads of a request's parameters (the wire's ``SamplingParams`` has them)."""
+
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def min_p(self) -> float: ...
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def logprobs(self) -> int | None: ...
 
 
 @dataclasses.dataclass
@@ -47,15 +64,15 @@ class SamplingRows:
     @staticmethod
     def empty(rows: int, scratch_slot: int) -> SamplingRows:
         """``rows`` padding rows."""
-        ints = np.zeros((rows, _NI + MAX_BIAS + MAX_BANNED), np.int32)
-        ints[:, _NI:] = -1
+        ints = np.zeros((rows, NUM_INTS + MAX_BIAS + MAX_BANNED), np.int32)
+        ints[:, NUM_INTS:] = -1
         ints[:, SLOT] = scratch_slot
-        floats = np.zeros((rows, _NF + MAX_BIAS), np.float32)
-        floats[:, :_NF] = _FLOAT_DEFAULTS
+        floats = np.zeros((rows, NUM_FLOATS + MAX_BIAS), np.float32)
+        floats[:, :NUM_FLOATS] = _FLOAT_DEFAULTS
         return SamplingRows(ints, floats)
 
     def set_leading(
-        self, params: Sequence[SamplingParams], seeds: Sequence[int], choices: Sequence[int], positions: Sequence[int]
+        self, params: Sequence[RowParams], seeds: Sequence[int], choices: Sequence[int], positions: Sequence[int]
     ) -> None:
         """Rows ``0..len(params)-1``: each request's float params, top_k, seed, choice and position,
         weight 1. Column-wise, one assignment per field: a 64-row step's rows take ~90 us of the host's
@@ -63,7 +80,7 @@ class SamplingRows:
         n = len(params)
         if not n:
             return
-        self.floats[:n, :_NF] = [_float_params(p) for p in params]
+        self.floats[:n, :NUM_FLOATS] = [_float_params(p) for p in params]
         ints = self.ints[:n]
         ints[:, TOP_K] = [p.top_k for p in params]
         ints[:, LOGPROBS] = [p.logprobs is not None for p in params]
@@ -74,29 +91,11 @@ class SamplingRows:
 
     def set_bias(self, row: int, ids: tuple[int, ...], values: tuple[float, ...]) -> None:
         """The row's logit_bias entries (at most MAX_BIAS)."""
-        self.ints[row, _NI : _NI + len(ids)] = ids
-        self.floats[row, _NF : _NF + len(values)] = values
+        self.ints[row, NUM_INTS : NUM_INTS + len(ids)] = ids
+        self.floats[row, NUM_FLOATS : NUM_FLOATS + len(values)] = values
 
     def set_banned(self, row: int, ids: tuple[int, ...]) -> None:
         """Token ids forced to -inf in this step (at most MAX_BANNED are kept)."""
         ids = ids[:MAX_BANNED]
-        start = _NI + MAX_BIAS
+        start = NUM_INTS + MAX_BIAS
         self.ints[row, start : start + len(ids)] = ids
-
-
-def unpack(ints: jax.Array, floats: jax.Array) -> tuple[SamplingArrays, jax.Array, jax.Array, jax.Array]:
-    """Inside the jit: (SamplingArrays, penalty slot [B], sampled-row weight [B], wants logprobs [B])
-    from the two matrices (``SamplingArrays.constrained`` marks the rows a grammar masks)."""
-    f = {name: floats[:, i] for i, name in enumerate(FLOAT_PARAMS)}
-    arrays = SamplingArrays(
-        **f,
-        top_k=ints[:, TOP_K],
-        seed=jax.lax.bitcast_convert_type(ints[:, SEED], jnp.uint32),
-        choice=ints[:, CHOICE],
-        position=ints[:, POSITION],
-        bias_ids=ints[:, _NI : _NI + MAX_BIAS],
-        bias_values=floats[:, _NF:],
-        banned_ids=ints[:, _NI + MAX_BIAS :],
-        constrained=ints[:, CONSTRAINED] > 0,
-    )
-    return arrays, ints[:, SLOT], ints[:, WEIGHT], ints[:, LOGPROBS] > 0

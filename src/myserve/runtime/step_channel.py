@@ -39,7 +39,7 @@ import numpy as np
 import zmq
 import zmq.auth.thread
 
-from myserve.runtime.executor import Op
+from myserve.runtime.step_ops import Op
 
 logger = logging.getLogger(__name__)
 

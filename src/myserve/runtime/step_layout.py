@@ -1,7 +1,8 @@
 """Host-side layout of one ragged step: the flat token batch and its attention views, packed.
 
 Plain numpy, built by the runner from the scheduler's chunks (``Span``) and packed into one int32
-vector (one transfer per step); ``unpack`` cuts it back into device arrays inside the jitted step.
+vector (one transfer per step); ``runtime/step_arrays.py`` cuts it back into device arrays inside
+the jitted step. No JAX here: the core plans steps with it.
 The shapes depend on the step's token bucket only (``StepShape``), so every step with the same
 padded token count runs the same executable whatever its mix of prefill and decode.
 
@@ -17,13 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Sequence
 
-import jax
 import numpy as np
-
-from myserve.ops.ragged_attention import AttentionView, RaggedBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,23 +205,3 @@ def _lay_singles(
     pages = np.fromiter(itertools.chain.from_iterable(span.pages for span in spans), np.int32, int(lengths.sum()))
     rows = np.repeat(np.arange(k), lengths)
     s_pages[rows, np.arange(len(pages)) - np.repeat(np.cumsum(lengths) - lengths, lengths)] = pages
-
-
-def unpack(flat: jax.Array, shape: StepShape) -> tuple[jax.Array, RaggedBatch, jax.Array, jax.Array, jax.Array]:
-    """Inside the jit: (tokens [T], RaggedBatch, sample_idx [N1], following [T], feed [T]) from
-    ``HostStep.pack``."""
-    parts, at = [], 0
-    for dims in shape.array_shapes():
-        size = math.prod(dims)
-        parts.append(flat[at : at + size].reshape(dims))
-        at += size
-    tokens, positions, q_lens, write_pages, *views, sample_idx, following, feed = parts
-    batch = RaggedBatch(
-        positions,
-        q_lens,
-        write_pages,
-        AttentionView(*views[:4]),
-        AttentionView(*views[4:]),
-        chunk_pages=shape.chunk_pages,
-    )
-    return tokens, batch, sample_idx, following, feed

@@ -1,0 +1,69 @@
+"""An engine core for a loaded deployment: its executors, devices and replicas.
+
+The one module of the core that touches JAX: it reads the deployment's mesh and executors and
+wraps them as the runtime ``Device`` each replica's runner plans for. The engine core itself
+(``core/engine_core.py``) only sees that contract, so its tests run on a fake device.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+import jax
+
+from myserve.core.replica import make_replica
+from myserve.runtime.compile_counter import compile_counts
+from myserve.runtime.deployment import Deployment, executor_for, step_buckets
+from myserve.runtime.device import Device
+from myserve.runtime.executor import Executor
+from myserve.runtime.multihost import BroadcastingDevice, stop_followers
+
+if TYPE_CHECKING:
+    from myserve.core.engine_core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+_Core = TypeVar("_Core", bound="EngineCore")
+
+
+def make_executors(dep: Deployment) -> list[Executor]:
+    """One executor per replica: its weights, KV cache and penalty state on its slice of the mesh
+    (with the step executables the deployment started building early, if it did)."""
+    return [
+        executor_for(dep.config, model, mesh, dep.mapping, prebuilt=dep.prebuilt[i] if dep.prebuilt else None)
+        for i, (model, mesh) in enumerate(zip(dep.models, dep.meshes, strict=True))
+    ]
+
+
+def build_core(cls: type[_Core], dep: Deployment, executors: Sequence[Executor] | None = None) -> _Core:
+    """An engine core of class ``cls`` (not yet started) for a loaded deployment, sized by its
+    engine config. On a multi-host mesh this is the leader's: every replica's ops are broadcast to
+    the other processes first (which run ``multihost.follow`` on their own executors)."""
+    cfg = dep.config.engine
+    buckets = step_buckets(dep.config, dep.max_model_len)
+    executors = make_executors(dep) if executors is None else executors
+    leader = jax.process_count() > 1
+    devices: list[Device] = [BroadcastingDevice(e, i) if leader else e for i, e in enumerate(executors)]
+    logger.info(
+        "engine: %d replica(s) of %d pages x %d tokens, max_num_seqs=%d, token buckets %s",
+        len(executors),
+        cfg.num_pages,
+        cfg.page_size,
+        cfg.max_num_seqs,
+        buckets.tokens,
+    )
+    core = cls(
+        [make_replica(cfg, device, buckets, dep.tokenizer.eos_token_ids) for device in devices],
+        dep.tokenizer,
+        vocab_size=dep.spec.vocab_size,
+        num_pages=cfg.num_pages,
+        max_model_len=dep.max_model_len,
+        max_waiting=cfg.max_waiting,
+        on_shutdown=stop_followers if leader else None,
+        async_scheduling=cfg.async_scheduling,
+        compile_counts=compile_counts,
+    )
+    core.warmup_since = dep.prebuild_started
+    return core

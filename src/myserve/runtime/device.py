@@ -1,0 +1,48 @@
+"""The runtime's contract with whoever plans its steps: a ``Device`` takes ops, hands back reads.
+
+The core (``core/runner.py``) plans each step as plain data (``runtime/step_ops.py``, laid out by
+``runtime/step_layout.py`` and ``runtime/sampling_rows.py``) and gives it to a ``Device``: an
+``Executor`` on this process's mesh, a multi-host broadcaster in front of one, or a scripted fake
+in the core's tests (``myserve.testing.FakeDevice``). ``run`` dispatches without waiting; the
+step's outputs stay opaque handles (device arrays on a real device) until ``read`` brings the
+numbers the host needs back in one transfer. Nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from myserve.runtime.step_ops import Op, Progress
+
+
+class StepRead(NamedTuple):
+    """A step's results on the host, per sampling row ``r`` (``N1`` rows) and flat token ``t`` (``T``)."""
+
+    tokens: np.ndarray
+    """int32 [N1]: the token each sampling row drew (rows past the step's samples are padding)."""
+    logprobs: np.ndarray
+    """float32 [N1]: its log-probability under the raw model distribution."""
+    top_ids: np.ndarray | None
+    """int32 [N1, K]: each row's most likely tokens; None unless the read asked for them (``tops``)."""
+    top_logprobs: np.ndarray | None
+    """float32 [N1, K]: their log-probabilities, descending; None as ``top_ids``."""
+    scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+    """For scored prompt tokens: (logprob of the following token [T], top ids [T, K], top
+    logprobs [T, K]); None unless the read asked for them (``scored``)."""
+
+
+class Device(Protocol):
+    """Where a runner's ops run."""
+
+    def run(self, ops: Sequence[Op], progress: Progress | None = None) -> list[Any]:
+        """Apply ``ops`` in order, dispatched and not awaited; one output handle per ``StepCall``
+        among them. ``progress(done, total)`` is told of each executable a ``CompileSteps`` builds."""
+        ...
+
+    def read(self, output: Any, *, tops: bool, scored: bool) -> StepRead:
+        """Wait for a step's output and bring its results to the host: the samples, their top
+        logprobs when ``tops``, the prompt scores when ``scored``."""
+        ...

@@ -1,0 +1,69 @@
+"""Inside the jitted step: the host's packed arrays cut back into the device arrays they stand for.
+
+The host packs a step's layout into one int32 vector (``runtime/step_layout.py``) and its sampling
+rows into two matrices (``runtime/sampling_rows.py``), one transfer each; these functions undo the
+packing on the device, where the shapes are static (``StepShape``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from myserve.ops.ragged_batch import AttentionView, RaggedBatch
+from myserve.runtime.sampler import SamplingArrays
+from myserve.runtime.sampling_rows import (
+    CHOICE,
+    CONSTRAINED,
+    FLOAT_PARAMS,
+    LOGPROBS,
+    MAX_BIAS,
+    NUM_FLOATS,
+    NUM_INTS,
+    POSITION,
+    SEED,
+    SLOT,
+    TOP_K,
+    WEIGHT,
+)
+from myserve.runtime.step_layout import StepShape
+
+
+def unpack_step(flat: jax.Array, shape: StepShape) -> tuple[jax.Array, RaggedBatch, jax.Array, jax.Array, jax.Array]:
+    """Inside the jit: (tokens [T], RaggedBatch, sample_idx [N1], following [T], feed [T]) from
+    ``HostStep.pack``."""
+    parts, at = [], 0
+    for dims in shape.array_shapes():
+        size = math.prod(dims)
+        parts.append(flat[at : at + size].reshape(dims))
+        at += size
+    tokens, positions, q_lens, write_pages, *views, sample_idx, following, feed = parts
+    batch = RaggedBatch(
+        positions,
+        q_lens,
+        write_pages,
+        AttentionView(*views[:4]),
+        AttentionView(*views[4:]),
+        chunk_pages=shape.chunk_pages,
+    )
+    return tokens, batch, sample_idx, following, feed
+
+
+def unpack_rows(ints: jax.Array, floats: jax.Array) -> tuple[SamplingArrays, jax.Array, jax.Array, jax.Array]:
+    """Inside the jit: (SamplingArrays, penalty slot [B], sampled-row weight [B], wants logprobs [B])
+    from the two matrices (``SamplingArrays.constrained`` marks the rows a grammar masks)."""
+    f = {name: floats[:, i] for i, name in enumerate(FLOAT_PARAMS)}
+    arrays = SamplingArrays(
+        **f,
+        top_k=ints[:, TOP_K],
+        seed=jax.lax.bitcast_convert_type(ints[:, SEED], jnp.uint32),
+        choice=ints[:, CHOICE],
+        position=ints[:, POSITION],
+        bias_ids=ints[:, NUM_INTS : NUM_INTS + MAX_BIAS],
+        bias_values=floats[:, NUM_FLOATS:],
+        banned_ids=ints[:, NUM_INTS + MAX_BIAS :],
+        constrained=ints[:, CONSTRAINED] > 0,
+    )
+    return arrays, ints[:, SLOT], ints[:, WEIGHT], ints[:, LOGPROBS] > 0

@@ -1,0 +1,77 @@
+"""The ops a device step is made of: plain data the core builds and the runtime applies.
+
+Everything the device does is described here, as msgspec Structs of numpy arrays and ints: which
+pages to copy, which penalty slots to fill, which step executables to build, and each model
+call's packed host arrays. The core's runner builds them (``core/runner.py``); an ``Executor``
+applies them (``runtime/executor.py``); a multi-host leader sends them to its followers as typed
+data (``runtime/step_channel.py``). This module imports no JAX, so the core plans steps without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+
+from myserve.runtime.step_layout import StepShape
+
+SLOT_CHUNK = 256
+"""Token ids written into a penalty slot per ``WriteSlot``."""
+
+
+class CopyPage(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
+    """Copy one page's K/V in every layer and head (copy-on-write of a shared prompt's last page)."""
+
+    src: int
+    dst: int
+
+
+class ClearSlot(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
+    """Reset a penalty slot."""
+
+    slot: int
+
+
+class WriteSlot(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
+    """Record ``ids[:n]`` (int32 [SLOT_CHUNK]) in a penalty slot: prompt tokens, or generated ones."""
+
+    slot: int
+    ids: np.ndarray
+    n: int
+    to_prompt: bool
+
+
+class CompileSteps(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
+    """Build the step executable of each shape (warmup): every process of a multi-host run
+    builds the same ones, so the ops it replays later find them."""
+
+    shapes: tuple[StepShape, ...]
+
+
+class StepCall(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
+    """One engine step: the model over a ragged token batch, then the sampler (``model_step``)."""
+
+    batch: np.ndarray
+    """int32, the step's tokens and attention metadata packed by ``HostStep.pack``."""
+    shape: StepShape
+    """The step's token bucket: which executable runs it."""
+    ints: np.ndarray
+    """``SamplingRows.ints`` [N1, ...]."""
+    floats: np.ndarray
+    """``SamplingRows.floats`` [N1, ...]."""
+    bitmask: np.ndarray | None = None
+    """int32 [R, ceil(V / 32)]: the grammar masks of the step's R constrained rows; None when no row
+    is constrained (the executor passes its own all-ones mask)."""
+    mask_rows: np.ndarray | None = None
+    """int32 [R]: which sampling rows ``bitmask`` masks. Only constrained rows travel (to the
+    device, and to a multi-host deployment's followers): V / 8 bytes each, 16 KiB at a 128k vocabulary."""
+
+
+Op = CopyPage | ClearSlot | WriteSlot | CompileSteps | StepCall
+"""The ops are msgspec Structs, tagged by class name, so that a multi-host leader sends them to its
+followers as typed data (``runtime/step_channel.py``), never as pickle."""
+
+
+Progress = Callable[[int, int], None]
+"""``progress(done, total)``: told of each step executable built."""
