@@ -9,23 +9,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import Any
 
 import jax
 
-from myserve.core.replica import make_replica
+from myserve.core.replica import Replica, make_replica
 from myserve.runtime.compile_counter import compile_counts
 from myserve.runtime.deployment import Deployment, executor_for, step_buckets
 from myserve.runtime.device import Device
 from myserve.runtime.executor import Executor
 from myserve.runtime.multihost import BroadcastingDevice, stop_followers
 
-if TYPE_CHECKING:
-    from myserve.core.engine_core import EngineCore
-
 logger = logging.getLogger(__name__)
-
-_Core = TypeVar("_Core", bound="EngineCore")
 
 
 def make_executors(dep: Deployment) -> list[Executor]:
@@ -37,10 +32,13 @@ def make_executors(dep: Deployment) -> list[Executor]:
     ]
 
 
-def build_core(cls: type[_Core], dep: Deployment, executors: Sequence[Executor] | None = None) -> _Core:
-    """An engine core of class ``cls`` (not yet started) for a loaded deployment, sized by its
-    engine config. On a multi-host mesh this is the leader's: every replica's ops are broadcast to
-    the other processes first (which run ``multihost.follow`` on their own executors)."""
+def core_arguments(
+    dep: Deployment, executors: Sequence[Executor] | None = None
+) -> tuple[list[Replica], dict[str, Any]]:
+    """What ``EngineCore`` is built from for a loaded deployment: its replicas, and its keyword
+    arguments sized by the engine config. On a multi-host mesh these are the leader's: every
+    replica's ops are broadcast to the other processes first (which run ``multihost.follow`` on
+    their own executors)."""
     cfg = dep.config.engine
     buckets = step_buckets(dep.config, dep.max_model_len)
     executors = make_executors(dep) if executors is None else executors
@@ -54,9 +52,8 @@ def build_core(cls: type[_Core], dep: Deployment, executors: Sequence[Executor] 
         cfg.max_num_seqs,
         buckets.tokens,
     )
-    core = cls(
-        [make_replica(cfg, device, buckets, dep.tokenizer.eos_token_ids) for device in devices],
-        dep.tokenizer,
+    replicas = [make_replica(cfg, device, buckets, dep.tokenizer.eos_token_ids) for device in devices]
+    return replicas, dict(
         vocab_size=dep.spec.vocab_size,
         num_pages=cfg.num_pages,
         max_model_len=dep.max_model_len,
@@ -65,5 +62,3 @@ def build_core(cls: type[_Core], dep: Deployment, executors: Sequence[Executor] 
         async_scheduling=cfg.async_scheduling,
         compile_counts=compile_counts,
     )
-    core.warmup_since = dep.prebuild_started
-    return core

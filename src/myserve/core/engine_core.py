@@ -15,15 +15,15 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Self, cast
 
-from myserve.core.replica import Replica
+from myserve.core.replica import Replica, Request
 from myserve.core.runner import PendingStep, StepResults
 from myserve.core.scheduler import ScheduledBatch
 from myserve.core.sequence import Sequence as Seq
 from myserve.core.step_timer import StepTimer
+from myserve.core.warmup import warm_up
 from myserve.grammar import LazyGrammars, matchers_alive
 from myserve.tokenizer import Tokenizer
 from myserve.validation import validate_request
@@ -46,20 +46,6 @@ logger = logging.getLogger(__name__)
 
 Sink = Callable[[list[RequestOutput]], None]
 """Where an engine iteration's token deltas go (called on the engine thread)."""
-
-
-class _Request:
-    """Engine-thread state of one request: its choices."""
-
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
-        self.request_id = request_id
-        self.prompt_ids = prompt_ids
-        self.params = params
-        self.seqs: list[Seq] = []
-        self.unfinished = params.n
-        self.error: str | None = None
-        """Set when the engine failed it: its closing delta carries the message."""
-        self.replica: Replica  # set at admission
 
 
 class EngineCore:
@@ -93,7 +79,7 @@ class EngineCore:
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._pending = 0  # submitted but not yet admitted to the scheduler (bounded by max_waiting)
         self._pending_lock = threading.Lock()
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, Request] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.ready = threading.Event()
@@ -106,12 +92,12 @@ class EngineCore:
         self._inflight: tuple[int, list[tuple[Replica, ScheduledBatch, PendingStep]]] | None = None
         """The last iteration's dispatched steps, not read yet (overlapped loop)."""
         self.async_scheduling = async_scheduling
+        """Plan and dispatch step N+1 before reading step N (``engine.async_scheduling``)."""
         self.grammars = LazyGrammars(tokenizer.hf, vocab_size, tokenizer.eos_token_ids)
         """The engine's grammar compiler (validates requests, makes each sequence's matcher)."""
         self.warmup_since: tuple[float, int, int] | None = None
         """(perf_counter, compiled, loaded) when the deployment began building steps early: the
         warmup log counts from there."""
-        """Plan and dispatch step N+1 before reading step N (``engine.async_scheduling``)."""
         self.timer = StepTimer()
         """Host time of the engine loop by phase, and the gap between steps (metrics)."""
         self._max_decode_batch = 0
@@ -125,9 +111,12 @@ class EngineCore:
     @classmethod
     def from_deployment(cls, dep: Deployment, executors: Sequence[Executor] | None = None) -> Self:
         """A core (not yet started) for a loaded deployment (``core/build.py``; imports JAX)."""
-        from myserve.core.build import build_core
+        from myserve.core.build import core_arguments
 
-        return build_core(cls, dep, executors)
+        replicas, kwargs = core_arguments(dep, executors)
+        core = cls(replicas, dep.tokenizer, **kwargs)
+        core.warmup_since = dep.prebuild_started
+        return core
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self, *, warmup: bool = True, progress: Callable[[int, int], None] | None = None) -> None:
@@ -137,41 +126,7 @@ class EngineCore:
         """
         runners = [r.runner for r in self.replicas if not r.runner.warmed_up]
         if warmup and runners:
-            t0 = time.perf_counter()
-            per_runner = len(runners[0].buckets.shapes())
-            total = per_runner * len(runners)
-            bar = None
-            if progress is None:
-                from tqdm import tqdm
-
-                # tqdm's default lock is a multiprocessing semaphore, which a core process leaves
-                # behind (it ends with os._exit) and the resource tracker warns about at exit.
-                tqdm.set_lock(threading.RLock())
-                bar = tqdm(total=total, desc="warmup (compiling step shapes)", unit="shape")
-            # Counted from when the deployment started building steps early, if it did.
-            t0, *before = self.warmup_since or (t0, *self._compile_counts())
-            compiled, loaded = before
-            for k, runner in enumerate(runners):
-
-                def report(done: int, _: int, k: int = k) -> None:
-                    if bar is not None:
-                        bar.update(k * per_runner + done - bar.n)
-                    elif progress is not None:
-                        progress(k * per_runner + done, total)
-
-                runner.warmup(report)
-            if bar is not None:
-                bar.close()
-            compiled, loaded = (
-                now - before for now, before in zip(self._compile_counts(), (compiled, loaded), strict=True)
-            )
-            logger.info(
-                "warmup: %d executables (%d compiled, %d loaded from the compilation cache) in %.1fs",
-                compiled + loaded,
-                compiled,
-                loaded,
-                time.perf_counter() - t0,
-            )
+            warm_up(runners, self._compile_counts, since=self.warmup_since, progress=progress)
         self._thread = threading.Thread(target=self._loop, name="myserve-engine", daemon=True)
         self._thread.start()
         self.ready.set()
@@ -206,7 +161,7 @@ class EngineCore:
             if not admitted and self._pending + self._num_waiting() >= self.max_waiting:
                 raise Overloaded(f"the waiting queue is full ({self.max_waiting} requests)")
             self._pending += 1
-        self._inbox.put(("submit", _Request(request_id, prompt, params)))
+        self._inbox.put(("submit", Request(request_id, prompt, params)))
         if self.dead is not None:  # died between the check above and the put: nobody will drain it
             raise EngineDead(f"engine stopped: {self.dead}")
 
@@ -332,7 +287,7 @@ class EngineCore:
             except queue.Empty:
                 return
 
-    def _admit(self, req: _Request) -> None:
+    def _admit(self, req: Request) -> None:
         with self._pending_lock:
             self._pending -= 1
         max_len = min(self.max_model_len, len(req.prompt_ids) + (req.params.max_tokens or self.max_model_len))
@@ -409,42 +364,23 @@ class EngineCore:
     def _postprocess(self, results: StepResults) -> None:
         """Append a read step's tokens: advance grammars, deliver, finish sequences."""
         for seq, start, lps, ids, tlps in results.prompt_scores:
-            self._record_prompt_scores(seq, start, lps, ids, tlps)
+            seq.record_prompt_scores(start, lps, ids, tlps)
         for seq, samples in results.sampled.items():
             seq.num_inflight -= len(samples)
             req = self._requests.get(seq.request_id)
             if req is None or seq.finish_reason is not None:
                 continue  # finished or aborted while its token was in flight: the token is dropped
             if seq.params.max_tokens == 0:  # only the prompt was wanted (scored): done without a token
-                self._emit(self._prompt_output(req, seq, finish="length"))
+                self._emit(seq.prompt_output(finish="length"))
                 self._finish_seq(req, seq, "length")
                 continue
             for token, logprob, top_ids, top_lps in samples:
                 self._append(req, seq, token, logprob, top_ids, top_lps)
 
-    def _record_prompt_scores(self, seq: Seq, start: int, lps, ids, tlps) -> None:
-        """Keep the logprob of each prompt token (after the first) computed by a scored chunk."""
-        if seq.prompt_scores is None:
-            seq.prompt_scores = {}
-        k = seq.params.prompt_logprobs or 0
-        last = len(seq.prompt_ids) - 1  # position whose next token is still a prompt token, at most
-        for j in range(len(lps)):
-            pos = start + j
-            if pos >= last:
-                break
-            top = tuple((int(i), float(v)) for i, v in zip(ids[j][:k], tlps[j][:k], strict=True))
-            seq.prompt_scores[pos + 1] = TokenLogprob(seq.prompt_ids[pos + 1], float(lps[j]), top)
-
-    def _prompt_output(self, req: _Request, seq: Seq, finish: str | None = None) -> RequestOutput:
-        """The delta carrying the prompt's logprobs (first prompt token: None)."""
-        scores = seq.prompt_scores or {}
-        entries = (None, *(scores.get(i) for i in range(1, len(seq.prompt_ids))))
-        return RequestOutput(req.request_id, seq.choice, prompt_logprobs=entries, finish_reason=finish)
-
-    def _append(self, req: _Request, seq: Seq, token: int, logprob: float, top_ids, top_lps) -> None:
+    def _append(self, req: Request, seq: Seq, token: int, logprob: float, top_ids, top_lps) -> None:
         params = seq.params
         if params.prompt_logprobs is not None and not seq.output_ids:
-            self._emit(self._prompt_output(req, seq))
+            self._emit(seq.prompt_output())
         seq.output_ids.append(token)
         self._generated += 1
         if not seq.advance_grammar(token):  # the mask allowed only valid tokens
@@ -455,25 +391,12 @@ class EngineCore:
             k = params.logprobs
             top = tuple((int(i), float(v)) for i, v in zip(top_ids[:k], top_lps[:k], strict=True))
             logprobs = (TokenLogprob(token, logprob, top),)
-        finish, stop_reason = self._token_finish(seq, token)
+        finish, stop_reason = seq.token_finish(token, self.tokenizer.eos_token_ids)
         self._emit(RequestOutput(req.request_id, seq.choice, (token,), "", logprobs, finish, stop_reason))
         if finish is not None:
             self._finish_seq(req, seq, finish)
 
-    def _token_finish(self, seq: Seq, token: int) -> tuple[str | None, int | None]:
-        """Whether ``token`` (just appended) ends its choice: (finish reason, the stop token id that
-        ended it). The one place the core decides a token-level finish: "stop" for a stop token id or
-        EOS (never for text: stop strings are the front end's), "length" at max_tokens or the context."""
-        params = seq.params
-        if token in params.stop_token_ids:
-            return "stop", token
-        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
-            return "stop", None
-        if len(seq.output_ids) >= (params.max_tokens or 1 << 30) or seq.num_known >= seq.max_len:
-            return "length", None
-        return None, None
-
-    def _finish_seq(self, req: _Request, seq: Seq, reason: str) -> None:
+    def _finish_seq(self, req: Request, seq: Seq, reason: str) -> None:
         """End one choice (any reason: stop, length, abort, error): the one path that releases what
         it holds (pages, penalty slot, grammar state) and closes the request after its last choice."""
         seq.finish_reason = reason
@@ -489,7 +412,7 @@ class EngineCore:
         if req.unfinished == 0:
             self._close(req)
 
-    def _close(self, req: _Request) -> None:
+    def _close(self, req: Request) -> None:
         self._requests.pop(req.request_id, None)
         usage = Usage(
             prompt_tokens=len(req.prompt_ids),
@@ -498,7 +421,7 @@ class EngineCore:
         )
         self._emit(RequestOutput(req.request_id, -1, usage=usage, error=req.error))
 
-    def _finish_request(self, req: _Request, reason: str, choice: int | None = None) -> None:
+    def _finish_request(self, req: Request, reason: str, choice: int | None = None) -> None:
         """Abort every unfinished choice of ``req`` (or just ``choice``; pages freed now); the
         request is closed once none is left."""
         for seq in req.seqs:
@@ -506,7 +429,7 @@ class EngineCore:
                 self._emit(RequestOutput(req.request_id, seq.choice, finish_reason=reason))
                 self._finish_seq(req, seq, reason)
 
-    def _fail(self, req: _Request, message: str) -> None:
+    def _fail(self, req: Request, message: str) -> None:
         """End a request with an engine error; its sequences' resources go back like any other's."""
         req.error = message
         for seq in req.seqs:

@@ -1,8 +1,9 @@
 """The engine core's own process: the deployment, the scheduler loop and the device, fed over ZeroMQ.
 
-``run_core`` is the process's entry point (started by ``EngineClient`` with the spawn method). It
-loads the deployment, warms up, says ``Ready``, then serves the front end's messages on its main
-thread while the ``EngineCore`` thread runs the steps and sends each iteration's token deltas back.
+``run_core`` is the process's entry point (``serve`` hands it to ``EngineClient``, which starts it
+with the spawn method). It loads the deployment, warms up, says ``Ready``, then serves the front
+end's messages on its main thread while the ``EngineCore`` thread runs the steps and sends each
+iteration's token deltas back.
 
 Failure rules:
 - the engine thread dies: every request gets its error (``Outputs``), then ``Died``; the process
@@ -27,26 +28,18 @@ from typing import TYPE_CHECKING
 import zmq
 
 from myserve.errors import MyserveError
+from myserve.subprocesses import die_with_parent
 from myserve.wire import messages as msg
 
 if TYPE_CHECKING:
     from myserve.config import Config
     from myserve.core.engine_core import EngineCore
-    from myserve.frontend.core_client import CoreLink
+    from myserve.wire.link import CoreLink
 
 logger = logging.getLogger("myserve.core")
 
 STATS_INTERVAL_S = 0.25
 """Counters ride on outputs at most this often, and on a heartbeat when the core is idle."""
-
-
-def die_with_parent() -> None:
-    """Ask Linux to kill this process when its parent dies (no-op elsewhere)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 CORE_HOOK_ENV = "MYSERVE_CORE_HOOK"

@@ -23,8 +23,10 @@ from myserve.config import EngineConfig
 from myserve.core.pages import PageAllocator
 from myserve.core.runner import ModelRunner
 from myserve.core.scheduler import Scheduler
+from myserve.core.sequence import Sequence as Seq
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.device import Device
+from myserve.wire.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -55,3 +57,17 @@ def make_replica(cfg: EngineConfig, device: Device, buckets: Buckets, eos_ids: S
     )
     runner = ModelRunner(device, buckets=buckets, max_num_seqs=cfg.max_num_seqs, eos_ids=eos_ids)
     return Replica(allocator, scheduler, runner)
+
+
+class Request:
+    """Engine-thread state of one request: its choices, and the replica that holds them."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.seqs: list[Seq] = []
+        self.unfinished = params.n
+        self.error: str | None = None
+        """Set when the engine failed it: its closing delta carries the message."""
+        self.replica: Replica  # set at admission

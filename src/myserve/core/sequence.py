@@ -7,8 +7,10 @@ import itertools
 import random
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from myserve.core.pages import PageHash, chain_hashes
-from myserve.wire.outputs import TokenLogprob
+from myserve.wire.outputs import RequestOutput, TokenLogprob
 from myserve.wire.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -125,6 +127,39 @@ class Sequence:
     def scores_prompt(self, start: int) -> bool:
         """Whether a chunk from ``start`` holds prompt positions whose next-token logprobs were asked for."""
         return self.params.prompt_logprobs is not None and start < len(self.prompt_ids) - 1
+
+    def token_finish(self, token: int, eos_ids: tuple[int, ...]) -> tuple[str | None, int | None]:
+        """Whether ``token``, just appended, ends this choice: (finish reason, the stop token id that
+        ended it). The one place the core decides a token-level finish: "stop" for a stop token id or
+        EOS (never for text: stop strings are the front end's), "length" at max_tokens or the context
+        (aborts and engine errors are the engine core's ``_finish_request`` and ``_fail``)."""
+        params = self.params
+        if token in params.stop_token_ids:
+            return "stop", token
+        if not params.ignore_eos and token in eos_ids:
+            return "stop", None
+        if len(self.output_ids) >= (params.max_tokens or 1 << 30) or self.num_known >= self.max_len:
+            return "length", None
+        return None, None
+
+    def record_prompt_scores(self, start: int, lps: np.ndarray, ids: np.ndarray, tlps: np.ndarray) -> None:
+        """Keep the logprob of each prompt token (after the first) that a scored chunk starting at
+        ``start`` computed: ``lps[j]`` is the logprob of the token after position ``start + j``,
+        ``ids``/``tlps`` [n, K] the most likely tokens there."""
+        if self.prompt_scores is None:
+            self.prompt_scores = {}
+        k = self.params.prompt_logprobs or 0
+        last = len(self.prompt_ids) - 1  # position whose next token is still a prompt token, at most
+        for j in range(min(len(lps), last - start)):
+            pos = start + j
+            top = tuple((int(i), float(v)) for i, v in zip(ids[j][:k], tlps[j][:k], strict=True))
+            self.prompt_scores[pos + 1] = TokenLogprob(self.prompt_ids[pos + 1], float(lps[j]), top)
+
+    def prompt_output(self, finish: str | None = None) -> RequestOutput:
+        """The delta carrying the prompt's logprobs (first prompt token: None)."""
+        scores = self.prompt_scores or {}
+        entries = (None, *(scores.get(i) for i in range(1, len(self.prompt_ids))))
+        return RequestOutput(self.request_id, self.choice, prompt_logprobs=entries, finish_reason=finish)
 
     def reset_for_recompute(self) -> None:
         """After preemption (its pages and slot already released): nothing computed; its tokens so
