@@ -1,1 +1,6 @@
-"""models package."""
+"""Model architectures (the Llama family), their weights' loading (safetensors, GGUF), quantized
+weights and their sharding rules (``sharding.py``: one table of logical axes).
+
+Imported by the engine-core process (through ``runtime/``). It imports ``ops/`` and the shared
+top-level ``errors`` and ``bundled`` only, nothing from ``runtime/`` or above.
+"""
