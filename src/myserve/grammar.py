@@ -2,7 +2,7 @@
 constrained sequence that yields the next token's bitmask.
 
 The library is llguidance (chosen over xgrammar by measurement on SmolLM2's 49k vocabulary, see
-docs/design/inference.md "Structured outputs"): no runtime dependency (xgrammar requires torch),
+docs/design/core.md, "Grammars"): no runtime dependency (xgrammar requires torch),
 a [32, 1536] bitmask filled in ~0.1 ms (xgrammar: 5-6 ms, 3 ms per row inside a length-bounded
 string), grammars built in about a millisecond, and an explicit error for every JSON-schema keyword
 it cannot enforce.

@@ -8,7 +8,7 @@ replicas compute at the same time on their own devices.
 Why replicas rather than one jitted step with the batch sharded over ``data``: a decode row gathers
 its pages from the cache by host-computed page ids; with the rows sharded over ``data`` and the
 pages too, XLA's SPMD partitioner cannot know that a row's pages are on its own shard and gathers
-the whole cache across the data axis every layer (measured in ``docs/design/inference.md``).
+the whole cache across the data axis every layer (measured in ``docs/design/core.md``, "Data parallelism: replicas").
 Replicas keep every step's gathers local, need no collectives between data shards, and reuse the
 single-replica engine unchanged.
 """

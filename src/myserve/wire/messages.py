@@ -6,7 +6,7 @@ per front end carries its outputs back). Serializer: msgspec's MessagePack with 
 dataclasses (``SamplingParams`` with its ``GrammarSpec``, ``RequestOutput`` with its logprobs,
 ``EngineStats``) travel as they are, checked on decode, without pickle (nothing the receiver did not
 declare can be built from a message). Measured per message on this machine: see
-docs/design/inference.md, "The engine core process".
+docs/design/wire.md, "Codec".
 """
 
 from __future__ import annotations
