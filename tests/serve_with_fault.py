@@ -14,7 +14,7 @@ import os
 import sys
 
 from myserve import serve
-from myserve.core.runner import ModelRunner, PendingStep, PlannedStep
+from myserve.core.runner import ModelRunner, PlannedStep
 
 
 def inject(fault: str) -> None:
@@ -30,7 +30,7 @@ def inject(fault: str) -> None:
     assert kind == "dispatch", fault
     real = ModelRunner.dispatch
 
-    def failing_dispatch(self: ModelRunner, planned: PlannedStep) -> PendingStep:
+    def failing_dispatch(self: ModelRunner, planned: PlannedStep) -> PlannedStep:
         if len({chunk.seq for chunk, _, _ in planned.chunks}) >= int(after):
             raise RuntimeError("injected device failure")
         return real(self, planned)

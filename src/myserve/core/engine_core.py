@@ -19,8 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Self, cast
 
 from myserve.core.replica import Replica, Request
-from myserve.core.runner import PendingStep, StepResults
-from myserve.core.scheduler import ScheduledBatch
+from myserve.core.runner import PlannedStep, StepResults
 from myserve.core.sequence import Sequence as Seq
 from myserve.core.step_timer import StepTimer
 from myserve.core.warmup import warm_up
@@ -89,7 +88,7 @@ class EngineCore:
         serve entry point exits on it. Embedded services leave it unset: ``/health`` says 503."""
         self._steps = 0
         self._iteration = 0
-        self._inflight: tuple[int, list[tuple[Replica, ScheduledBatch, PendingStep]]] | None = None
+        self._inflight: tuple[int, list[PlannedStep]] | None = None
         """The last iteration's dispatched steps, not read yet (overlapped loop)."""
         self.async_scheduling = async_scheduling
         """Plan and dispatch step N+1 before reading step N (``engine.async_scheduling``)."""
@@ -318,7 +317,7 @@ class EngineCore:
         self._iteration += 1
         t = timer.now()
         timer.plan_started(self._iteration, t)
-        dispatched: list[tuple[Replica, ScheduledBatch, PendingStep]] = []
+        dispatched: list[PlannedStep] = []
         for rep in self.replicas:
             if not rep.scheduler.has_work():
                 continue
@@ -328,7 +327,7 @@ class EngineCore:
             planned = rep.runner.plan(batch)
             t = timer.lap("plan", t)
             timer.dispatching(self._iteration, t)
-            dispatched.append((rep, batch, rep.runner.dispatch(planned)))
+            dispatched.append(rep.runner.dispatch(planned))
             # Counted as computed now, its samples in flight: the next step is planned on that.
             rep.scheduler.after_step(batch)
             t = timer.lap("dispatch", t)
@@ -346,13 +345,13 @@ class EngineCore:
             return
         self._read(*previous)
 
-    def _read(self, iteration: int, steps: list[tuple[Replica, ScheduledBatch, PendingStep]]) -> None:
+    def _read(self, iteration: int, steps: list[PlannedStep]) -> None:
         """Wait for a dispatched iteration's steps and post-process their tokens."""
         timer = self.timer
-        for _, _, pending in steps:
+        for step in steps:
             t = timer.now()
             timer.timeline.append((iteration, "wait", t))
-            results = pending.runner.collect(pending)
+            results = step.runner.collect(step)
             t = timer.lap("read", t)
             timer.read_done(iteration, t)
             self._postprocess(results)

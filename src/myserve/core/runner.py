@@ -39,8 +39,11 @@ _NO_TOP = np.zeros(0, np.int32)  # top logprobs of a row when no row of its step
 
 @dataclasses.dataclass
 class PlannedStep:
-    """A step's ops, and where each chunk's tokens and sample are in its layout."""
+    """A step's ops and where each chunk's tokens and sample are in its layout; once dispatched,
+    the device's output handles too."""
 
+    runner: ModelRunner
+    """The runner that planned it (and dispatches and reads it)."""
     ops: list[Op]
     chunks: list[tuple[ScheduledChunk, int, int | None]]
     """(chunk, offset of its first token in the flat batch, its sampling row or None)."""
@@ -48,17 +51,8 @@ class PlannedStep:
     """Some chunk scores prompt positions: the prompt scores are read back."""
     tops: bool
     """Some sampling row asked for top logprobs: they are read back."""
-
-
-@dataclasses.dataclass
-class PendingStep:
-    """A dispatched step: its plan and its device outputs."""
-
-    planned: PlannedStep
-    outputs: list[Any]
-    """The device's output handles (one: the step call's)."""
-    runner: ModelRunner
-    """The runner that dispatched it (and reads it)."""
+    outputs: list[Any] = dataclasses.field(default_factory=list)
+    """The device's output handles once dispatched (one: the step call's)."""
 
 
 @dataclasses.dataclass
@@ -156,7 +150,7 @@ class ModelRunner:
         offsets = np.cumsum([0, *(c.num_tokens for c in chunks)])
         placed = [(c, int(at), row) for c, at, row in zip(chunks, offsets, host.sample_rows, strict=False)]
         tops = any(bool(c.seq.params.logprobs) for c in sampling)
-        return PlannedStep(ops, placed, host.scored, tops)
+        return PlannedStep(self, ops, placed, host.scored, tops)
 
     def _step_call(self, host: HostStep, shape: StepShape, sampling: Sequence[ScheduledChunk]) -> StepCall:
         packed = self._sampling_rows(sampling, shape.singles)
@@ -169,13 +163,14 @@ class ModelRunner:
             packed.ints[rows, CONSTRAINED] = 1
         return StepCall(host.pack(), shape, packed.ints, packed.floats, bitmask, rows)
 
-    def dispatch(self, planned: PlannedStep) -> PendingStep:
+    def dispatch(self, planned: PlannedStep) -> PlannedStep:
         """Hand a planned step to the device (not awaited)."""
-        return PendingStep(planned, self.device.run(planned.ops), self)
+        planned.outputs = self.device.run(planned.ops)
+        return planned
 
-    def collect(self, pending: PendingStep) -> StepResults:
+    def collect(self, planned: PlannedStep) -> StepResults:
         """Wait for a dispatched step: sampled tokens, and prompt scores of chunks that asked for them."""
-        planned, (out,) = pending.planned, pending.outputs
+        (out,) = planned.outputs
         read = self.device.read(out, tops=planned.tops, scored=planned.scored)  # one transfer
         results = StepResults()
         for chunk, at, row in planned.chunks:
