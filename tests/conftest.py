@@ -139,7 +139,8 @@ def load_on_mesh(checkpoint, data: int = 1, model: int = 1):
     """Load a checkpoint in float32 on a (data, model) mesh; returns (model, mesh, mapping)."""
     from myserve.models.checkpoint import resolve_checkpoint
     from myserve.models.loading import load_model, open_source
-    from myserve.runtime.mesh import axis_mapping, make_mesh
+    from myserve.models.sharding import axis_mapping
+    from myserve.runtime.mesh import make_mesh
 
     source = open_source(resolve_checkpoint(checkpoint))
     mesh = make_mesh(data, model)

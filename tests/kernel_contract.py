@@ -2,7 +2,7 @@
 
 The kernel runs only on a TPU, and JAX's own reference of it (``ref_ragged_paged_attention``)
 loops in Python over concrete sequence counts, so it cannot run inside a jitted step. Tests put
-this function where the kernel goes (``myserve.ops.kernel_attention._tpu_kernel``) to run the
+this function where the kernel goes (``myserve.ops.tpu_attention._tpu_kernel``) to run the
 serving step's kernel path on CPU: the cache layout, the writes, the per-sequence metadata and the
 layer offsets are then exercised exactly as on a TPU. ``tests/test_kernel_attention.py`` checks it
 against JAX's reference first.

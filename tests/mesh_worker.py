@@ -29,10 +29,10 @@ KERNEL = os.environ.get("KERNEL_CONTRACT") == "1"
 if KERNEL:
     from kernel_contract import contract_attention
 
-    from myserve.ops import kernel_attention
+    from myserve.ops import tpu_attention
     from myserve.runtime import deployment
 
-    kernel_attention._tpu_kernel = lambda: contract_attention  # type: ignore[assignment]
+    tpu_attention._tpu_kernel = lambda: contract_attention  # type: ignore[assignment]
     deployment.resolve_backend = lambda *a, **k: "pallas"  # type: ignore[assignment]
 GPU_KERNEL = os.environ.get("GPU_KERNEL_INTERPRET") == "1"
 if GPU_KERNEL:
@@ -40,11 +40,11 @@ if GPU_KERNEL:
 
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
-    from myserve.ops import gpu_decode_attention
+    from myserve.ops import gpu_attention
     from myserve.runtime import deployment
 
     interpreted = functools.partial(paged_attention, interpret=True)
-    gpu_decode_attention._gpu_kernel = lambda: interpreted  # type: ignore[assignment]
+    gpu_attention._gpu_kernel = lambda: interpreted  # type: ignore[assignment]
     deployment.resolve_backend = lambda *a, **k: "pallas_gpu"  # type: ignore[assignment]
 
 # A small engine: few shapes to compile per mesh.

@@ -1,17 +1,27 @@
-"""A mixed ragged step for the attention tests: decode tokens beside prefill chunks."""
+"""Ragged steps for the tests: a mixed step for the attention tests (decode tokens beside prefill
+chunks), and the served step's logits of a sequence fed in chunks, for the parity tests."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from myserve.runtime.step_layout import Span, StepShape, layout, unpack
+from myserve.runtime.model_step import StepLogits
+from myserve.runtime.step_arrays import unpack_step
+from myserve.runtime.step_layout import Span, StepShape, layout
 
 MIXED = [(2, 1), (16, 1), (0, 7), (24, 13), (38, 1), (5, 3)]
 """(context before this step, tokens this step) per sequence: decode tokens, a prefill chunk after
 cached context, chunks cut into several 4-token blocks and one not a multiple of the block size."""
+
+
+def device_batch(spans: Sequence[Span], shape: StepShape, page_size: int) -> Any:
+    """The device's unpacked ``RaggedBatch`` of ``spans`` laid out in ``shape``."""
+    _, batch, _, _, _ = unpack_step(jnp.asarray(layout(spans, shape, page_size).pack()), shape)
+    return batch
 
 
 def mixed_step(
@@ -26,5 +36,33 @@ def mixed_step(
         used += len(pages)
         spans.append(Span([0] * n, before, pages, samples=True))
     shape = StepShape.of(32, max_num_seqs=8, block_tokens=4, max_pages=12, chunk_pages=2)
-    _, batch, _, _, _ = unpack(jnp.asarray(layout(spans, shape, ps).pack()), shape)
-    return shape, spans, batch
+    return shape, spans, device_batch(spans, shape, ps)
+
+
+def shape_for(tokens: int, *, max_pages: int, block_tokens: int = 8, chunk_pages: int = 2) -> StepShape:
+    """The step shape of a ``tokens``-token bucket (8-token blocks and 2-page context chunks by
+    default: small, so a short sequence runs several blocks and several context-loop iterations)."""
+    return StepShape.of(
+        tokens, max_num_seqs=8, block_tokens=min(block_tokens, tokens), max_pages=max_pages, chunk_pages=chunk_pages
+    )
+
+
+def chunked_logits(
+    forward: StepLogits, cache: Any, ids: Sequence[int], pages: Sequence[int], chunks: Sequence[int]
+) -> tuple[np.ndarray, Any]:
+    """The served step's logits [len(ids), V] of one sequence on ``pages``, fed one step per chunk
+    (``chunks``: tokens per step, summing to ``len(ids)``; a chunk's step is padded to its bucket),
+    and the cache."""
+    out, done = [], 0
+    for n in chunks:
+        spans = [Span(list(ids[done : done + n]), done, list(pages), samples=True)]
+        logits, cache = forward(cache, spans, shape_for(_bucket(n), max_pages=len(pages)))
+        out.append(logits)
+        done += n
+    assert done == len(ids)
+    return np.concatenate(out), cache
+
+
+def _bucket(n: int) -> int:
+    """The power of two at or above ``n``: steps are padded to a few token buckets, as served."""
+    return 1 << max(0, (n - 1).bit_length())

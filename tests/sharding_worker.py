@@ -14,32 +14,27 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from ragged_steps import chunked_logits  # noqa: E402
 
 from myserve.models.checkpoint import resolve_checkpoint  # noqa: E402
 from myserve.models.loading import load_model, open_source  # noqa: E402
+from myserve.models.sharding import axis_mapping  # noqa: E402
 from myserve.runtime.kv_cache import init_kv_cache  # noqa: E402
-from myserve.runtime.mesh import axis_mapping, make_mesh  # noqa: E402
-from myserve.runtime.steps import forward_all_logits, page_batch  # noqa: E402
+from myserve.runtime.mesh import make_mesh  # noqa: E402
+from myserve.runtime.model_step import StepLogits  # noqa: E402
 
 
 def logits_on(source, data: int, model_size: int) -> tuple[np.ndarray, dict]:
-    """Prefill 20 tokens in chunks of 8 then decode 4, on a (data, model) mesh; all logits [24, V]."""
+    """Prefill 20 tokens in chunks of 8 then decode 4 through the served step, on a (data, model)
+    mesh; all logits [24, V]."""
     mesh = make_mesh(data, model_size)
     mapping = axis_mapping(source.spec, mesh)
     model = load_model(source, mesh, mapping)
     cache = init_kv_cache(model.spec, 16, 4, jnp.float32, mesh, mapping)
     ids = [int(t) for t in np.random.RandomState(0).randint(0, min(256, model.spec.vocab_size), size=24)]
     pages = [9, 2, 14, 5, 0, 11]
-    out, done = [], 0
-    while done < len(ids):
-        t = 8 if done < 20 else 1
-        step = ids[done : done + t]
-        row = np.zeros((1, t), np.int32)
-        row[0, : len(step)] = step
-        batch = page_batch([done], [len(step)], [pages], tokens_per_row=t, pages_per_row=len(pages), page_size=4)
-        logits, cache = forward_all_logits(model, jnp.asarray(row), batch, cache)
-        out.append(np.asarray(logits[0, : len(step)]))
-        done += len(step)
+    forward = StepLogits.of(model, mesh, mapping, 4)
+    logits, cache = chunked_logits(forward, cache, ids, pages, [8, 8, 4, 1, 1, 1, 1])
     layout = {
         "mlp": str(model.layers[0].gate_up_proj.array.sharding.spec),
         "heads": str(model.layers[0].qkv_proj.array.sharding.spec),
@@ -47,7 +42,7 @@ def logits_on(source, data: int, model_size: int) -> tuple[np.ndarray, dict]:
         "kv_cache": str(cache.k.sharding.spec),
         "devices": len(model.layers[0].gate_up_proj.array.sharding.device_set),
     }
-    return np.concatenate(out), layout
+    return logits, layout
 
 
 def main() -> None:

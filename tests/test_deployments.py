@@ -11,8 +11,8 @@ import pytest
 from myserve import serve
 from myserve.config import load_config
 from myserve.errors import ConfigError
-from myserve.ops.gpu_decode_attention import gpu_fit
-from myserve.ops.kernel_attention import pallas_fit
+from myserve.ops.gpu_attention import gpu_fit
+from myserve.ops.tpu_attention import pallas_fit
 from myserve.runtime.deployment import Deployment
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "config"

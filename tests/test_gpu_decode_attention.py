@@ -20,11 +20,10 @@ from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 from ragged_steps import MIXED, mixed_step
 
 from myserve.errors import ConfigError
-from myserve.ops import gpu_decode_attention
-from myserve.ops.gpu_decode_attention import decode_attention, gpu_fit, split_sizes
-from myserve.ops.kernel_attention import resolve_backend
-from myserve.ops.paged_attention import KVCache, write_kv
-from myserve.ops.ragged_attention import ragged_attention
+from myserve.ops import gpu_attention
+from myserve.ops.attention import ragged_attention, resolve_backend
+from myserve.ops.gpu_attention import decode_attention, gpu_fit, split_sizes
+from myserve.ops.paged_cache import KVCache, write_kv
 from myserve.testing import collect, hf_greedy
 from myserve.wire.params import SamplingParams
 
@@ -32,7 +31,7 @@ from myserve.wire.params import SamplingParams
 @pytest.fixture
 def interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
     """JAX's GPU kernel in the step, run by the Pallas interpreter."""
-    monkeypatch.setattr(gpu_decode_attention, "_gpu_kernel", lambda: functools.partial(paged_attention, interpret=True))
+    monkeypatch.setattr(gpu_attention, "_gpu_kernel", lambda: functools.partial(paged_attention, interpret=True))
 
 
 def test_the_decode_kernel_equals_the_reference_on_a_mixed_ragged_step(interpreted) -> None:

@@ -16,11 +16,11 @@ import pytest
 from kernel_contract import contract_attention
 from ragged_steps import MIXED, mixed_step
 
-from myserve.ops import kernel_attention
-from myserve.ops.kernel_attention import KernelKVCache, kernel_meta, write_kv_kernel
-from myserve.ops.kernel_attention import kernel_attention as run_kernel
-from myserve.ops.paged_attention import KVCache, write_kv
-from myserve.ops.ragged_attention import ragged_attention
+from myserve.ops import tpu_attention
+from myserve.ops.attention import ragged_attention
+from myserve.ops.paged_cache import KernelKVCache, KVCache, write_kv, write_kv_kernel
+from myserve.ops.ragged_batch import kernel_meta
+from myserve.ops.tpu_attention import kernel_attention as run_kernel
 from myserve.testing import collect, hf_greedy
 from myserve.wire.params import SamplingParams
 
@@ -61,7 +61,7 @@ def _both_layouts(rng: np.random.RandomState, layers: int, kvh: int, n_pages: in
 def test_kernel_path_equals_the_reference_on_a_mixed_ragged_step(monkeypatch) -> None:
     """Decode tokens, prefill chunks after cached context, a chunk cut into several blocks, padding:
     the metadata, the write and the layer-1 offset give the reference's attention for every token."""
-    monkeypatch.setattr(kernel_attention, "_tpu_kernel", lambda: contract_attention)
+    monkeypatch.setattr(tpu_attention, "_tpu_kernel", lambda: contract_attention)
     rng = np.random.RandomState(1)
     layers, kvh, h, d, ps, n_pages = 2, 2, 6, 8, 4, 64
     shape, _, batch = mixed_step(rng, n_pages, ps)
@@ -101,7 +101,7 @@ def hf_tiny(tiny_checkpoints):
 def test_served_requests_through_the_kernel_path_match_transformers(make_service, hf_tiny, monkeypatch) -> None:
     """A whole engine on the kernel's layout: chunked prefills beside decodes, prefix-cache hits and
     copy-on-write pages (n=3), each request's greedy tokens equal to transformers alone."""
-    monkeypatch.setattr(kernel_attention, "_tpu_kernel", lambda: contract_attention)
+    monkeypatch.setattr(tpu_attention, "_tpu_kernel", lambda: contract_attention)
     monkeypatch.setattr("myserve.runtime.deployment.resolve_backend", lambda *a, **k: "pallas")
     svc = make_service("engine.attention_backend=pallas", "engine.num_pages=128")
     executor = svc.replicas[0].runner.device

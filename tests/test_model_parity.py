@@ -1,4 +1,4 @@
-"""Full-sequence logits of every supported architecture match transformers in float32."""
+"""Full-sequence logits of every supported architecture, through the served step, match transformers in float32."""
 
 from __future__ import annotations
 
@@ -6,21 +6,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import load_on_mesh
+from ragged_steps import chunked_logits
 
 from myserve.runtime.kv_cache import init_kv_cache
-from myserve.runtime.steps import forward_all_logits, page_batch
+from myserve.runtime.model_step import StepLogits
 from myserve.testing import TINY_ARCHES, hf_logits
 
 
 def full_logits(model, mesh, mapping, ids: list[int], page_size: int = 16) -> np.ndarray:
-    """Our logits [T, vocab] for one forward over the whole sequence (one contiguous page run)."""
+    """Our logits [T, vocab] for one step over the whole sequence (one contiguous page run)."""
     pages = -(-len(ids) // page_size)
     cache = init_kv_cache(model.spec, pages, page_size, jnp.float32, mesh, mapping)
-    batch = page_batch(
-        [0], [len(ids)], [list(range(pages))], tokens_per_row=len(ids), pages_per_row=pages, page_size=page_size
-    )
-    logits, _ = forward_all_logits(model, jnp.asarray([ids], jnp.int32), batch, cache)
-    return np.asarray(logits[0])
+    forward = StepLogits.of(model, mesh, mapping, page_size)
+    logits, _ = chunked_logits(forward, cache, ids, list(range(pages)), [len(ids)])
+    return logits
 
 
 @pytest.mark.parametrize("arch", list(TINY_ARCHES))

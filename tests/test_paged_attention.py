@@ -1,14 +1,18 @@
-"""The paged path equals a full forward: chunked prefill into scrambled pages, then decode steps."""
+"""The served step equals a full forward: chunked prefill into scrambled pages, then decode steps;
+and the ragged attention op against naive attention."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ragged_steps import chunked_logits, device_batch, shape_for
 
-from myserve.ops.paged_attention import KVCache, reference_paged_attention, write_kv
+from myserve.ops.attention import ragged_attention
+from myserve.ops.paged_cache import KVCache, write_kv
 from myserve.runtime.kv_cache import init_kv_cache
-from myserve.runtime.steps import forward_all_logits, page_batch
+from myserve.runtime.model_step import StepLogits
+from myserve.runtime.step_layout import Span
 from myserve.testing import hf_logits
 
 NUM_PAGES = 64
@@ -17,18 +21,9 @@ NUM_PAGES = 64
 def run_paged(model, mesh, mapping, ids, *, prompt_len, chunk, page_size, pages) -> np.ndarray:
     """Logits [T, vocab] for ``ids``: prompt in chunks of ``chunk``, then one token per decode step."""
     cache = init_kv_cache(model.spec, NUM_PAGES, page_size, jnp.float32, mesh, mapping)
-    width = len(pages)
-    out, computed = [], 0
-    while computed < len(ids):
-        t = chunk if computed < prompt_len else 1
-        step = ids[computed : min(computed + t, prompt_len if computed < prompt_len else len(ids))]
-        row = np.zeros((1, t), np.int32)
-        row[0, : len(step)] = step
-        batch = page_batch([computed], [len(step)], [pages], tokens_per_row=t, pages_per_row=width, page_size=page_size)
-        logits, cache = forward_all_logits(model, jnp.asarray(row), batch, cache)
-        out.append(np.asarray(logits[0, : len(step)]))
-        computed += len(step)
-    return np.concatenate(out)
+    chunks = [min(chunk, prompt_len - at) for at in range(0, prompt_len, chunk)] + [1] * (len(ids) - prompt_len)
+    logits, _ = chunked_logits(StepLogits.of(model, mesh, mapping, page_size), cache, ids, pages, chunks)
+    return logits
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +46,7 @@ def test_chunked_prefill_then_decode_matches_full_forward(tiny_llama, sequence, 
 
 
 def test_batched_rows_of_different_lengths(tiny_llama, tiny_checkpoints) -> None:
-    """One padded prefill of 3 sequences (lengths 5, 17, 33), then batched decode steps."""
+    """One step prefilling 3 sequences (lengths 5, 17, 33), then steps decoding all three."""
     model, mesh, mapping = tiny_llama
     page_size, rng = 4, np.random.RandomState(11)
     lens, steps = [5, 17, 33], 4
@@ -59,42 +54,47 @@ def test_batched_rows_of_different_lengths(tiny_llama, tiny_checkpoints) -> None
     perm = [int(p) for p in rng.permutation(NUM_PAGES)]
     tables = [perm[0:10], perm[10:20], perm[20:30]]
     cache = init_kv_cache(model.spec, NUM_PAGES, page_size, jnp.float32, mesh, mapping)
-    t = max(lens)
-    rows = np.zeros((3, t), np.int32)
-    for i, n in enumerate(lens):
-        rows[i, :n] = seqs[i][:n]
-    batch = page_batch([0, 0, 0], lens, tables, tokens_per_row=t, pages_per_row=10, page_size=page_size)
-    logits, cache = forward_all_logits(model, jnp.asarray(rows), batch, cache)
-    got = [[np.asarray(logits[i, :n])] for i, n in enumerate(lens)]
+    forward = StepLogits.of(model, mesh, mapping, page_size)
+    spans = [Span(seqs[i][:n], 0, tables[i], samples=True) for i, n in enumerate(lens)]
+    logits, cache = forward(cache, spans, shape_for(64, max_pages=10))
+    ends = np.cumsum(lens)
+    got = [[logits[end - n : end]] for n, end in zip(lens, ends, strict=True)]
     for s in range(steps):
-        starts = [n + s for n in lens]
-        row = np.asarray([[seqs[i][starts[i]]] for i in range(3)], np.int32)
-        batch = page_batch(starts, [1, 1, 1], tables, tokens_per_row=1, pages_per_row=10, page_size=page_size)
-        logits, cache = forward_all_logits(model, jnp.asarray(row), batch, cache)
+        spans = [Span([seqs[i][n + s]], n + s, tables[i], samples=True) for i, n in enumerate(lens)]
+        logits, cache = forward(cache, spans, shape_for(4, max_pages=10))
         for i in range(3):
-            got[i].append(np.asarray(logits[i]))
+            got[i].append(logits[i : i + 1])
     for i in range(3):
         ref = hf_logits(tiny_checkpoints["llama3"], seqs[i])
         np.testing.assert_allclose(np.concatenate(got[i]), ref, atol=1e-4, rtol=0)
 
 
 def test_reference_attention_matches_naive_numpy() -> None:
-    """The op alone against a direct softmax(QK^T)V over each sequence's tokens, GQA group 2."""
+    """The op alone (its own cache write, then the attention) against a direct softmax(QK^T)V over
+    each sequence's tokens, GQA group 2."""
     rng = np.random.RandomState(0)
     b, t, h, kvh, d, ps, n_pages = 2, 3, 4, 2, 8, 4, 10
     k_all = rng.randn(b, 9, kvh, d).astype(np.float32)
     v_all = rng.randn(b, 9, kvh, d).astype(np.float32)
     q = rng.randn(b, t, h, d).astype(np.float32)
-    kv_lens = np.array([9, 7])  # row 1 has only 2 real query tokens (positions 5, 6)
+    kv_lens = np.array([9, 7])  # sequence 1 has only 2 query tokens (positions 5, 6)
     q_lens = np.array([3, 2])
-    tables = np.array([[7, 2, 5], [0, 9, 3]], np.int32)
+    tables = [[7, 2, 5], [0, 9, 3]]
     cache = KVCache(jnp.zeros((1, kvh, n_pages, ps, d), jnp.float32), jnp.zeros((1, kvh, n_pages, ps, d), jnp.float32))
-    # Write all 9 (or 7) tokens of each row through the op's own write path, in one step.
-    wb = page_batch([0, 0], list(kv_lens), [list(r) for r in tables], tokens_per_row=9, pages_per_row=3, page_size=ps)
-    cache = write_kv(cache, 0, jnp.asarray(k_all), jnp.asarray(v_all), wb)
+    # Write all 9 (or 7) tokens of each sequence through the op's own write path, in one step.
+    shape = shape_for(16, max_pages=3, block_tokens=4, chunk_pages=1)
+    writes = [Span([0] * int(n), 0, tables[i], samples=False) for i, n in enumerate(kv_lens)]
+    flat_k, flat_v = (np.zeros((1, shape.tokens, kvh, d), np.float32) for _ in range(2))
+    flat_k[0, :16] = np.concatenate([k_all[0], k_all[1, :7]])
+    flat_v[0, :16] = np.concatenate([v_all[0], v_all[1, :7]])
+    cache = write_kv(cache, 0, jnp.asarray(flat_k), jnp.asarray(flat_v), device_batch(writes, shape, ps))
     positions = np.stack([np.arange(6, 9), np.array([5, 6, 0])]).astype(np.int32)
-    qb = page_batch([6, 5], list(q_lens), [list(r) for r in tables], tokens_per_row=3, pages_per_row=3, page_size=ps)
-    out = np.asarray(reference_paged_attention(jnp.asarray(q), cache, 0, qb, sm_scale=d**-0.5))
+    reads = [Span([0] * int(n), int(positions[i, 0]), tables[i], samples=True) for i, n in enumerate(q_lens)]
+    shape = shape_for(8, max_pages=3, block_tokens=2, chunk_pages=1)
+    flat_q = np.zeros((shape.tokens, h, d), np.float32)
+    flat_q[:5] = np.concatenate([q[0], q[1, :2]])
+    out = np.asarray(ragged_attention(jnp.asarray(flat_q), cache, 0, device_batch(reads, shape, ps), sm_scale=d**-0.5))
+    at = 0
     for i in range(b):
         for j in range(q_lens[i]):
             p = positions[i, j]
@@ -103,7 +103,8 @@ def test_reference_attention_matches_naive_numpy() -> None:
                 s = k_all[i, : p + 1, kh] @ q[i, j, head] * d**-0.5
                 w = np.exp(s - s.max())
                 w /= w.sum()
-                np.testing.assert_allclose(out[i, j, head], w @ v_all[i, : p + 1, kh], atol=1e-5)
+                np.testing.assert_allclose(out[at + j, head], w @ v_all[i, : p + 1, kh], atol=1e-5)
+        at += q_lens[i]
 
 
 def test_ragged_attention_equals_per_token_attention() -> None:
@@ -112,8 +113,6 @@ def test_ragged_attention_equals_per_token_attention() -> None:
     the context loop runs several iterations (2-page chunks, contexts up to 10 pages)."""
     import jax
     from ragged_steps import MIXED, mixed_step
-
-    from myserve.ops.ragged_attention import ragged_attention
 
     rng = np.random.RandomState(1)
     kvh, h, d, ps, n_pages = 2, 6, 8, 4, 64
@@ -146,7 +145,8 @@ def test_ragged_attention_equals_per_token_attention() -> None:
 
 def test_backend_switch_checks_that_the_kernel_fits() -> None:
     from myserve.errors import ConfigError
-    from myserve.ops.kernel_attention import pallas_fit, resolve_backend
+    from myserve.ops.attention import resolve_backend
+    from myserve.ops.tpu_attention import pallas_fit
 
     # The kernel's own validator plus its TPU tiling; the reasons name the misfit.
     assert pallas_fit(32, 8, 128, 16) is None  # Llama-3.1-8B

@@ -51,8 +51,9 @@ def test_executables_built_for_other_arrays_are_not_taken(tiny_checkpoints) -> N
     from myserve.config import load_config
     from myserve.models.checkpoint import resolve_checkpoint
     from myserve.models.loading import load_model, open_source
+    from myserve.models.sharding import axis_mapping
     from myserve.runtime.deployment import executor_for
-    from myserve.runtime.mesh import axis_mapping, make_mesh
+    from myserve.runtime.mesh import make_mesh
 
     def abstract_executor(num_pages: int, prebuilt: Future[Prebuilt] | None = None) -> Executor:
         config = load_config(None, [f"model.checkpoint={tiny_checkpoints['llama3']}", f"engine.num_pages={num_pages}"])

@@ -1,4 +1,4 @@
-"""``python -m myserve.generate``: greedy generation for one prompt through the paged model.
+"""``python -m myserve.generate``: greedy generation for one prompt through the served step.
 
 A small command-line check that a deployment loads and generates; serving many requests at once is
 the engine's job. With no arguments it runs the bundled SmolLM2 on CPU.
@@ -12,19 +12,16 @@ import math
 import sys
 from collections.abc import Mapping, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from myserve.config import load_config
 from myserve.errors import MyserveError
 from myserve.models.llama import LlamaModel
+from myserve.runtime.buckets import BLOCK_TOKENS, CHUNK_TOKENS
 from myserve.runtime.kv_cache import init_kv_cache
-from myserve.runtime.steps import forward_last_logits, page_batch
-
-
-def _bucket(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+from myserve.runtime.model_step import StepLogits
+from myserve.runtime.step_layout import Span, StepShape
 
 
 def greedy_generate(
@@ -42,15 +39,28 @@ def greedy_generate(
     """Greedy-decode ``max_new_tokens`` after ``prompt_ids`` (stopping early at an EOS id).
 
     The prompt is prefilled in chunks of ``chunk_size`` tokens, then one token per step is decoded,
-    all through the paged KV cache. The sequence uses pages ``page_ids`` (default ``0..n-1``) of a
-    fresh cache placed on ``mesh`` by ``mapping``.
+    all through the serving engine's ragged step and paged KV cache (``runtime/model_step.py``).
+    The sequence uses pages ``page_ids`` (default ``0..n-1``) of a fresh cache placed on ``mesh`` by
+    ``mapping``.
     """
     spec = model.spec
     total = len(prompt_ids) + max_new_tokens
     num_pages = math.ceil(total / page_size)
     pages = list(page_ids) if page_ids is not None else list(range(num_pages))
-    cache = init_kv_cache(spec, max(pages) + 1, page_size, model.embed.array.dtype, mesh, mapping)
-    width = _bucket(num_pages)  # page-table width bucketed so similar prompts share a compilation
+    dtype = model.embed.array.dtype
+    cache = init_kv_cache(spec, max(pages) + 1, page_size, dtype, mesh, mapping, model.attention_backend)
+    forward = StepLogits.of(model, mesh, mapping, page_size)
+    # Two step shapes: a prefill chunk's and a decode token's (a shorter chunk is padded to the first).
+    shapes = {
+        t: StepShape.of(
+            t,
+            max_num_seqs=1,
+            block_tokens=min(BLOCK_TOKENS, t),
+            max_pages=len(pages),
+            chunk_pages=max(1, CHUNK_TOKENS // page_size),
+        )
+        for t in (chunk_size, 1)
+    }
 
     tokens = list(prompt_ids)
     out: list[int] = []
@@ -59,14 +69,11 @@ def greedy_generate(
         pending = tokens[computed:]
         t = chunk_size if len(pending) > 1 else 1
         step = pending[:t]
-        row = np.zeros((1, t), np.int32)
-        row[0, : len(step)] = step
-        batch = page_batch([computed], [len(step)], [pages], tokens_per_row=t, pages_per_row=width, page_size=page_size)
-        logits, cache = forward_last_logits(model, jnp.asarray(row), batch, cache)
+        logits, cache = forward(cache, [Span(step, computed, pages, samples=True)], shapes[t])
         computed += len(step)
         if computed < len(tokens):
             continue  # still prefilling
-        next_id = int(np.argmax(np.asarray(logits[0])))
+        next_id = int(np.argmax(logits[-1]))
         out.append(next_id)
         tokens.append(next_id)
         if next_id in eos_ids:

@@ -1,7 +1,7 @@
 """The Llama-family decoder (Llama 2/3.x, TinyLlama, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Equinox modules whose weights are haliax ``NamedArray``s: every weight carries logical axis names
-(``embed``, ``kv_heads``, ``qkv``, ``head_size``, ``mlp``, ``vocab``...), and ``runtime/mesh.py``
+(``embed``, ``kv_heads``, ``qkv``, ``head_size``, ``mlp``, ``vocab``...), and ``models/sharding.py``
 maps those names to mesh axes in one table.
 
 Layers are a tuple of separate modules. A ``lax.scan`` over weights stacked along a ``layers``
@@ -37,9 +37,9 @@ from jax.sharding import NamedSharding
 from myserve.models.quant import QuantizedWeight, linear
 from myserve.models.rope import apply_rope, inverse_frequencies
 from myserve.models.spec import ModelSpec
-from myserve.ops.kernel_attention import KernelKVCache, kernel_attention, write_kv_kernel
-from myserve.ops.paged_attention import KVCache, PageBatch, paged_attention, write_kv
-from myserve.ops.ragged_attention import RaggedBatch, ragged_attention
+from myserve.ops.attention import paged_attention
+from myserve.ops.paged_cache import KernelKVCache, KVCache
+from myserve.ops.ragged_batch import RaggedBatch
 
 BATCH, POS = "batch", "position"
 
@@ -144,20 +144,17 @@ def decoder_block(
     spec: ModelSpec,
     layer: DecoderLayer,
     x: NamedArray,
-    batch: PageBatch | RaggedBatch,
+    batch: RaggedBatch,
     cache: KVCache | KernelKVCache,
     layer_idx: int | jax.Array,
     cache_sharding: NamedSharding | None = None,
 ) -> tuple[NamedArray, KVCache | KernelKVCache]:
-    """One pre-norm transformer block on hidden states (batch, position, embed); writes its K/V.
+    """One pre-norm transformer block on a ragged step's hidden states (batch=1, position=T,
+    embed); writes its K/V into layer ``layer_idx`` of the cache.
 
     A free function of the layer's weights (not of the whole model), so the runtime can jit it
     once and call it for every layer with that layer's arrays and index. ``cache_sharding``: the
-    KV cache's sharding; with its heads split over devices the reference attention gathers pages
-    per head shard and the TPU kernel runs per device. The cache's layout picks the attention:
-    ``KernelKVCache`` (a ragged step whose batch carries the kernel's metadata) the TPU kernel,
-    ``KVCache`` the pure-JAX reference (with a ragged batch's decode rows on the GPU kernel when
-    it is marked for it).
+    KV cache's sharding. The cache's layout picks the attention (``ops/attention.py``).
     """
     ax, eps = ModelAxes.of(spec), spec.rms_norm_eps
     h = rms_norm(x, layer.attn_norm, ax.Embed, eps)
@@ -173,22 +170,10 @@ def decoder_block(
     inv_freq = inverse_frequencies(spec)
     # The paged op works on raw arrays in a fixed layout, like the kernels it can dispatch to.
     q, k = apply_rope(q, batch.positions, inv_freq), apply_rope(k, batch.positions, inv_freq)
-    sm_scale = 1.0 / math.sqrt(d)
-    if isinstance(cache, KernelKVCache):
-        assert isinstance(batch, RaggedBatch) and batch.kernel is not None, "the kernel serves ragged steps"
-        cache = write_kv_kernel(cache, layer_idx, k, v, batch)
-        out = kernel_attention(q[0], cache, layer_idx, batch.kernel, sm_scale=sm_scale, cache_sharding=cache_sharding)
-        out = out[None]
-    else:
-        heads_sharded = cache_sharding is not None and cache_sharding.spec[1:2] not in ((), (None,))
-        cache = write_kv(cache, layer_idx, k, v, batch)
-        if isinstance(batch, RaggedBatch):  # one flat row of tokens from many sequences
-            out = ragged_attention(
-                q[0], cache, layer_idx, batch, sm_scale=sm_scale, heads_sharded=heads_sharded,
-                cache_sharding=cache_sharding,
-            )[None]  # fmt: skip
-        else:
-            out = paged_attention(q, cache, layer_idx, batch, heads_sharded=heads_sharded)
+    out, cache = paged_attention(
+        q[0], k, v, cache, layer_idx, batch, sm_scale=1.0 / math.sqrt(d), cache_sharding=cache_sharding
+    )
+    out = out[None]  # the step's one row of T tokens
     out_axes = (h.resolve_axis(BATCH), h.resolve_axis(POS), ax.KVHeads, ax.QPerKV, ax.HeadSize)
     o = linear(hax.named(out.reshape(b, t, kvh, g, d), out_axes), layer.o_proj, (ax.KVHeads, ax.QPerKV, ax.HeadSize))
     x = x + _add(o, layer.o_bias)

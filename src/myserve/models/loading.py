@@ -24,8 +24,8 @@ from myserve.models.checkpoint import ResolvedCheckpoint
 from myserve.models.gguf import GGUFSource
 from myserve.models.llama import DecoderLayer, LlamaModel, ModelAxes, Weight
 from myserve.models.quant import QuantizedWeight, quantize
+from myserve.models.sharding import named_sharding
 from myserve.models.spec import ModelSpec, spec_from_hf_config
-from myserve.runtime.mesh import named_sharding
 
 logger = logging.getLogger(__name__)
 

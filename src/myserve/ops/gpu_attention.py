@@ -4,14 +4,15 @@ JAX ships the kernel (``jax.experimental.pallas.ops.gpu.paged_attention``). It s
 token per sequence: ``q`` [B, heads, D] over ``k_pages``/``v_pages`` [kv_heads, pages, page_size, D]
 with a page table [B, W] and context lengths [B], splitting each sequence's pages over ``k_splits``
 programs (flash-decoding) and skipping the pages past its length. So on a GPU it takes the step's
-single view (the decode rows, ``ops/ragged_attention.py``), and the block view (prefill chunks)
-keeps the reference, in the same executable.
+single view (the decode rows, ``ops/ragged_batch.py``), and the block view (prefill chunks)
+keeps the reference (``ops/attention.py``), in the same executable.
 
-No copy per call. The reference cache ``[layers, kv_heads, pages, page_size, D]`` is read as it
-lies: merging its leading axes is a bitcast to ``[1, layers * kv_heads * pages, page_size, D]``,
-one "KV head" whose page ``(layer * kv_heads + h) * pages + p`` is page ``p`` of head ``h`` of
-``layer``. Each (row, KV head) pair becomes one of the kernel's sequences, with its ``g`` query
-heads and its page table shifted by that offset. (Slicing the layer out of the cache instead
+No copy per call. The reference cache ``[layers, kv_heads, pages, page_size, D]``
+(``ops/paged_cache.py``) is read as it lies: merging its leading axes is a bitcast to
+``[1, layers * kv_heads * pages, page_size, D]``, one "KV head" whose page
+``(layer * kv_heads + h) * pages + p`` is page ``p`` of head ``h`` of ``layer``. Each (row, KV
+head) pair becomes one of the kernel's sequences, with its ``g`` query heads and its page table
+shifted by that offset. (Slicing the layer out of the cache instead
 would copy the layer's whole cache on every call: a custom call reads whole buffers.) The grid is
 then the same as the kernel's own over KV heads: one program per (row, KV head, k split).
 
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from myserve.ops.paged_attention import KVCache
+from myserve.ops.paged_cache import KVCache
 
 logger = logging.getLogger(__name__)
 

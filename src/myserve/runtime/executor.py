@@ -28,17 +28,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from myserve.models.llama import LlamaModel
-from myserve.ops.kernel_attention import KernelKVCache
-from myserve.ops.paged_attention import KVCache
+from myserve.models.sharding import kv_cache_sharding
+from myserve.ops.paged_cache import KernelKVCache, KVCache
 from myserve.runtime.compile_counter import count_loaded, thread_cache_hits
 from myserve.runtime.kv_cache import Cache, cache_arrays, constrain_cache, init_kv_cache, kv_cache_shape, make_cache
-from myserve.runtime.mesh import kv_cache_sharding, replicated
-from myserve.runtime.model_step import StepOutput, model_step
+from myserve.runtime.mesh import replicated
+from myserve.runtime.model_step import StepOutput, model_step, outer_part
 from myserve.runtime.sampler import SampleOutput
 from myserve.runtime.sampling_rows import SamplingRows
 from myserve.runtime.step_cache import StepCache
 from myserve.runtime.step_layout import StepShape, layout
-from myserve.runtime.steps import outer_part
 
 logger = logging.getLogger(__name__)
 

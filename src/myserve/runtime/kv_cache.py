@@ -1,8 +1,8 @@
 """Allocation of the paged KV cache on the mesh, and keeping its sharding through the jitted steps.
 
-Two layouts, picked by the attention backend: the reference path's head-major K and V arrays
-(``ops/paged_attention.py``) and the TPU kernel's one array with K and V interleaved per head
-(``ops/kernel_attention.py``). Both hold the same bytes per page.
+Two layouts, picked by the attention backend (``ops/paged_cache.py``): the reference path's
+head-major K and V arrays and the TPU kernel's one array with K and V interleaved per head. Both
+hold the same bytes per page.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from myserve.models.sharding import kv_cache_sharding
 from myserve.models.spec import ModelSpec
-from myserve.ops.kernel_attention import KernelKVCache
-from myserve.ops.paged_attention import KVCache
-from myserve.runtime.mesh import kv_cache_sharding
+from myserve.ops.paged_cache import KernelKVCache, KVCache
 
 Cache = KVCache | KernelKVCache
 """The paged KV cache in either layout."""

@@ -26,23 +26,29 @@ on the 2-core CPU, most of start-up).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 from myserve.models.llama import BATCH, POS, DecoderLayer, LlamaModel, decoder_block
+from myserve.models.sharding import kv_cache_sharding
 from myserve.models.spec import ModelSpec
-from myserve.ops.kernel_attention import KernelKVCache, kernel_meta
-from myserve.ops.ragged_attention import RaggedBatch
+from myserve.ops.paged_cache import KernelKVCache
+from myserve.ops.ragged_batch import RaggedBatch, kernel_meta
 from myserve.runtime.kv_cache import Cache, constrain_cache
+from myserve.runtime.mesh import replicated as replicated_on
 from myserve.runtime.sampler import SampleOutput, sample, token_logprobs
-from myserve.runtime.sampling_rows import unpack as unpack_rows
-from myserve.runtime.step_layout import StepShape, unpack
-from myserve.wire.params import MAX_TOP_LOGPROBS
+from myserve.runtime.sampling_rows import MAX_TOP_LOGPROBS
+from myserve.runtime.step_arrays import unpack_rows, unpack_step
+from myserve.runtime.step_layout import Span, StepShape, layout
 
 
 class StepOutput(NamedTuple):
@@ -96,16 +102,9 @@ def model_step(
     """
     if replicated is not None:
         flat = jax.lax.with_sharding_constraint(flat, replicated)
-    tokens, batch, sample_idx, following, feed = unpack(flat, shape)
+    tokens, batch, sample_idx, following, feed = unpack_step(flat, shape)
     tokens = jnp.where(feed >= 0, fed[jnp.maximum(feed, 0)], tokens)
-    if isinstance(cache, KernelKVCache):  # the TPU kernel's per-sequence view of the rows, once per step
-        batch = batch.with_kernel(kernel_meta(batch, shape.tokens))
-    elif outer.attention_backend == "pallas_gpu":
-        batch = batch.with_decode_kernel()
-    x = outer.embed_tokens(tokens[None])  # one row of T tokens: [1, T, embed]
-    for i, leaves in enumerate(layers):
-        x, cache = _layer(outer.spec, treedef, leaves, x, batch, cache, cache_sharding, jnp.int32(i))
-    cache = constrain_cache(cache, cache_sharding)
+    x, cache = _forward(shape, treedef, cache_sharding, outer, layers, cache, tokens, batch)
     hidden = x.rearrange((BATCH, POS, "embed")).array[0]  # [T, embed]
     last = hax.named(hidden[sample_idx], (BATCH, "embed"))
     logits = outer.logits(outer.norm(last)).array  # [N1, V]
@@ -129,12 +128,101 @@ def model_step(
     return StepOutput(out, scores), cache, counts, next_fed
 
 
+def _forward(
+    shape: StepShape,
+    treedef: jax.tree_util.PyTreeDef,
+    cache_sharding: NamedSharding | None,
+    outer: LlamaModel,
+    layers: tuple[tuple[jax.Array, ...], ...],
+    cache: Cache,
+    tokens: jax.Array,
+    batch: RaggedBatch,
+) -> tuple[hax.NamedArray, Cache]:
+    """Inside the jit: the hidden states [1, T, embed] of the flat ``tokens`` [T] after every decoder
+    layer, and the cache with their K/V written."""
+    if isinstance(cache, KernelKVCache):  # the TPU kernel's per-sequence view of the rows, once per step
+        batch = batch.with_kernel(kernel_meta(batch, shape.tokens))
+    elif outer.attention_backend == "pallas_gpu":
+        batch = batch.with_decode_kernel()
+    x = outer.embed_tokens(tokens[None])  # one row of T tokens: [1, T, embed]
+    for i, leaves in enumerate(layers):
+        x, cache = _layer(outer.spec, treedef, leaves, x, batch, cache, cache_sharding, jnp.int32(i))
+    return x, constrain_cache(cache, cache_sharding)
+
+
+def _all_logits(outer: LlamaModel, x: hax.NamedArray) -> jax.Array:
+    """Float32 logits [T, V] of every flat token of hidden states ``x`` [1, T, embed]."""
+    return outer.logits(outer.norm(x)).array[0]
+
+
 def _score(outer: LlamaModel, x: hax.NamedArray, following: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Logprob of each flat token's following token (scored prompt positions), with the top K."""
-    logits = outer.logits(outer.norm(x)).array[0]  # [T, V]
-    return token_logprobs(logits, jnp.maximum(following, 0), MAX_TOP_LOGPROBS)
+    return token_logprobs(_all_logits(outer, x), jnp.maximum(following, 0), MAX_TOP_LOGPROBS)
 
 
 def _no_scores(t: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     k = MAX_TOP_LOGPROBS
     return jnp.zeros(t, jnp.float32), jnp.zeros((t, k), jnp.int32), jnp.zeros((t, k), jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=6)
+def step_logits(
+    shape: StepShape,
+    treedef: jax.tree_util.PyTreeDef,
+    cache_sharding: NamedSharding | None,
+    replicated: NamedSharding | None,
+    outer: LlamaModel,
+    layers: tuple[tuple[jax.Array, ...], ...],
+    cache: Cache,
+    flat: jax.Array,
+) -> tuple[jax.Array, Cache]:
+    """``model_step``'s model without the sampler: the same packed layout (``flat``), layers and
+    attention, returning float32 logits [T, V] of every flat token and the updated cache (donated).
+    What ``python -m myserve.generate`` and the parity tests run, so parity with transformers is a
+    property of the served step."""
+    if replicated is not None:
+        flat = jax.lax.with_sharding_constraint(flat, replicated)
+    tokens, batch, _, _, _ = unpack_step(flat, shape)
+    x, cache = _forward(shape, treedef, cache_sharding, outer, layers, cache, tokens, batch)
+    return _all_logits(outer, x), cache
+
+
+def outer_part(model: LlamaModel) -> LlamaModel:
+    """The model without its layers (embedding, final norm, LM head): what the steps take beside
+    each layer's leaves."""
+    return eqx.tree_at(lambda m: m.layers, model, ())
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLogits:
+    """``step_logits`` on the host, for one model on a mesh: spans in, each span's logits out."""
+
+    outer: LlamaModel
+    treedef: jax.tree_util.PyTreeDef
+    layers: tuple[tuple[jax.Array, ...], ...]
+    """Each layer's leaves, flattened once (a tuple of arrays flattens in C++ on every call)."""
+    cache_sharding: NamedSharding
+    replicated: NamedSharding
+    page_size: int
+
+    @staticmethod
+    def of(model: LlamaModel, mesh: Mesh, mapping: Mapping[str, str], page_size: int) -> StepLogits:
+        """For ``model`` placed on ``mesh`` by ``mapping``, over a cache of ``page_size``-token pages
+        in the model's attention backend's layout (``init_kv_cache(..., model.attention_backend)``)."""
+        return StepLogits(
+            outer_part(model),
+            jax.tree_util.tree_structure(model.layers[0]),
+            tuple(tuple(jax.tree_util.tree_leaves(layer)) for layer in model.layers),
+            kv_cache_sharding(mapping, mesh, model.attention_backend),
+            replicated_on(mesh),
+            page_size,
+        )
+
+    def __call__(self, cache: Cache, spans: Sequence[Span], shape: StepShape) -> tuple[np.ndarray, Cache]:
+        """One step of ``spans`` (which ``shape`` must fit): the logits [tokens, V] of their tokens in
+        order (numpy), and the cache (``cache`` is donated)."""
+        host = layout(spans, shape, self.page_size)
+        logits, cache = step_logits(
+            shape, self.treedef, self.cache_sharding, self.replicated, self.outer, self.layers, cache, host.pack()
+        )
+        return np.asarray(logits[: sum(len(span.token_ids) for span in spans)]), cache

@@ -1,0 +1,208 @@
+"""The attention op of a ragged step: the pure-JAX reference, and the choice of implementation.
+
+``paged_attention`` is what a decoder layer calls: it writes the step's keys and values into the
+cache and attends with the implementation the cache's layout and the batch pick: the TPU kernel
+for the kernel's layout (``ops/tpu_attention.py``), otherwise this file's reference, with the
+decode rows on the GPU kernel when the batch is marked for it (``ops/gpu_attention.py``).
+``resolve_backend`` picks the implementation once per deployment.
+
+The reference reads each view's rows (``ops/ragged_batch.py``) in chunks of ``chunk_pages`` pages
+of their context with an online softmax (as flash attention does), in a ``fori_loop`` that stops
+after the step's longest context: page tables are full width (``max_model_len`` pages) and no
+page-width bucket is compiled. Rows are computed together, so a chunk costs the same for every row
+of a view; padding rows have ``kv_lens == 0``.
+
+Causality is by absolute position: a query at position ``p`` sees cache slots ``<= p`` of its row
+(the cache already holds this step's keys), and ``< kv_lens``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+
+from myserve.errors import ConfigError
+from myserve.ops.gpu_attention import decode_attention, gpu_fit
+from myserve.ops.paged_cache import KernelKVCache, KVCache, write_kv, write_kv_kernel
+from myserve.ops.ragged_batch import AttentionView, RaggedBatch
+from myserve.ops.tpu_attention import kernel_attention, pallas_fit
+
+logger = logging.getLogger(__name__)
+
+AttentionBackend = Literal["auto", "reference", "pallas"]
+
+# Finite, so a fully masked (padding) row gives a uniform softmax instead of NaN.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def paged_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache: KVCache | KernelKVCache,
+    layer: int | jax.Array,
+    batch: RaggedBatch,
+    *,
+    sm_scale: float,
+    cache_sharding: NamedSharding | None = None,
+) -> tuple[jax.Array, KVCache | KernelKVCache]:
+    """Write this step's ``k``, ``v`` [1, T, kv_heads, D] into layer ``layer`` of ``cache``, then
+    attend: flat queries ``q`` [T, heads, D] -> ([T, heads, D] in q's dtype, the updated cache).
+
+    ``KernelKVCache`` (its batch carrying the kernel's metadata) runs the TPU kernel, ``KVCache``
+    the reference (with the decode rows on the GPU kernel when ``batch.decode_kernel``).
+    ``cache_sharding``: the cache's sharding; with its heads split over devices the reference
+    gathers pages per head shard and the kernels run per device.
+    """
+    if isinstance(cache, KernelKVCache):
+        assert batch.kernel is not None, "the TPU kernel needs the batch's kernel metadata"
+        cache = write_kv_kernel(cache, layer, k, v, batch)
+        return kernel_attention(q, cache, layer, batch.kernel, sm_scale=sm_scale, cache_sharding=cache_sharding), cache
+    heads_sharded = cache_sharding is not None and cache_sharding.spec[1:2] not in ((), (None,))
+    cache = write_kv(cache, layer, k, v, batch)
+    out = ragged_attention(
+        q, cache, layer, batch, sm_scale=sm_scale, heads_sharded=heads_sharded, cache_sharding=cache_sharding
+    )
+    return out, cache
+
+
+def _gather_pages(x: jax.Array, layer: int | jax.Array, page_table: jax.Array, heads_sharded: bool) -> jax.Array:
+    """Pages ``page_table`` [N, P] of every KV head of one layer: [kv_heads, N, P, page_size * D].
+
+    Unsharded heads: a gather of whole pages as rows of the flattened cache (contiguous
+    ``page_size * head_dim`` rows) with in-bounds indices promised, ~25 % faster on XLA:CPU than
+    indexing ``x[layer][:, table]``. That flattening merges the ``kv_heads`` axis, so with heads
+    sharded over ``model`` XLA would all-gather the whole cache every layer; there a gather that
+    keeps ``kv_heads`` as a whole-axis (passthrough) slice runs on each shard's own heads
+    (~20 % slower on one CPU device, no collective).
+    """
+    num_layers, kvh, num_pages = x.shape[:3]
+    pages = jnp.clip(page_table, 0, num_pages - 1)
+    if heads_sharded:
+        x4 = x.reshape(num_layers, kvh, num_pages, -1)
+        index = jnp.stack([jnp.broadcast_to(layer, pages.shape).astype(pages.dtype), pages], axis=-1)
+        dims = lax.GatherDimensionNumbers(offset_dims=(0, 3), collapsed_slice_dims=(0, 2), start_index_map=(0, 2))
+        sizes = (1, kvh, 1, x4.shape[-1])
+        return lax.gather(x4, index, dims, slice_sizes=sizes, mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    rows = x.reshape(num_layers * kvh * num_pages, -1)
+    heads = (layer * kvh + jnp.arange(kvh, dtype=pages.dtype)) * num_pages
+    return rows.at[heads[:, None, None] + pages[None]].get(mode="promise_in_bounds")
+
+
+def _view_attention(
+    q: jax.Array,
+    cache: KVCache,
+    layer: int | jax.Array,
+    view: AttentionView,
+    *,
+    chunk_pages: int,
+    sm_scale: float,
+    heads_sharded: bool,
+) -> jax.Array:
+    """Attention of one view's rows. q: [T + 1, heads, D] (last row zeros) -> [N, Q, heads, D] float32."""
+    _, h, d = q.shape
+    n, qn = view.idx.shape
+    kvh = cache.k.shape[1]
+    g = h // kvh
+    m_rows = qn * g
+    # [N, KVH, Q * g, D]: the queries of a row that read one KV head, query-major.
+    qm = q[view.idx].reshape(n, qn, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(n, kvh, m_rows, d)
+    q_pos = jnp.repeat(view.positions, g, axis=1)  # [N, Q * g]
+    span = chunk_pages * cache.page_size
+    num_chunks = (jnp.max(view.kv_lens, initial=0) + span - 1) // span
+
+    def body(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        m, denom, acc = carry
+        pages = lax.dynamic_slice_in_dim(view.pages, i * chunk_pages, chunk_pages, axis=1)
+        keys, values = (
+            _gather_pages(x, layer, pages, heads_sharded).reshape(kvh, n, span, d) for x in (cache.k, cache.v)
+        )
+        kv_pos = i * span + jnp.arange(span)
+        mask = (kv_pos[None, :, None] <= q_pos[:, None, :]) & (kv_pos[None, :, None] < view.kv_lens[:, None, None])
+        s = jnp.einsum("knsd,nkmd->knsm", keys, qm, preferred_element_type=jnp.float32) * sm_scale
+        s = jnp.where(mask[None], s, _MASK_VALUE)  # [KVH, N, span, M]
+        m_new = jnp.maximum(m, s.max(axis=2))
+        p = jnp.exp(s - m_new[:, :, None, :])
+        correction = jnp.exp(m - m_new)
+        denom = denom * correction + p.sum(axis=2)
+        pv = jnp.einsum("knsm,knsd->nkmd", p.astype(values.dtype), values, preferred_element_type=jnp.float32)
+        acc = acc * correction.transpose(1, 0, 2)[..., None] + pv
+        return m_new, denom, acc
+
+    init = (
+        jnp.full((kvh, n, m_rows), _MASK_VALUE, jnp.float32),
+        jnp.zeros((kvh, n, m_rows), jnp.float32),
+        jnp.zeros((n, kvh, m_rows, d), jnp.float32),
+    )
+    _, denom, acc = lax.fori_loop(0, num_chunks, body, init)
+    out = acc / jnp.maximum(denom, 1e-30).transpose(1, 0, 2)[..., None]
+    return out.reshape(n, kvh, qn, g, d).transpose(0, 2, 1, 3, 4).reshape(n, qn, h, d)
+
+
+def ragged_attention(
+    q: jax.Array,
+    cache: KVCache,
+    layer: int | jax.Array,
+    batch: RaggedBatch,
+    *,
+    sm_scale: float,
+    heads_sharded: bool = False,
+    cache_sharding: NamedSharding | None = None,
+) -> jax.Array:
+    """Attention of flat queries ``q`` [T, heads, D] over their sequences' paged context (this
+    step's K/V already written); returns [T, heads, D] in q's dtype (padding tokens: zeros). Pure
+    JAX, except the single view on the GPU decode kernel when ``batch.decode_kernel`` (which reads
+    ``cache_sharding`` to run per device when heads are split)."""
+    t, h, d = q.shape
+    padded = jnp.concatenate([q, jnp.zeros((1, h, d), q.dtype)])
+    out = jnp.zeros((t + 1, h, d), jnp.float32)
+    for view in (batch.single, batch.blocks):
+        if view.idx.shape[0] == 0:
+            continue
+        if batch.decode_kernel and view is batch.single:
+            rows = decode_attention(
+                padded[view.idx[:, 0]], cache, layer, view.kv_lens, view.pages,
+                sm_scale=sm_scale, cache_sharding=cache_sharding,
+            )  # fmt: skip
+            out = out.at[view.idx[:, 0]].set(rows.astype(jnp.float32))
+            continue
+        rows = _view_attention(
+            padded, cache, layer, view, chunk_pages=batch.chunk_pages, sm_scale=sm_scale, heads_sharded=heads_sharded
+        )
+        # Padding entries all point at row T, which is dropped.
+        out = out.at[view.idx.reshape(-1)].set(rows.reshape(-1, h, d))
+    return out[:t].astype(q.dtype)
+
+
+def resolve_backend(
+    backend: AttentionBackend, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int
+) -> Literal["reference", "pallas", "pallas_gpu"]:
+    """Pick the attention implementation. ``auto`` and ``pallas``: on TPU the Pallas ragged kernel
+    (``pallas``), on GPU the Pallas paged decode kernel for the decode rows (``pallas_gpu``,
+    ``ops/gpu_attention.py``), each when it imports and the model's shapes fit it; the
+    reference otherwise (``pallas`` instead fails with the reason). ``reference`` forces the
+    reference."""
+    if backend == "reference":
+        return "reference"
+    platform = jax.default_backend()
+    if platform == "tpu":
+        misfit = pallas_fit(num_heads, num_kv_heads, head_dim, page_size)  # it imports the kernel's module
+        picked: Literal["pallas", "pallas_gpu"] = "pallas"
+    elif platform in ("gpu", "cuda", "rocm"):
+        misfit = gpu_fit(num_heads, num_kv_heads, head_dim, page_size)
+        picked = "pallas_gpu"
+    elif backend == "pallas":
+        raise ConfigError("engine.attention_backend 'pallas' needs a TPU or a GPU; use 'auto' or 'reference'")
+    else:
+        return "reference"
+    if misfit is None:
+        return picked
+    if backend == "pallas":
+        raise ConfigError(f"engine.attention_backend 'pallas' cannot serve this model: {misfit}")
+    logger.warning("Pallas attention kernel not used (%s); using the reference", misfit)
+    return "reference"
