@@ -17,7 +17,7 @@ from myserve.config import EngineConfig
 from myserve.runtime.step_layout import Span, StepShape, count
 
 BLOCK_TOKENS = 32
-"""Query tokens per block of a prefill chunk in the attention (``ops/ragged_attention.py``): a
+"""Query tokens per block of a prefill chunk in the attention (``ops/ragged_batch.py``): a
 block's tokens share one gathered context, so larger blocks gather less but pad more."""
 
 CHUNK_TOKENS = 128
