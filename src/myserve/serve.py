@@ -11,6 +11,7 @@ supervisor restarts it.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import shutil
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from myserve.config import REASONING_PARSERS, TOOL_CALL_PARSERS
 from myserve.errors import ConfigError, MyserveError
+from myserve.frontend.front_end_process import GIL_SWITCH_INTERVAL_S
 
 if TYPE_CHECKING:
     from myserve.config import Config
@@ -94,13 +96,6 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return with_overrides(config, overrides, source="command line") if overrides else config
 
 
-GIL_SWITCH_INTERVAL_S = 0.0005
-"""The engine thread and the HTTP event loop share this process's GIL: when the engine thread
-wakes from waiting on the device it waits for the event loop to hand the GIL over, by default up
-to 5 ms, which delays the next step's dispatch. Measured on the yardstick at 64 concurrent streams:
-+10 % tokens/s at 0.5 ms (3 alternating rounds). Issue 17 moves the engine to its own process."""
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Load, warm up, serve until signalled; returns the exit code."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
@@ -115,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics_dir = _shared_metrics_dir()  # before prometheus_client is imported
 
         from myserve.bundled import BUNDLED_MODEL_NAME
+        from myserve.core.process import run_core
         from myserve.frontend.core_client import EngineClient
         from myserve.frontend.http_server import serve_http
 
@@ -124,7 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.server.engine_process and config.mesh.role() in ("single", "leader"):
             # The core loads the model and owns the device; this process only needs the tokenizer
             # (it never imports the engine, nor JAX).
-            service = EngineClient(config, lambda: front_tokenizer(config), front_ends=front_ends)
+            load_tokenizer = functools.partial(front_tokenizer, config)
+            service = EngineClient(config, load_tokenizer, core_main=run_core, front_ends=front_ends)
             try:
                 service.wait_loaded()  # the core's verdict on the configuration first
             except BaseException:
@@ -203,7 +200,11 @@ def _serve_front_ends(config: Config, service: EngineClient, name: str) -> int:
         return 1
     spawn = multiprocessing.get_context("spawn")
     siblings = [
-        spawn.Process(target=run_front_end, args=(config, link, address, name), name=f"myserve-front-{link.index}")
+        spawn.Process(
+            target=run_front_end,
+            args=(config, link, address, name, functools.partial(front_tokenizer, config)),
+            name=f"myserve-front-{link.index}",
+        )
         for link in service.links[1:]
     ]
     for sibling in siblings:
@@ -226,7 +227,10 @@ def _shared_metrics_dir() -> str | None:
 
 
 def front_tokenizer(config: Config):  # noqa: ANN201 - a Tokenizer
-    """The tokenizer the front end needs, loaded as the deployment would (no weights, no device)."""
+    """The tokenizer the front end needs, loaded as the deployment would (no weights, no device).
+
+    Here, in the assembly, because it resolves the checkpoint with model code: the front ends get
+    it as a (picklable) loader and import nothing of ``models/``."""
     from myserve.models.checkpoint import resolve_checkpoint
     from myserve.tokenizer import Tokenizer
 
@@ -238,7 +242,7 @@ def _follow(dep) -> int:
     """A process other than 0 of a multi-host deployment: run the leader's steps until it stops."""
     import jax
 
-    from myserve.core.replica import make_executors
+    from myserve.core.build import make_executors
     from myserve.runtime import multihost
     from myserve.runtime.step_channel import StepChannelError
 

@@ -1,6 +1,7 @@
 """Shared fakes for tests: tiny random HF checkpoints of each supported architecture.
 
-Built with transformers (and therefore torch), so only tests import this module.
+Built with transformers (and therefore torch), so only tests import this module. Also the fake
+device the engine core's host-logic tests run on (``FakeDevice``, ``FakeCore``: no JAX).
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ def start_client(checkpoint: Path | None, *overrides: str):
     ``python -m myserve.serve`` runs it; arguments as ``start_service``."""
     from myserve.bundled import bundled_gguf_path
     from myserve.config import load_config
+    from myserve.core.process import run_core
     from myserve.frontend.core_client import EngineClient
     from myserve.serve import front_tokenizer
 
@@ -151,7 +153,7 @@ def start_client(checkpoint: Path | None, *overrides: str):
     if checkpoint is not None:
         base += [f"model.checkpoint={checkpoint}", f"model.tokenizer={bundled_gguf_path()}"]
     config = load_config(None, [*base, *overrides])
-    client = EngineClient(config, lambda: front_tokenizer(config))
+    client = EngineClient(config, lambda: front_tokenizer(config), core_main=run_core)
     client.wait_loaded()
     client.start()
     return client
@@ -196,89 +198,6 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: tuple[
     return out[0, len(prompt_ids) :].tolist()
 
 
-class HostEngine:
-    """The engine's host loop with no device: the scheduler plans, a made-up token stands for each
-    sample, and sequences finish at their length, as ``GenerationService`` drives a real runner.
-
-    For unit tests of the scheduler, the page allocator and the penalty slots in milliseconds.
-    """
-
-    def __init__(self, scheduler: Any, on_schedule: Any = None, overlap: bool = False):
-        from myserve.core.sequence import Sequence
-
-        self.scheduler = scheduler
-        self.overlap = overlap
-        """Overlapped steps, as the service runs them: a step's samples are read after the next
-        step is scheduled and dispatched (one step in flight)."""
-        self.inflight: list[Sequence] = []
-        """Sequences whose token the step in flight samples."""
-        self.on_schedule = on_schedule
-        """Called with each ``ScheduledBatch`` before it 'runs' (e.g. to lay it out as the runner would)."""
-        self.live: list[Sequence] = []
-        """Sequences submitted and not yet finished or aborted."""
-        self.done: list[Sequence] = []
-        self._ids = 0
-
-    def submit(self, prompt: list[int], params: Any, max_len: int | None = None) -> list[Any]:
-        """Queue a request's ``params.n`` choices (later ones share the first's prompt pages)."""
-        from myserve.core.sequence import Sequence
-
-        self._ids += 1
-        max_len = max_len or len(prompt) + (params.max_tokens or 16)
-        seqs: list[Sequence] = []
-        for choice in range(params.n):
-            seq = Sequence(f"r{self._ids}", choice, prompt, params, max_len, parent=seqs[0] if seqs else None)
-            seqs.append(seq)
-            self.scheduler.add(seq)
-        self.live.extend(seqs)
-        return seqs
-
-    @staticmethod
-    def token(seq: Any, position: int) -> int:
-        """The made-up token a sequence samples at ``position`` (deterministic, never EOS-like)."""
-        return 3 + (seq.seed + 7 * position) % 200
-
-    def has_work(self) -> bool:
-        """Whether a sequence waits or runs, or a step is in flight."""
-        return bool(self.scheduler.has_work() or self.inflight)
-
-    def step(self) -> Any:
-        """One engine step: schedule and 'dispatch' (after_step), then read the step in flight
-        before it (overlap) or this one: append each sampled token, finish full sequences."""
-        from myserve.core.sequence import SeqStatus
-
-        batch = self.scheduler.schedule()
-        if self.on_schedule is not None:
-            self.on_schedule(batch)
-        chunks = (*batch.decodes, *batch.prefills)
-        sampling = [c.seq for c in chunks if c.samples and c.seq.status is SeqStatus.RUNNING]
-        self.scheduler.after_step(batch)
-        read, self.inflight = (self.inflight, sampling) if self.overlap else (sampling, [])
-        for seq in read:
-            seq.num_inflight -= 1
-            if seq.finish_reason is not None:
-                continue  # finished or aborted while its token was in flight: the token is dropped
-            seq.output_ids.append(self.token(seq, seq.num_known))
-            if seq.num_known >= seq.max_len:
-                self.finish(seq, "length")
-        return batch
-
-    def finish(self, seq: Any, reason: str) -> None:
-        """End a sequence (finished or aborted) through the scheduler's one release path."""
-        seq.finish_reason = reason
-        self.scheduler.finish(seq)
-        self.live.remove(seq)
-        self.done.append(seq)
-
-    def run(self, max_steps: int = 10_000) -> int:
-        """Step until nothing is left; the number of steps taken."""
-        for i in range(max_steps):
-            if not self.has_work():
-                return i
-            self.step()
-        raise AssertionError(f"work left after {max_steps} steps: {self.scheduler.running} {self.scheduler.waiting}")
-
-
 def assert_consistent(scheduler: Any, live: list[Any]) -> None:
     """The host bookkeeping invariants, given the sequences not yet finished or aborted.
 
@@ -309,3 +228,227 @@ def assert_consistent(scheduler: Any, live: list[Any]) -> None:
     for seq in scheduler.running:
         assert seq in live and (seq.slot is not None) == seq.params.uses_penalties, f"{seq}: slot {seq.slot}"
     assert slots.num_free == slots.num_slots - len(owners)
+
+
+def scripted_token(seed: int, choice: int, position: int) -> int:
+    """The token ``FakeDevice`` draws by default for a row: deterministic in the row's seed, choice
+    and output position (as the real sampler's key is), never below 3 (no EOS-like id)."""
+    return 3 + (seed + 31 * choice + 7 * position) % 200
+
+
+class FakeDevice:
+    """A runtime ``Device`` with no JAX and no model, for the engine core's host-logic tests.
+
+    Each sampling row of a ``StepCall`` draws ``script(seed, choice, position)`` (``position``: the
+    row's output index), except that a token the row bans (EOS and stop ids under ``min_tokens``)
+    or its grammar mask forbids is replaced by the smallest allowed id. Every op is recorded, so a
+    test sees what the core asked of the device: page copies, penalty-slot writes, steps.
+    """
+
+    def __init__(self, script: Callable[[int, int, int], int] = scripted_token, vocab_size: int = 256):
+        self.script = script
+        self.vocab_size = vocab_size
+        self.ops: list[Any] = []
+        """Every op run, in order."""
+
+    @property
+    def steps(self) -> list[Any]:
+        """The ``StepCall`` ops run so far."""
+        from myserve.runtime.step_ops import StepCall
+
+        return [op for op in self.ops if isinstance(op, StepCall)]
+
+    def run(self, ops: Any, progress: Callable[[int, int], None] | None = None) -> list[Any]:
+        """Record ``ops``; each ``StepCall``'s sampled rows, as the output handle ``read`` takes."""
+        from myserve.runtime.step_ops import CompileSteps, StepCall
+
+        outputs = []
+        for op in ops:
+            self.ops.append(op)
+            if isinstance(op, CompileSteps) and progress is not None:
+                progress(len(op.shapes), len(op.shapes))
+            elif isinstance(op, StepCall):
+                outputs.append(self._sample(op))
+        return outputs
+
+    def _sample(self, op: Any) -> Any:
+        import numpy as np
+
+        from myserve.runtime import sampling_rows as rows
+        from myserve.runtime.device import StepRead
+
+        ints, n = op.ints, op.ints.shape[0]
+        masks = dict(zip(op.mask_rows.tolist(), op.bitmask, strict=True)) if op.bitmask is not None else {}
+        tokens = np.zeros(n, np.int32)
+        for r in range(n):
+            if not ints[r, rows.WEIGHT]:
+                continue  # a padding row
+            seed = int(np.int32(ints[r, rows.SEED]).view(np.uint32))
+            token = self.script(seed, int(ints[r, rows.CHOICE]), int(ints[r, rows.POSITION]))
+            banned = set(ints[r, rows.NUM_INTS + rows.MAX_BIAS :].tolist()) - {-1}
+            mask = masks.get(r)
+
+            def allowed(t: int, banned: set[int] = banned, mask: Any = mask) -> bool:
+                return t not in banned and (mask is None or bool((int(mask[t // 32]) >> (t % 32)) & 1))
+
+            if not allowed(token):
+                token = next(t for t in range(self.vocab_size) if allowed(t))
+            tokens[r] = token
+        k = rows.MAX_TOP_LOGPROBS
+        t = op.shape.tokens
+        scores = (np.zeros(t, np.float32), np.zeros((t, k), np.int32), np.zeros((t, k), np.float32))
+        tops = np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)
+        return StepRead(tokens, np.zeros(n, np.float32), *tops, scores)
+
+    def read(self, output: Any, *, tops: bool, scored: bool) -> Any:
+        """The step's rows, with top logprobs and prompt scores only when asked for (as ``Executor.read``)."""
+        return output._replace(
+            top_ids=output.top_ids if tops else None,
+            top_logprobs=output.top_logprobs if tops else None,
+            scores=output.scores if scored else None,
+        )
+
+
+class FakeTokenizer:
+    """What the engine core reads of a tokenizer when no request is constrained: its EOS ids."""
+
+    def __init__(self, eos_token_ids: tuple[int, ...] = (2,)):
+        self.eos_token_ids = eos_token_ids
+        self.hf = None  # the grammar compiler is built on first use only: a constrained request needs a real one
+
+
+class FakeCore:
+    """The real ``EngineCore`` on a ``FakeDevice``, driven step by step on the calling thread.
+
+    ``submit`` queues a request through ``EngineCore.add`` and admits it; ``step`` runs one loop
+    iteration (``EngineCore.run_once``) and returns the ``ScheduledBatch`` it planned; every delta
+    the core emits is kept in ``outputs``. For tests of the scheduler, the pages, the penalty
+    slots and the core's finish and post-processing, in milliseconds and without JAX.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_pages: int = 64,
+        page_size: int = 4,
+        max_num_seqs: int = 4,
+        budget: int = 16,
+        chunk: int | None = None,
+        token_buckets: tuple[int, ...] | None = None,
+        block_tokens: int = 32,
+        max_model_len: int = 256,
+        prefix_cache: bool = True,
+        overlap: bool = False,
+        device: FakeDevice | None = None,
+        tokenizer: Any = None,
+        vocab_size: int = 256,
+        max_waiting: int = 1024,
+    ):
+        import math
+
+        from myserve.core.engine_core import EngineCore
+        from myserve.core.pages import PageAllocator
+        from myserve.core.replica import Replica
+        from myserve.core.runner import ModelRunner
+        from myserve.core.scheduler import Scheduler
+        from myserve.runtime.buckets import Buckets
+        from myserve.wire.outputs import RequestOutput
+
+        tokenizer = tokenizer if tokenizer is not None else FakeTokenizer()
+        self.device = device if device is not None else FakeDevice(vocab_size=vocab_size)
+        buckets = Buckets(
+            tokens=token_buckets or tuple(sorted({1, budget})),
+            max_num_seqs=max_num_seqs,
+            page_size=page_size,
+            max_pages=math.ceil(max_model_len / page_size),
+            block_tokens=min(block_tokens, budget),
+            chunk_pages=2,
+        )
+        allocator = PageAllocator(num_pages, page_size, enable_prefix_cache=prefix_cache)
+        self.scheduler = Scheduler(
+            allocator,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_prefill_chunk=chunk or budget,
+            max_prefill_chunks=buckets.max_prefill_chunks,
+        )
+        runner = ModelRunner(self.device, buckets=buckets, max_num_seqs=max_num_seqs, eos_ids=tokenizer.eos_token_ids)
+        self.core = EngineCore(
+            [Replica(allocator, self.scheduler, runner)],
+            tokenizer,
+            vocab_size=vocab_size,
+            num_pages=num_pages,
+            max_model_len=max_model_len,
+            max_waiting=max_waiting,
+            async_scheduling=overlap,
+        )
+        self.outputs: list[RequestOutput] = []
+        self.core.sink = self.outputs.extend
+        self.batches: list[Any] = []
+        """Every ``ScheduledBatch`` planned, in order."""
+        self.on_schedule: Callable[[Any], None] | None = None
+        """Called with each ``ScheduledBatch`` as it is planned (e.g. to check its layout)."""
+        schedule = self.scheduler.schedule
+
+        def recording() -> Any:
+            batch = schedule()
+            self.batches.append(batch)
+            if self.on_schedule is not None:
+                self.on_schedule(batch)
+            return batch
+
+        self.scheduler.schedule = recording  # type: ignore[method-assign]
+        self._ids = 0
+        self.seqs: list[Any] = []
+        """Every choice submitted, in order."""
+
+    def submit(self, prompt: list[int], params: Any, request_id: str | None = None) -> list[Any]:
+        """Queue and admit a request; its choices' ``Sequence``s."""
+        self._ids += 1
+        request_id = request_id or f"r{self._ids}"
+        self.core.add(request_id, prompt, params)
+        self.core.drain_inbox()
+        seqs = [seq for seq in self.core.sequences() if seq.request_id == request_id]
+        self.seqs.extend(seqs)
+        return seqs
+
+    def abort(self, request_id: str, choice: int | None = None) -> None:
+        """Abort a request (or one choice) through the core's inbox, applied now."""
+        self.core.abort(request_id, choice)
+        self.core.drain_inbox()
+
+    def step(self) -> Any:
+        """One engine loop iteration; the batch it scheduled (None when it scheduled none)."""
+        before = len(self.batches)
+        self.core.run_once()
+        return self.batches[-1] if len(self.batches) > before else None
+
+    @property
+    def live(self) -> list[Any]:
+        """Choices submitted and not yet finished or aborted."""
+        return [seq for seq in self.seqs if seq.finish_reason is None]
+
+    @property
+    def done(self) -> list[Any]:
+        """Choices finished or aborted."""
+        return [seq for seq in self.seqs if seq.finish_reason is not None]
+
+    def has_work(self) -> bool:
+        """Whether a sequence waits or runs, or a step is in flight."""
+        return self.core.has_work()
+
+    def run(self, max_steps: int = 10_000) -> int:
+        """Step until nothing is left; the number of steps taken."""
+        for i in range(max_steps):
+            if not self.core.run_once():
+                return i + 1
+        raise AssertionError(f"work left after {max_steps} steps: {self.scheduler.running} {self.scheduler.waiting}")
+
+    def finished(self, request_id: str) -> dict[int, tuple[list[int], str | None]]:
+        """A request's choices as delivered: (token ids, finish reason) per choice."""
+        got: dict[int, tuple[list[int], str | None]] = {}
+        for out in self.outputs:
+            if out.request_id == request_id and out.choice >= 0:
+                tokens, finish = got.get(out.choice, ([], None))
+                got[out.choice] = ([*tokens, *out.token_ids], out.finish_reason or finish)
+        return got

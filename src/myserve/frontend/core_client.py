@@ -36,6 +36,7 @@ from myserve.grammar import LazyGrammars
 from myserve.tokenizer import Tokenizer
 from myserve.validation import validate_request
 from myserve.wire import messages as msg
+from myserve.wire.link import CoreLink
 from myserve.wire.outputs import EngineDead, EngineStats, Overloaded, RequestOutput, Usage
 from myserve.wire.params import SamplingParams
 
@@ -47,24 +48,17 @@ logger = logging.getLogger(__name__)
 _WATCH_S = 0.2
 """How often the receiver checks that the core process is alive while no message comes."""
 
-
-@dataclasses.dataclass(frozen=True)
-class CoreLink:
-    """One front end's two sockets to the engine core (``ipc://`` addresses the front end binds)
-    and the core's pid, which an attached front end watches. Picklable: ``serve`` hands links to
-    the extra front-end processes of ``--api-server-count``."""
-
-    index: int
-    to_core: str
-    from_core: str
-    core_pid: int = 0
+CoreMain = Callable[["Config", Sequence[CoreLink]], None]
+"""The core process's entry point (``myserve.core.process.run_core``). The assembly (``serve``,
+``myserve.testing``) passes it in, so that the front end imports nothing of the core: the spawned
+process imports it when it unpickles its target."""
 
 
 class EngineClient:
     """A ``GenerationService`` look-alike whose engine core runs in a child process.
 
-    ``EngineClient(config, load_tokenizer, front_ends=N)`` starts the core for N front ends and is
-    front end 0; ``links[i]`` are the others', which ``EngineClient.attach`` uses in their processes.
+    ``EngineClient(config, load_tokenizer, core_main=run_core, front_ends=N)`` starts the core for N
+    front ends and is front end 0; ``links[i]`` are the others', which ``EngineClient.attach`` uses in their processes.
     """
 
     def __init__(
@@ -72,11 +66,15 @@ class EngineClient:
         config: Config,
         load_tokenizer: Callable[[], Tokenizer],
         *,
+        core_main: CoreMain | None = None,
         front_ends: int = 1,
         link: CoreLink | None = None,
     ):
-        """Start the core process (or, given the ``link`` of a core started elsewhere, attach to it);
-        ``load_tokenizer`` runs on a thread meanwhile (``wait_loaded`` joins both)."""
+        """Start the core process running ``core_main`` (or, given the ``link`` of a core started
+        elsewhere, attach to it); ``load_tokenizer`` runs on a thread meanwhile (``wait_loaded`` joins
+        both)."""
+        if (core_main is None) == (link is None):
+            raise TypeError("EngineClient needs core_main (to start a core) or link (to attach to one)")
         self.config = config
         self.ready = threading.Event()
         self.dead: BaseException | None = None
@@ -130,11 +128,9 @@ class EngineClient:
         self._tokenizer_thread.start()
         self.process: multiprocessing.process.BaseProcess | None = None
         self._core_fd: int | None = None
-        if link is None:
-            from myserve.core.process import run_core
-
+        if core_main is not None:
             self.process = multiprocessing.get_context("spawn").Process(
-                target=run_core, args=(config, self.links), name="myserve-core", daemon=True
+                target=core_main, args=(config, self.links), name="myserve-core", daemon=True
             )
             self.process.start()
             assert self.process.pid is not None
@@ -142,10 +138,10 @@ class EngineClient:
             self.links = [dataclasses.replace(x, core_pid=self.process.pid) for x in self.links]
             self.link = self.links[0]
         else:
-            self._guard.allow(link.core_pid)
+            self._guard.allow(self.link.core_pid)
             # Not our child: a pidfd turns readable when the core ends (Linux); os.kill otherwise.
             try:
-                self._core_fd = os.pidfd_open(link.core_pid)
+                self._core_fd = os.pidfd_open(self.link.core_pid)
             except (AttributeError, OSError):
                 self._core_fd = None
         self._in_loop: asyncio.AbstractEventLoop | None = None
