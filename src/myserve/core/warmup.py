@@ -1,0 +1,61 @@
+"""Warmup: every replica's runner builds its step executables before the engine serves.
+
+Executables are compiled, or loaded from the step cache or JAX's persistent compilation cache;
+the log says how many of each and how long it took, counted from when the deployment started
+building steps early (``Deployment.load(prebuild=True)``) when it did.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from myserve.core.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def warm_up(
+    runners: Sequence[ModelRunner],
+    compile_counts: Callable[[], tuple[int, int]],
+    *,
+    since: tuple[float, int, int] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
+    """Build every runner's step shapes. ``progress(done, total)`` is told of each shape built; by
+    default a tqdm bar shows it. ``since``: (perf_counter, compiled, loaded) when the builds began."""
+    t0 = time.perf_counter()
+    per_runner = len(runners[0].buckets.shapes())
+    total = per_runner * len(runners)
+    bar = None
+    if progress is None:
+        from tqdm import tqdm
+
+        # tqdm's default lock is a multiprocessing semaphore, which a core process leaves
+        # behind (it ends with os._exit) and the resource tracker warns about at exit.
+        tqdm.set_lock(threading.RLock())
+        bar = tqdm(total=total, desc="warmup (compiling step shapes)", unit="shape")
+    # Counted from when the deployment started building steps early, if it did.
+    t0, *before = since or (t0, *compile_counts())
+    compiled, loaded = before
+    for k, runner in enumerate(runners):
+
+        def report(done: int, _: int, k: int = k) -> None:
+            if bar is not None:
+                bar.update(k * per_runner + done - bar.n)
+            elif progress is not None:
+                progress(k * per_runner + done, total)
+
+        runner.warmup(report)
+    if bar is not None:
+        bar.close()
+    compiled, loaded = (now - before for now, before in zip(compile_counts(), (compiled, loaded), strict=True))
+    logger.info(
+        "warmup: %d executables (%d compiled, %d loaded from the compilation cache) in %.1fs",
+        compiled + loaded,
+        compiled,
+        loaded,
+        time.perf_counter() - t0,
+    )
