@@ -1,10 +1,9 @@
-"""The device side of the engine: the ops a step is made of, and the executor that applies them.
+"""The executor: the ``Device`` that applies a step's ops to the weights and caches on a mesh.
 
-Everything the device does is described by plain data — which pages to copy, which penalty slots to
-fill, and each model call's packed host arrays — built by the host (``core/runner.py``). That
-keeps the jitted functions few and explicit, and lets a multi-host deployment replay a step on
-every process: the leader broadcasts the step's ops and every process applies the same ones
-(``runtime/multihost.py``).
+Everything the device does is described by plain data (``runtime/step_ops.py``) built by the host
+(``core/runner.py``). That keeps the jitted functions few and explicit, and lets a multi-host
+deployment replay a step on every process: the leader broadcasts the step's ops and every process
+applies the same ones (``runtime/multihost.py``).
 
 Penalty state: sequences that use presence/frequency/repetition penalties get a device *slot*
 holding counts of their generated tokens and a mask of their prompt tokens, ``[slots, vocab]``.
@@ -23,7 +22,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import msgspec
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
@@ -31,6 +29,7 @@ from myserve.models.llama import LlamaModel
 from myserve.models.sharding import kv_cache_sharding
 from myserve.ops.paged_cache import KernelKVCache, KVCache
 from myserve.runtime.compile_counter import count_loaded, thread_cache_hits
+from myserve.runtime.device import StepRead
 from myserve.runtime.kv_cache import Cache, cache_arrays, constrain_cache, init_kv_cache, kv_cache_shape, make_cache
 from myserve.runtime.mesh import replicated
 from myserve.runtime.model_step import StepOutput, model_step, outer_part
@@ -38,69 +37,14 @@ from myserve.runtime.sampler import SampleOutput
 from myserve.runtime.sampling_rows import SamplingRows
 from myserve.runtime.step_cache import StepCache
 from myserve.runtime.step_layout import StepShape, layout
+from myserve.runtime.step_ops import ClearSlot, CompileSteps, CopyPage, Op, Progress, StepCall
 
 logger = logging.getLogger(__name__)
-
-SLOT_CHUNK = 256
-"""Token ids written into a penalty slot per ``WriteSlot``."""
 
 _COMPILE_THREADS = max(1, min(4, os.cpu_count() or 1))
 """Executables compiled (or loaded from the persistent cache) at once during warmup. Loading is
 native work that mostly runs without the GIL: a warm start of the bundled model on the 2-core CPU
 took 6.1-6.9 s of warmup with two threads against 7.3-7.9 s with one."""
-
-
-class CopyPage(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
-    """Copy one page's K/V in every layer and head (copy-on-write of a shared prompt's last page)."""
-
-    src: int
-    dst: int
-
-
-class ClearSlot(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
-    """Reset a penalty slot."""
-
-    slot: int
-
-
-class WriteSlot(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
-    """Record ``ids[:n]`` (int32 [SLOT_CHUNK]) in a penalty slot: prompt tokens, or generated ones."""
-
-    slot: int
-    ids: np.ndarray
-    n: int
-    to_prompt: bool
-
-
-class CompileSteps(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
-    """Build the step executable of each shape (warmup): every process of a multi-host run
-    builds the same ones, so the ops it replays later find them."""
-
-    shapes: tuple[StepShape, ...]
-
-
-class StepCall(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
-    """One engine step: the model over a ragged token batch, then the sampler (``model_step``)."""
-
-    batch: np.ndarray
-    """int32, the step's tokens and attention metadata packed by ``HostStep.pack``."""
-    shape: StepShape
-    """The step's token bucket: which executable runs it."""
-    ints: np.ndarray
-    """``SamplingRows.ints`` [N1, ...]."""
-    floats: np.ndarray
-    """``SamplingRows.floats`` [N1, ...]."""
-    bitmask: np.ndarray | None = None
-    """int32 [R, ceil(V / 32)]: the grammar masks of the step's R constrained rows; None when no row
-    is constrained (the executor passes its own all-ones mask)."""
-    mask_rows: np.ndarray | None = None
-    """int32 [R]: which sampling rows ``bitmask`` masks. Only constrained rows travel (to the
-    device, and to a multi-host deployment's followers): V / 8 bytes each, 16 KiB at a 128k vocabulary."""
-
-
-Op = CopyPage | ClearSlot | WriteSlot | CompileSteps | StepCall
-"""The ops are msgspec Structs, tagged by class name, so that a multi-host leader sends them to its
-followers as typed data (``runtime/step_channel.py``), never as pickle."""
 
 
 def _full_mask(op: StepCall, words: int) -> np.ndarray:
@@ -109,10 +53,6 @@ def _full_mask(op: StepCall, words: int) -> np.ndarray:
     full = np.full((op.shape.singles, words), -1, np.int32)
     full[op.mask_rows] = op.bitmask
     return full
-
-
-Progress = Callable[[int, int], None]
-"""``progress(done, total)``: told of each step executable built."""
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
@@ -230,6 +170,23 @@ class Executor:
                     self.counts, self.prompt_mask, np.int32(op.slot), op.ids, np.int32(op.n), np.bool_(op.to_prompt)
                 )
         return outputs
+
+    def read(self, output: StepOutput, *, tops: bool, scored: bool) -> StepRead:
+        """A step's results on the host, fetched in one transfer (``Device.read``)."""
+        sampled = output.sampled
+        arrays = [sampled.tokens, sampled.logprobs]
+        if tops:
+            arrays += [sampled.top_ids, sampled.top_logprobs]
+        if scored:
+            arrays += list(output.scores)
+        got = fetch(arrays)
+        return StepRead(
+            tokens=got[0],
+            logprobs=got[1],
+            top_ids=got[2] if tops else None,
+            top_logprobs=got[3] if tops else None,
+            scores=(got[-3], got[-2], got[-1]) if scored else None,
+        )
 
     def lower_step(self, shape: StepShape) -> jax.stages.Lowered:
         """The step of ``shape`` traced and lowered for this executor's arrays (not compiled)."""
