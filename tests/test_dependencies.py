@@ -20,11 +20,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # Which extras (beyond the runtime dependencies) a file may import from, by path prefix. The
-# first match wins. src/myserve/testing.py holds the shared test fakes (built with transformers and
+# first match wins. src/myserve/testing/ holds the shared test fakes (built with transformers and
 # torch), so only tests import it.
 EXTRAS_BY_PREFIX: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("src/myserve/bench/", ("bench",)),
-    ("src/myserve/testing.py", ("test",)),
+    ("src/myserve/testing/", ("test",)),
     ("src/", ()),
     ("tests/", ("test",)),
 )

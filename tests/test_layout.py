@@ -11,7 +11,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-SHARED = {"config", "config_fields", "errors", "bundled", "tokenizer", "grammar", "validation"}
+SHARED = {"config", "config_fields", "errors", "bundled", "tokenizer", "grammar", "validation", "subprocesses"}
 """Top-level modules either process may import: no JAX, no process state."""
 
 ALLOWED: dict[str, set[str]] = {
@@ -29,6 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "tokenizer": {"errors", "models"},
     "grammar": {"errors"},
     "validation": {"grammar", "wire", "errors"},
+    "subprocesses": set(),
 }
 """Which way the flow runs: frontend -> wire <- core -> runtime -> models -> ops. The tokenizer
 reads a GGUF file's metadata with ``models/gguf_file.py`` (plain numpy). Packages not listed

@@ -1,0 +1,128 @@
+"""Tiny random HF checkpoints of each supported architecture, and transformers' answers on them
+(the parity reference). Built with transformers and torch, imported lazily: only tests need them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+TINY_COMMON: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+)
+
+# name -> (config class name, extra config). Each exercises one family's differences.
+TINY_ARCHES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3": (
+        "LlamaConfig",
+        dict(
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True, num_key_value_heads=4)),
+    "mistral": ("MistralConfig", dict(sliding_window=None)),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=1)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32)),
+}
+
+
+# A tiny-model engine with small buckets, so warmup stays short on 2 cores (config overrides).
+TINY_ENGINE: tuple[str, ...] = (
+    "model.max_model_len=512",
+    "engine.page_size=8",
+    "engine.max_num_seqs=8",
+    "engine.max_num_batched_tokens=64",
+    "engine.token_buckets=[1,8,64]",
+)
+
+
+NESTED_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+    },
+    "required": ["name", "age", "role", "address", "tags"],
+    "additionalProperties": False,
+}
+"""A nested JSON schema whose documents are bounded (objects, arrays, enums, required fields,
+bounded integers, a pattern): every constrained generation of it can finish."""
+
+
+def make_tiny_checkpoint(
+    arch: str, directory: Path, *, seed: int = 0, dtype: str = "float32", vocab_size: int | None = None
+) -> Path:
+    """Save a tiny random model of ``arch`` (a key of TINY_ARCHES) with transformers; return the dir.
+
+    ``vocab_size`` overrides the tiny 256 (e.g. SmolLM2's 49152, so chat-templated prompts fit).
+    """
+    import torch
+    import transformers
+
+    cls_name, extra = TINY_ARCHES[arch]
+    sizes = {} if vocab_size is None else {"vocab_size": vocab_size}
+    config = getattr(transformers, cls_name)(**{**TINY_COMMON, **extra, **sizes})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    # Random init uses std 0.02, which makes every logit ~0; larger weights make parity meaningful.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.2)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(directory)
+    return directory
+
+
+def hf_logits(directory: Path, token_ids: list[int]):
+    """Full-sequence float32 logits [T, vocab] from transformers, as numpy."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        out = model(torch.tensor([token_ids]))
+    return out.logits[0].float().numpy()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: tuple[int, ...]) -> list[int]:
+    """transformers greedy ``generate`` for one prompt alone; the new token ids (EOS included)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=list(eos_ids),
+            pad_token_id=eos_ids[0],
+        )
+    return out[0, len(prompt_ids) :].tolist()

@@ -1,0 +1,74 @@
+"""Started engines for tests: the in-process service, the core in a child process, and helpers
+to drain their streams."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
+
+
+def start_service(checkpoint: Path | None, *overrides: str, prebuild: bool = False):
+    """A started GenerationService (float32, warmed up) for ``checkpoint`` (None = bundled SmolLM2).
+    ``prebuild``: the deployment builds its steps before reading the weights, as ``serve`` does.
+
+    Tiny random checkpoints carry no tokenizer, so they borrow the bundled SmolLM2 one (their
+    token ids are all inside its vocabulary). ``overrides`` are config ``section.key=value`` strings.
+    """
+    from myserve.bundled import bundled_gguf_path
+    from myserve.config import load_config
+    from myserve.runtime.deployment import Deployment
+    from myserve.service import GenerationService
+
+    base = ["model.dtype=float32"]
+    if checkpoint is not None:
+        base += [f"model.checkpoint={checkpoint}", f"model.tokenizer={bundled_gguf_path()}"]
+    config = load_config(None, [*base, *overrides])
+    service = GenerationService.from_deployment(Deployment.load(config, prebuild=prebuild))
+    service.start()
+    return service
+
+
+def start_client(checkpoint: Path | None, *overrides: str):
+    """A started ``EngineClient`` (float32, warmed up): the engine core in a child process, as
+    ``python -m myserve.serve`` runs it; arguments as ``start_service``."""
+    from myserve.bundled import bundled_gguf_path
+    from myserve.config import load_config
+    from myserve.core.process import run_core
+    from myserve.frontend.core_client import EngineClient
+    from myserve.serve import front_tokenizer
+
+    base = ["model.dtype=float32"]
+    if checkpoint is not None:
+        base += [f"model.checkpoint={checkpoint}", f"model.tokenizer={bundled_gguf_path()}"]
+    config = load_config(None, [*base, *overrides])
+    client = EngineClient(config, lambda: front_tokenizer(config), core_main=run_core)
+    client.wait_loaded()
+    client.start()
+    return client
+
+
+def streamed_and_not(one: Callable[[int, bool], Awaitable[_T]], n: int) -> tuple[list[_T], list[_T]]:
+    """``one(seed, stream)`` for seeds 0..n-1, all at once without streaming, then all at once
+    streaming: (non-streamed results, streamed results)."""
+
+    async def both() -> tuple[list[_T], list[_T]]:
+        full = await asyncio.gather(*(one(seed, False) for seed in range(n)))
+        parts = await asyncio.gather(*(one(seed, True) for seed in range(n)))
+        return list(full), list(parts)
+
+    return asyncio.run(both())
+
+
+def collect(stream: Any) -> tuple[list[int], str, str | None]:
+    """Drain a single-choice request stream: (token ids, text, finish reason)."""
+    tokens: list[int] = []
+    text, finish = "", None
+    for out in stream:
+        tokens.extend(out.token_ids)
+        text += out.text
+        finish = out.finish_reason or finish
+    return tokens, text, finish
