@@ -347,10 +347,10 @@ def test_time_in_the_queue_counts_toward_the_deadline(service, caplog: pytest.Lo
 def test_an_sse_frame_never_holds_a_character_that_splitlines_takes_for_a_line_end() -> None:
     # Found by the soak: a streamed logprobs chunk held a token "\u2028" raw (valid JSON), and a
     # client reading lines with httpx's iter_lines (str.splitlines) got half a JSON object.
-    from myserve.frontend.responses import _sse
+    from myserve.frontend.sse import sse_event
 
     text = "a\u2028b\u2029c\x85d\u2013e\x1cf\rg\nh"
-    frame = _sse({"choices": [{"text": text, "logprobs": {"top_logprobs": [{text: -1.0}]}}]})
+    frame = sse_event({"choices": [{"text": text, "logprobs": {"top_logprobs": [{text: -1.0}]}}]})
     lines = frame.decode().splitlines()
     assert len(lines) == 2 and lines[1] == "" and lines[0].startswith("data: ")
     assert json.loads(lines[0][len("data: ") :])["choices"][0]["text"] == text

@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from myserve.frontend.app import create_app
+from myserve.frontend.app_context import AppContext
 from myserve.frontend.core_client import EngineClient
+from myserve.frontend.engine import Engine
 
 if TYPE_CHECKING:
     from myserve.config import Config
-    from myserve.service import GenerationService
 
 logger = logging.getLogger("myserve.serve")
 
@@ -37,7 +38,7 @@ FATAL_GRACE_S = 3
 
 def serve_http(
     config: Config,
-    service: GenerationService | EngineClient,
+    service: Engine,
     name: str,
     *,
     sockets: Sequence[socket.socket] | None = None,
@@ -62,6 +63,7 @@ def serve_http(
         enable_auto_tool_choice=config.server.enable_auto_tool_choice,
         reasoning_parser=config.server.reasoning_parser,
     )
+    context: AppContext = app.state.context
     url = f"http://{config.server.host}:{config.server.port}"
 
     told = 0  # signals forwarded to the siblings: the first drains them, a second ends them
@@ -89,12 +91,12 @@ def serve_http(
                 self.should_exit = True
                 return
             self.draining = True
-            app.state.server.draining = True
+            context.state.draining = True
             logger.info("signal %d: draining (up to %.0fs)", sig, config.server.drain_timeout_s)
 
             def drain() -> None:
                 deadline = time.monotonic() + config.server.drain_timeout_s
-                while app.state.server.in_flight > 0 and time.monotonic() < deadline:
+                while context.state.in_flight > 0 and time.monotonic() < deadline:
                     time.sleep(0.05)
                 self.should_exit = True
 

@@ -17,8 +17,7 @@ from prometheus_client import Gauge as _Gauge
 from prometheus_client.multiprocess import MultiProcessCollector
 
 if TYPE_CHECKING:
-    from myserve.frontend.core_client import EngineClient
-    from myserve.service import GenerationService
+    from myserve.frontend.engine import Engine
 
 
 Gauge = partial(_Gauge, multiprocess_mode="mostrecent")
@@ -30,7 +29,7 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 class Metrics:
     """Request counters and latency histograms, plus engine gauges refreshed on every scrape."""
 
-    def __init__(self, service: GenerationService | EngineClient):
+    def __init__(self, service: Engine):
         self.service = service
         self.registry = CollectorRegistry()
         r = self.registry

@@ -1,0 +1,56 @@
+"""What the front end needs of an engine, as a protocol: the app, the metrics and the HTTP server
+take either an in-process ``GenerationService`` or an ``EngineClient`` (the core in its own process)
+without importing the first, which holds the engine core (and with it JAX)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from myserve.frontend.stream import RequestStream
+from myserve.tokenizer import Tokenizer
+from myserve.wire.outputs import EngineStats
+from myserve.wire.params import SamplingParams
+
+
+class Engine(Protocol):
+    """An engine the front end can serve: ``GenerationService`` or ``EngineClient``."""
+
+    ready: threading.Event
+    """Set once the engine has warmed up and takes requests."""
+    dead: BaseException | None
+    """Why the engine stopped, once it has (``/health`` then answers 503)."""
+    on_dead: Callable[[BaseException], None] | None
+    """Called once after the engine died and every open request was failed."""
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer."""
+        ...
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt plus completion tokens the engine holds per sequence."""
+        ...
+
+    @property
+    def vocab_size(self) -> int:
+        """The width of the model's logits: token ids are below it."""
+        ...
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        """Queue a request; the stream of its outputs. Raises on invalid or excess requests."""
+        ...
+
+    def stats(self) -> EngineStats:
+        """The engine's counters (queue lengths, pages, cache hits) for the metrics."""
+        ...
+
+    def start(self) -> None:
+        """Warm up (or wait for the core to); raises if that failed."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the engine; in-flight requests are aborted."""
+        ...

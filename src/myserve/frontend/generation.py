@@ -1,0 +1,113 @@
+"""What completions and chat share once a route has its prompts: the request's sampling
+parameters, submitting one engine request per prompt, and the response (JSON or SSE)."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from myserve.frontend.app_context import AppContext
+from myserve.frontend.errors import APIError
+from myserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from myserve.frontend.responses import CompletionResponse, ResponseContext
+from myserve.frontend.stream import RequestStream
+from myserve.grammar import GrammarSpec
+from myserve.wire.outputs import ContextLengthExceeded, EngineDead, Overloaded
+from myserve.wire.params import InvalidParams, SamplingParams
+
+GenerationRequest = CompletionRequest | ChatCompletionRequest
+"""The two request bodies that generate text."""
+
+
+def check_supported(req: GenerationRequest) -> None:
+    """400 for a field this server accepts but does not implement (the protocol's tables)."""
+    refused = req.unsupported()
+    if refused is not None:
+        raise APIError(400, refused.message, param=refused.field, code="unsupported_parameter")
+
+
+def grammar_param(req: GenerationRequest) -> str:
+    """The request field a grammar came from, for errors about it."""
+    return "structured_outputs" if req.structured_outputs is not None else "response_format"
+
+
+def sampling_params(
+    context: AppContext,
+    req: GenerationRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    *,
+    grammar: GrammarSpec | None = None,
+    grammar_after: tuple[int, ...] = (),
+    skip_special_tokens: bool | None = None,
+) -> SamplingParams:
+    """The request's ``SamplingParams`` with OpenAI's defaults; 400 naming the field it refuses."""
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=SamplingParams.bias_from_mapping(req.logit_bias),
+            seed=req.seed,
+            n=req.n,
+            stop=stop,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+            grammar=grammar,
+            grammar_after=grammar_after,
+        )
+    except InvalidParams as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+    # logit_bias keys are strings (JSON object keys) until SamplingParams has parsed them.
+    context.check_token_ids((t for t, _ in params.logit_bias), "logit_bias")
+    context.check_token_ids(params.stop_token_ids, "stop_token_ids")
+    return params
+
+
+async def respond(
+    context: AppContext, request: Request, response: ResponseContext, stream: bool, grammar_field: str | None
+) -> Response:
+    """Submit ``response``'s prompts, then answer with one JSON body or a stream of SSE chunks.
+
+    ``grammar_field``: the request field named by errors about the grammar."""
+    streams = _submit_all(context, response, grammar_field)
+    answer = CompletionResponse(response, streams, context)
+    if not stream:
+        return await answer.json(request)
+    return StreamingResponse(answer.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _submit_all(context: AppContext, response: ResponseContext, grammar_field: str | None) -> list[RequestStream]:
+    """One engine request per prompt; if one is refused, the others are closed (aborted) and the
+    refusal becomes its HTTP error."""
+    streams: list[RequestStream] = []
+    try:
+        for i, ids in enumerate(response.prompts):
+            streams.append(context.engine.submit(ids, response.params, request_id=f"{response.request_id}-{i}"))
+    except BaseException as e:
+        for s in streams:
+            s.close()
+        if isinstance(e, InvalidParams):
+            param = grammar_field if e.param == "grammar" else e.param  # the field that asked for it
+            raise APIError(400, str(e), param=param, code="invalid_value") from None
+        if isinstance(e, ContextLengthExceeded):
+            # The field that made the prompt too long.
+            prompt_field = "messages" if response.kind == "chat" else "prompt"
+            raise APIError(400, str(e), param=prompt_field, code="context_length_exceeded") from None
+        if isinstance(e, Overloaded):
+            raise APIError(429, str(e), code="overloaded", headers={"Retry-After": "1"}) from None
+        if isinstance(e, EngineDead):
+            raise APIError(503, str(e), code="engine_dead") from None
+        raise
+    return streams

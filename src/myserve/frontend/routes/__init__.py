@@ -1,0 +1,14 @@
+"""The app's routes, one ``APIRouter`` per endpoint family. Each route gets what the app shares
+(engine, served model, options) as the ``Context`` dependency (``frontend/app_context.py``).
+
+Route functions carry a comment, not a docstring: FastAPI would publish a docstring as the
+operation's description, and the OpenAPI schema is part of the contract the HTTP tests hold."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from myserve.frontend.routes import chat, completions, health, models, tokenize
+
+ROUTERS: tuple[APIRouter, ...] = (health.router, models.router, tokenize.router, completions.router, chat.router)
+"""In the order the app includes them (the order of the OpenAPI schema's paths)."""

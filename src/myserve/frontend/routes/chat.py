@@ -1,0 +1,93 @@
+"""``/v1/chat/completions``: the chat template (with tools), tool-call and reasoning parsing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from myserve.frontend.app_context import AppContext, Context
+from myserve.frontend.chat_output import ChoiceParser
+from myserve.frontend.errors import APIError
+from myserve.frontend.generation import check_supported, grammar_param, respond, sampling_params
+from myserve.frontend.protocol import ChatCompletionRequest
+from myserve.frontend.reasoning import ReasoningParser, State
+from myserve.frontend.responses import ResponseContext
+from myserve.frontend.structured import request_grammar
+from myserve.frontend.tools import ToolPlan, plan_tools
+from myserve.wire.params import MAX_TOP_LOGPROBS
+
+router = APIRouter()
+
+
+# Validate, render the messages (and tools) with the chat template, submit; JSON or SSE.
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request, context: Context) -> Response:
+    expires = context.deadline()  # the timeout runs from the request's arrival
+    context.check_ready(req.model)
+    check_supported(req)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        message = f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"
+        raise APIError(400, message, param="top_logprobs", code="invalid_value")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    grammar = request_grammar(req.response_format, req.structured_outputs)
+    plan = plan_tools(req, context.auto_parser)
+    if plan.grammar is not None:
+        if grammar is not None:
+            raise APIError(
+                400,
+                "a forced tool call (tool_choice required or a named function) cannot be combined with "
+                "response_format or structured_outputs",
+                param="tool_choice",
+                code="invalid_value",
+            )
+        grammar = plan.grammar
+    text = context.render_text(req.messages, True, plan.template_tools, req.chat_template_kwargs)
+    reasoning = context.reasoning
+    state: State = reasoning.initial_state(text) if reasoning else "content"
+    # With a reasoning parser, a grammar constrains only what follows the reasoning block.
+    after = tuple(context.encode_chat(reasoning.end)) if reasoning else ()
+    params = sampling_params(
+        context,
+        req,
+        max_tokens,
+        logprobs,
+        grammar=grammar,
+        grammar_after=after if grammar is not None and state != "content" else (),
+        skip_special_tokens=False if plan.keeps_special_tokens else None,
+    )
+    response = ResponseContext(
+        kind="chat",
+        model=context.served_model_name,
+        prompts=[context.encode_chat(text)],
+        params=params,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        deadline=expires,
+        choice_parser=_choice_parsers(context, req, plan, state),
+    )
+    param = "tools" if plan.grammar is not None else grammar_param(req)
+    return await respond(context, request, response, req.stream, param)
+
+
+def _choice_parsers(
+    context: AppContext, req: ChatCompletionRequest, plan: ToolPlan, state: State
+) -> Callable[[], ChoiceParser] | None:
+    """Makes each choice's reasoning and tool-call parser (None: the text is the message's content).
+
+    ``state``: where the rendered prompt leaves the reasoning parser (inside a block or not)."""
+    reasoning, new_tools = context.reasoning, plan.parser
+    if reasoning is None and new_tools is None:
+        return None
+
+    def choice_parser() -> ChoiceParser:
+        return ChoiceParser(
+            ReasoningParser(reasoning, state) if reasoning else None,
+            new_tools() if new_tools else None,
+            parallel_tool_calls=req.parallel_tool_calls,
+        )
+
+    return choice_parser

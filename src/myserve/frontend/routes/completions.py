@@ -1,0 +1,61 @@
+"""``/v1/completions``: one engine request per prompt (OpenAI's four prompt forms), with ``echo``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from myserve.frontend.app_context import Context
+from myserve.frontend.errors import APIError
+from myserve.frontend.generation import check_supported, grammar_param, respond, sampling_params
+from myserve.frontend.protocol import CompletionRequest
+from myserve.frontend.responses import ResponseContext
+from myserve.frontend.structured import request_grammar
+
+router = APIRouter()
+
+
+# Validate, tokenize the prompts, submit them; JSON or SSE.
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request, context: Context) -> Response:
+    expires = context.deadline()  # the timeout runs from the request's arrival
+    context.check_ready(req.model)
+    check_supported(req)
+    tokenizer = context.tokenizer
+    prompts = completion_prompts(req.prompt, tokenizer.encode)
+    if isinstance(req.prompt, list) and not isinstance(req.prompt[0], str):  # the client's token ids,
+        context.check_token_ids((t for p in prompts for t in p), "prompt")  # checked before echo decodes them
+    # echo with logprobs scores the prompt; echo with max_tokens 0 returns only the prompt.
+    prompt_logprobs = None
+    if req.echo and (req.logprobs is not None or req.max_tokens == 0):
+        prompt_logprobs = req.logprobs or 0
+    grammar = request_grammar(req.response_format, req.structured_outputs)
+    params = sampling_params(context, req, req.max_tokens, req.logprobs, prompt_logprobs, grammar=grammar)
+    response = ResponseContext(
+        kind="completion",
+        model=context.served_model_name,
+        prompts=prompts,
+        params=params,
+        echo_texts=[tokenizer.decode(p) for p in prompts] if req.echo else None,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        deadline=expires,
+    )
+    return await respond(context, request, response, req.stream, grammar_param(req))
+
+
+def completion_prompts(prompt: Any, encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """OpenAI's four prompt forms (text, texts, token ids, lists of token ids) as token-id lists."""
+    if isinstance(prompt, str):
+        return [encode(prompt)]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return [encode(p) for p in prompt]
+    if all(isinstance(p, list) for p in prompt):
+        return [list(p) for p in prompt]
+    raise APIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
