@@ -49,7 +49,9 @@ class AppContext:
     reasoning: ReasoningFormat | None = None
     """Splits ``reasoning_content`` off chat outputs (None: no reasoning parser)."""
     state: ServerState = dataclasses.field(default_factory=ServerState)
+    """Draining and requests in flight (``serve_http`` drains on a signal)."""
     metrics: Metrics = dataclasses.field(init=False)
+    """The app's Prometheus metrics (its own registry)."""
     fmt: LogprobFormatter = dataclasses.field(init=False)
     """Logprobs in OpenAI's completions and chat shapes."""
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
