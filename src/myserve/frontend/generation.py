@@ -19,11 +19,16 @@ GenerationRequest = CompletionRequest | ChatCompletionRequest
 """The two request bodies that generate text."""
 
 
-def check_supported(req: GenerationRequest) -> None:
-    """400 for a field this server accepts but does not implement (the protocol's tables)."""
+def admit(context: AppContext, req: GenerationRequest) -> float | None:
+    """The checks every generation route starts with: 503 unless ready, 404 for another model's
+    name, 400 for a field this server accepts but does not implement (the protocol's tables).
+    Returns the request's deadline, which runs from its arrival."""
+    expires = context.deadline()
+    context.check_ready(req.model)
     refused = req.unsupported()
     if refused is not None:
         raise APIError(400, refused.message, param=refused.field, code="unsupported_parameter")
+    return expires
 
 
 def grammar_param(req: GenerationRequest) -> str:

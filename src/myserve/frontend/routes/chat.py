@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from myserve.frontend.app_context import AppContext, Context
 from myserve.frontend.chat_output import ChoiceParser
 from myserve.frontend.errors import APIError
-from myserve.frontend.generation import check_supported, grammar_param, respond, sampling_params
+from myserve.frontend.generation import admit, grammar_param, respond, sampling_params
 from myserve.frontend.protocol import ChatCompletionRequest
 from myserve.frontend.reasoning import ReasoningParser, State
 from myserve.frontend.responses import ResponseContext
@@ -24,9 +24,7 @@ router = APIRouter()
 # Validate, render the messages (and tools) with the chat template, submit; JSON or SSE.
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request, context: Context) -> Response:
-    expires = context.deadline()  # the timeout runs from the request's arrival
-    context.check_ready(req.model)
-    check_supported(req)
+    expires = admit(context, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:

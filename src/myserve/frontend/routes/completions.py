@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from myserve.frontend.app_context import Context
 from myserve.frontend.errors import APIError
-from myserve.frontend.generation import check_supported, grammar_param, respond, sampling_params
+from myserve.frontend.generation import admit, grammar_param, respond, sampling_params
 from myserve.frontend.protocol import CompletionRequest
 from myserve.frontend.responses import ResponseContext
 from myserve.frontend.structured import request_grammar
@@ -21,9 +21,7 @@ router = APIRouter()
 # Validate, tokenize the prompts, submit them; JSON or SSE.
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request, context: Context) -> Response:
-    expires = context.deadline()  # the timeout runs from the request's arrival
-    context.check_ready(req.model)
-    check_supported(req)
+    expires = admit(context, req)
     tokenizer = context.tokenizer
     prompts = completion_prompts(req.prompt, tokenizer.encode)
     if isinstance(req.prompt, list) and not isinstance(req.prompt[0], str):  # the client's token ids,
