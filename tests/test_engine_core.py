@@ -136,15 +136,35 @@ def test_an_engine_error_fails_every_request_and_releases_their_pages() -> None:
         e.submit(PROMPT, SamplingParams(max_tokens=1))
 
 
+class ByteTokenizer:
+    """A byte-level tokenizer of 257 ids (EOS, then one id per byte), made on the spot: what the
+    core and its grammar compiler read of a tokenizer, without loading a model's."""
+
+    def __init__(self) -> None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+        tokenizer = Tokenizer(models.BPE(vocab={"<eos>": 0, **{c: i + 1 for i, c in enumerate(chars)}}, merges=[]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        self.hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+        self.eos_token_ids = (0,)
+        self.vocab_size = len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids)
+
+
 @pytest.fixture(scope="module")
-def tokenizer():
-    from myserve.bundled import bundled_gguf_path
-    from myserve.tokenizer import Tokenizer
-
-    return Tokenizer.load(bundled_gguf_path())
+def tokenizer() -> ByteTokenizer:
+    return ByteTokenizer()
 
 
-def test_grammar_masks_reach_the_device_and_matchers_go_with_their_sequence(tokenizer) -> None:
+def test_grammar_masks_reach_the_device_and_matchers_go_with_their_sequence(tokenizer: ByteTokenizer) -> None:
     vocab = tokenizer.vocab_size
     # Unconstrained, the script would draw ids >= 3 that spell no JSON; the device takes the
     # smallest id the row's mask allows instead, so the output follows the grammar.
