@@ -32,7 +32,7 @@ from myserve.runtime.compile_counter import count_loaded, thread_cache_hits
 from myserve.runtime.device import StepRead
 from myserve.runtime.kv_cache import Cache, cache_arrays, constrain_cache, init_kv_cache, kv_cache_shape, make_cache
 from myserve.runtime.mesh import replicated
-from myserve.runtime.model_step import StepOutput, model_step, outer_part
+from myserve.runtime.model_step import StepOutput, model_step, split_model
 from myserve.runtime.sampler import SampleOutput
 from myserve.runtime.sampling_rows import SamplingRows
 from myserve.runtime.step_cache import StepCache
@@ -109,12 +109,9 @@ class Executor:
         """The penalty slot of rows without penalties (the last)."""
         self._steps: dict[StepShape, Step] = {}
         """The compiled step of each shape built so far (``CompileSteps``, or on first use)."""
-        self.outer = outer_part(model)
+        self.outer, self.treedef, self.layers = split_model(model)
         backend = model.attention_backend  # picks the cache's layout (the kernel reads its own)
         self.cache_sharding = kv_cache_sharding(mapping, mesh, backend)
-        # Each layer's weights flattened once: a tuple of arrays flattens in C++ on every call.
-        self.layers = tuple(tuple(jax.tree_util.tree_leaves(layer)) for layer in model.layers)
-        self.treedef = jax.tree_util.tree_structure(model.layers[0])
         # Penalty state is small next to the cache: replicated, so every row's slot is local.
         self.replicated = replicated(mesh)
         dtype, vocab = model.embed.array.dtype, model.spec.vocab_size

@@ -187,10 +187,15 @@ def step_logits(
     return _all_logits(outer, x), cache
 
 
-def outer_part(model: LlamaModel) -> LlamaModel:
-    """The model without its layers (embedding, final norm, LM head): what the steps take beside
-    each layer's leaves."""
-    return eqx.tree_at(lambda m: m.layers, model, ())
+def split_model(
+    model: LlamaModel,
+) -> tuple[LlamaModel, jax.tree_util.PyTreeDef, tuple[tuple[jax.Array, ...], ...]]:
+    """What the steps take of a model: its outer part (embedding, final norm, LM head: the model
+    without its layers), one layer's treedef, and each layer's leaves, flattened once here (a
+    tuple of arrays flattens in C++ on every call)."""
+    outer = eqx.tree_at(lambda m: m.layers, model, ())
+    layers = tuple(tuple(jax.tree_util.tree_leaves(layer)) for layer in model.layers)
+    return outer, jax.tree_util.tree_structure(model.layers[0]), layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,9 +215,7 @@ class StepLogits:
         """For ``model`` placed on ``mesh`` by ``mapping``, over a cache of ``page_size``-token pages
         in the model's attention backend's layout (``init_kv_cache(..., model.attention_backend)``)."""
         return StepLogits(
-            outer_part(model),
-            jax.tree_util.tree_structure(model.layers[0]),
-            tuple(tuple(jax.tree_util.tree_leaves(layer)) for layer in model.layers),
+            *split_model(model),
             kv_cache_sharding(mapping, mesh, model.attention_backend),
             replicated_on(mesh),
             page_size,
