@@ -1,7 +1,8 @@
 """Run in a subprocess with 8 fake CPU devices: greedy tokens of 8 concurrent requests through a
 GenerationService on each mesh, printed as JSON.
 
-Usage: python tests/mesh_worker.py CHECKPOINT_OR_BUNDLED MESH [MESH ...]  (MESH: "2x2" = data x model)
+Usage: python tests/mesh_worker.py CHECKPOINT_OR_BUNDLED MESH [MESH ...]  (MESH: "2x2" = data x model,
+"1x2x2" = data x expert x model)
 
 With ``KERNEL_CONTRACT=1`` in the environment the engines take the TPU kernel's path (its cache
 layout, and ``shard_map`` over the model axis) with ``kernel_contract.py`` standing in for the kernel.
@@ -67,13 +68,17 @@ def decode_collectives(service) -> list[str]:
     return [f"{k} {shape}" for shape, k in re.findall(rf"= (\S+\[[^\]]*\])\S* ({kinds})[-a-z]*\(", hlo)]
 
 
-def tokens_on(checkpoint: str | None, data: int, model: int) -> dict:
+def tokens_on(checkpoint: str | None, data: int, model: int, expert: int = 1) -> dict:
     from pathlib import Path
+
+    from myserve.runtime.compile_counter import compile_count
 
     path = Path(checkpoint) if checkpoint else None
     extra = ["engine.attention_backend=pallas"] if KERNEL else []
-    service = start_service(path, *ENGINE, f"mesh.data={data}", f"mesh.model={model}", *extra)
+    mesh = [f"mesh.data={data}", f"mesh.model={model}", f"mesh.expert={expert}"]
+    service = start_service(path, *ENGINE, *mesh, *extra)
     try:
+        warm = compile_count()
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         outputs: list[list[int]] = [[] for _ in PROMPTS]
         streams = [service.submit(p, params) for p in PROMPTS]  # all queued before any finishes
@@ -94,6 +99,7 @@ def tokens_on(checkpoint: str | None, data: int, model: int) -> dict:
             "tokens": outputs,
             "max_decode_batch": stats.max_decode_batch,
             "compiles": stats.compile_count,
+            "compiles_after_warmup": compile_count() - warm,
             "cache_layout": type(executor.kv_cache).__name__,
             "cache_spec": str(cache.sharding.spec),
             "cache_kept": cache.sharding.is_equivalent_to(executor.cache_sharding, 5),
@@ -107,8 +113,9 @@ def main() -> None:
     checkpoint = None if sys.argv[1] == "bundled" else sys.argv[1]
     result = {}
     for mesh in sys.argv[2:]:
-        data, model = (int(x) for x in mesh.split("x"))
-        result[mesh] = tokens_on(checkpoint, data, model)
+        sizes = [int(x) for x in mesh.split("x")]
+        data, expert, model = sizes if len(sizes) == 3 else (sizes[0], 1, sizes[1])
+        result[mesh] = tokens_on(checkpoint, data, model, expert)
     print(json.dumps(result))
 
 

@@ -196,12 +196,15 @@ class ServerConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """Device mesh shape; data * model must equal the number of devices used."""
+    """Device mesh shape; data * expert * model devices are used."""
 
     data: int = 1
     """Size of the 'data' mesh axis (batch is sharded over it), >= 1."""
     model: int = 1
     """Size of the 'model' mesh axis (weights and KV heads are sharded over it), >= 1."""
+    expert: int = 1
+    """Size of the 'expert' mesh axis: a MoE model's experts are sharded over it (expert
+    parallelism; attention is replicated across it), >= 1; must divide the number of experts."""
     num_processes: int | None = 1
     """Processes (hosts) serving together; 1 = this one; null = detected by jax.distributed
     (TPU pod slices, SLURM). Also MYSERVE_NUM_PROCESSES."""
@@ -218,6 +221,7 @@ class MeshConfig:
     def __post_init__(self) -> None:
         _check(self.data >= 1, f"mesh.data must be >= 1, got {self.data}")
         _check(self.model >= 1, f"mesh.model must be >= 1, got {self.model}")
+        _check(self.expert >= 1, f"mesh.expert must be >= 1, got {self.expert}")
         n = self.num_processes
         _check(n is None or n >= 1, f"mesh.num_processes must be >= 1 or null, got {n}")
         _check_not_empty("mesh.coordinator_address", self.coordinator_address)

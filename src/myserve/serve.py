@@ -41,6 +41,7 @@ _FLAGS = {
     "max_num_seqs": "engine.max_num_seqs",
     "tensor_parallel_size": "mesh.model",
     "data_parallel_size": "mesh.data",
+    "expert_parallel_size": "mesh.expert",
     "host": "server.host",
     "port": "server.port",
     "served_model_name": "server.served_model_name",
@@ -68,6 +69,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--tensor-parallel-size", type=int)
     p.add_argument("--data-parallel-size", type=int, help="data-parallel replicas (mesh.data)")
+    p.add_argument(
+        "--expert-parallel-size", type=int, help="devices a MoE model's experts are split over (mesh.expert)"
+    )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="how tool calls are read from the text")
     p.add_argument(

@@ -34,41 +34,14 @@ import jax.numpy as jnp
 from haliax import Axis, NamedArray
 from jax.sharding import NamedSharding
 
+from myserve.models.axes import BATCH, POS, ModelAxes
+from myserve.models.moe import MoeBlock, moe_mlp
 from myserve.models.quant import QuantizedWeight, linear
 from myserve.models.rope import apply_rope, inverse_frequencies
 from myserve.models.spec import ModelSpec
 from myserve.ops.attention import paged_attention
 from myserve.ops.paged_cache import KernelKVCache, KVCache
 from myserve.ops.ragged_batch import RaggedBatch
-
-BATCH, POS = "batch", "position"
-
-
-class ModelAxes(eqx.Module):
-    """The named axes of one model, sized from its spec."""
-
-    Embed: Axis
-    KVHeads: Axis
-    QPerKV: Axis
-    QKV: Axis
-    HeadSize: Axis
-    GateUp: Axis
-    Mlp: Axis
-    Vocab: Axis
-
-    @staticmethod
-    def of(spec: ModelSpec) -> ModelAxes:
-        """Axes for ``spec``."""
-        return ModelAxes(
-            Embed=Axis("embed", spec.hidden_size),
-            KVHeads=Axis("kv_heads", spec.num_kv_heads),
-            QPerKV=Axis("q_per_kv", spec.q_per_kv),
-            QKV=Axis("qkv", spec.q_per_kv + 2),
-            HeadSize=Axis("head_size", spec.head_dim),
-            GateUp=Axis("gate_up", 2),
-            Mlp=Axis("mlp", spec.intermediate_size),
-            Vocab=Axis("vocab", spec.vocab_size),
-        )
 
 
 def rms_norm(x: NamedArray, weight: NamedArray, axis: Axis, eps: float) -> NamedArray:
@@ -90,14 +63,15 @@ class DecoderLayer(eqx.Module):
     qkv_proj: Weight  # (embed, kv_heads, qkv, head_size)
     o_proj: Weight  # (kv_heads, q_per_kv, head_size, embed)
     mlp_norm: NamedArray  # (embed)
-    gate_up_proj: Weight  # (embed, gate_up, mlp)
-    down_proj: Weight  # (mlp, embed)
+    gate_up_proj: Weight | None = None  # (embed, gate_up, mlp); None in a MoE layer
+    down_proj: Weight | None = None  # (mlp, embed); None in a MoE layer
     qkv_bias: NamedArray | None = None  # (kv_heads, qkv, head_size)
     o_bias: NamedArray | None = None  # (embed)
     q_norm: NamedArray | None = None  # (head_size)
     k_norm: NamedArray | None = None  # (head_size)
     gate_up_bias: NamedArray | None = None  # (gate_up, mlp)
     down_bias: NamedArray | None = None  # (embed)
+    moe: MoeBlock | None = None  # the experts of a MoE layer (models/moe.py), instead of gate_up/down
 
 
 def _add(x: NamedArray, bias: NamedArray | None) -> NamedArray:
@@ -178,6 +152,9 @@ def decoder_block(
     o = linear(hax.named(out.reshape(b, t, kvh, g, d), out_axes), layer.o_proj, (ax.KVHeads, ax.QPerKV, ax.HeadSize))
     x = x + _add(o, layer.o_bias)
     h = rms_norm(x, layer.mlp_norm, ax.Embed, eps)
+    if layer.moe is not None:
+        return x + moe_mlp(spec, layer.moe, h, None if cache_sharding is None else cache_sharding.mesh), cache
+    assert layer.gate_up_proj is not None and layer.down_proj is not None
     gate_up = _add(linear(h, layer.gate_up_proj, ax.Embed), layer.gate_up_bias)
     gate, up = gate_up[ax.GateUp, 0], gate_up[ax.GateUp, 1]
     return x + _add(linear(hax.nn.silu(gate) * up, layer.down_proj, ax.Mlp), layer.down_bias), cache

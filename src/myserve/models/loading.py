@@ -20,9 +20,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from myserve.errors import CheckpointError
+from myserve.models.axes import ModelAxes
 from myserve.models.checkpoint import ResolvedCheckpoint
 from myserve.models.gguf import GGUFSource
-from myserve.models.llama import DecoderLayer, LlamaModel, ModelAxes, Weight
+from myserve.models.llama import DecoderLayer, LlamaModel, Weight
+from myserve.models.moe import MoeBlock
 from myserve.models.quant import QuantizedWeight, quantize
 from myserve.models.sharding import named_sharding
 from myserve.models.spec import ModelSpec, spec_from_hf_config
@@ -138,9 +140,56 @@ def _layer_table(spec: ModelSpec, ax: ModelAxes) -> dict[str, tuple[tuple[str, .
     if spec.qk_norm:
         table["q_norm"] = (("self_attn.q_norm.weight",), (ax.HeadSize,), None)
         table["k_norm"] = (("self_attn.k_norm.weight",), (ax.HeadSize,), None)
+    if spec.is_moe:  # the MLP is the layer's MoeBlock (_moe_table)
+        del table["gate_up_proj"], table["down_proj"]
     if spec.mlp_bias:
         table["gate_up_bias"] = (("mlp.gate_proj.bias", "mlp.up_proj.bias"), (ax.GateUp, ax.Mlp), np.stack)
         table["down_bias"] = (("mlp.down_proj.bias",), (ax.Embed,), None)
+    return table
+
+
+def _moe_table(spec: ModelSpec, ax: ModelAxes, fused: bool) -> dict[str, tuple[tuple[str, ...], tuple, Combine | None]]:
+    """field of MoeBlock -> (HF suffixes, our axes, combine). Checkpoints store each expert's
+    projections apart (``experts.{j}.gate_proj``; Mixtral ``w1``/``w3``/``w2``), or, as transformers 5
+    saves them, fused (``fused``: ``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I])."""
+    mixtral = spec.model_type == "mixtral"
+    moe = "block_sparse_moe" if mixtral else "mlp"
+    e, h, i = spec.num_experts, spec.hidden_size, spec.expert_intermediate_size
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    experts = (ax.Experts, ax.Embed, ax.GateUp, ax.ExpertMlp)
+    table: dict[str, tuple[tuple[str, ...], tuple, Combine | None]] = {
+        "router": ((f"{moe}.gate.weight",), (ax.Embed, ax.Routes), np.transpose)
+    }
+    if fused:
+        table["gate_up"] = (
+            (f"{moe}.experts.gate_up_proj",),
+            experts,
+            lambda w: w.reshape(e, 2, i, h).transpose(0, 3, 1, 2),
+        )
+        table["down"] = (
+            (f"{moe}.experts.down_proj",),
+            (ax.Experts, ax.ExpertMlp, ax.Embed),
+            lambda w: w.transpose(0, 2, 1),
+        )
+    else:
+        # [out, in] per expert -> [experts, in, gate_up, out]; the host holds one layer's experts at once.
+        pairs = tuple(f"{moe}.experts.{j}.{p}.weight" for j in range(e) for p in (gate, up))
+        table["gate_up"] = (
+            pairs,
+            experts,
+            lambda *w: np.stack([np.stack([g.T, u.T], axis=1) for g, u in zip(w[::2], w[1::2], strict=True)]),
+        )
+        downs = tuple(f"{moe}.experts.{j}.{down}.weight" for j in range(e))
+        table["down"] = (downs, (ax.Experts, ax.ExpertMlp, ax.Embed), lambda *w: np.stack([d.T for d in w]))
+    if spec.shared_expert_intermediate_size:
+        shared = f"{moe}.shared_expert"
+        table["shared_gate_up"] = (
+            (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"),
+            (ax.Embed, ax.GateUp, ax.SharedMlp),
+            lambda g, u: np.stack([g.T, u.T], axis=1),
+        )
+        table["shared_down"] = ((f"{shared}.down_proj.weight",), (ax.SharedMlp, ax.Embed), np.transpose)
+        table["shared_gate"] = ((f"{moe}.shared_expert_gate.weight",), (ax.Embed,), lambda w: w.reshape(-1))
     return table
 
 
@@ -227,15 +276,28 @@ def load_model(
         return placer.put(host, axes)
 
     table = _layer_table(spec, ax)
-    layers = tuple(
-        DecoderLayer(
-            **{
-                field: weight(field, tuple(f"model.layers.{i}.{s}" for s in suffixes), axes, combine)
-                for field, (suffixes, axes, combine) in table.items()
-            }
-        )
-        for i in range(spec.num_layers)
+    fused = source.has(
+        f"model.layers.0.{'block_sparse_moe' if spec.model_type == 'mixtral' else 'mlp'}.experts.down_proj"
     )
+    moe_table = _moe_table(spec, ax, fused) if spec.is_moe else {}
+
+    def layer(i: int) -> DecoderLayer:
+        fields: dict[str, object] = {
+            field: weight(field, tuple(f"model.layers.{i}.{s}" for s in suffixes), axes, combine)
+            for field, (suffixes, axes, combine) in table.items()
+        }
+        if moe_table:  # experts stay in the model dtype, whatever the quantization (docs/design/models.md)
+            fields["moe"] = MoeBlock(
+                **{
+                    field: placer.put(
+                        placer.host(tuple(f"model.layers.{i}.{s}" for s in suffixes), axes, combine), axes
+                    )
+                    for field, (suffixes, axes, combine) in moe_table.items()
+                }
+            )
+        return DecoderLayer(**fields)  # type: ignore[arg-type]
+
+    layers = tuple(layer(i) for i in range(spec.num_layers))
     embed_host = placer.host(("model.embed_tokens.weight",), (ax.Vocab, ax.Embed))
     lm_head: Weight | None = None
     if not spec.tie_word_embeddings:

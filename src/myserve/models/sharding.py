@@ -13,19 +13,25 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from myserve.models.llama import ModelAxes
+from myserve.models.axes import ModelAxes
 from myserve.models.spec import ModelSpec
 
-DATA, MODEL = "data", "model"
-"""The mesh axes: data-parallel replicas, and tensor parallelism within one."""
+DATA, EXPERT, MODEL = "data", "expert", "model"
+"""The mesh axes: data-parallel replicas; within one, expert parallelism (MoE experts) and tensor
+parallelism."""
 
 # logical axis name -> mesh axis. Axes not listed (embed, qkv, q_per_kv, head_size, gate_up, layers,
 # position) are replicated. Query heads are grouped under their KV head (see models/llama.py), so
-# sharding kv_heads shards the whole attention: q/k/v projections, o_proj and the KV cache.
+# sharding kv_heads shards the whole attention: q/k/v projections, o_proj and the KV cache. A MoE
+# layer's experts shard over `expert` and each expert's width over `model` (models/moe.py);
+# everything else is replicated over `expert`.
 LOGICAL_AXIS_RULES: Mapping[str, str] = {
     "kv_heads": MODEL,
     "mlp": MODEL,
     "vocab": MODEL,
+    "experts": EXPERT,
+    "expert_mlp": MODEL,
+    "shared_mlp": MODEL,
 }
 
 
@@ -36,7 +42,7 @@ def axis_mapping(spec: ModelSpec, mesh: Mesh) -> dict[str, str]:
     mapping = {}
     for logical, mesh_axis in LOGICAL_AXIS_RULES.items():
         dim = sizes.get(logical)
-        if dim is None or dim % mesh.shape[mesh_axis] == 0:
+        if dim is None or dim % mesh.shape.get(mesh_axis, 1) == 0:
             mapping[logical] = mesh_axis
     return mapping
 

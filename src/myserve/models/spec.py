@@ -14,7 +14,9 @@ from typing import Any
 from myserve.errors import CheckpointError
 
 # model_type -> family. Every family shares models/llama.py; the flags below say how they differ.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+"""Model types whose MLP is a Mixture-of-Experts block (``models/moe.py``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +54,25 @@ class ModelSpec:
     """RMSNorm over head_dim on q and k before rotary (Qwen3)."""
     mlp_bias: bool = False
     sliding_window: int | None = None
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 = a dense MLP (every layer of a MoE model is MoE)."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (top-k of the router's softmax)."""
+    expert_intermediate_size: int = 0
+    """Hidden width of one routed expert's MLP."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing weights to sum to 1 (Mixtral always; Qwen as configured)."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the always-on shared expert, gated by a sigmoid of one projection (Qwen2-MoE); 0 = none."""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MLPs are Mixture-of-Experts blocks."""
+        return self.num_experts > 0
 
     @property
     def q_per_kv(self) -> int:
@@ -104,7 +121,7 @@ def spec_from_hf_config(cfg: Mapping[str, Any], source: str) -> ModelSpec:
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         attention_bias = bool(cfg.get("attention_bias", False))
         sliding = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             sliding = None  # Qwen configs carry a window size even when it is switched off
         return ModelSpec(
             model_type=model_type,
@@ -120,14 +137,41 @@ def spec_from_hf_config(cfg: Mapping[str, Any], source: str) -> ModelSpec:
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type != "qwen2" and attention_bias,
-            qk_norm=model_type == "qwen3",
+            qkv_bias=model_type in ("qwen2", "qwen2_moe") or attention_bias,
+            o_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             sliding_window=int(sliding) if sliding else None,
+            **(_moe_fields(cfg, model_type, source) if model_type in MOE_MODEL_TYPES else {}),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{source}: invalid or missing config field: {e}") from None
+
+
+def _moe_fields(cfg: Mapping[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """The Mixture-of-Experts fields of a MoE config. Mixtral's experts are ``intermediate_size``
+    wide and always renormalise the top-k weights; Qwen's are ``moe_intermediate_size`` wide and
+    renormalise when ``norm_topk_prob``. Configs with dense layers among the MoE ones
+    (``mlp_only_layers``, ``decoder_sparse_step`` > 1) are refused: no released checkpoint uses them."""
+    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1:
+        raise CheckpointError(
+            f"{source}: MoE configs with dense layers (mlp_only_layers, decoder_sparse_step > 1) are not supported"
+        )
+    experts = cfg.get("num_local_experts") if model_type == "mixtral" else cfg.get("num_experts")
+    experts = experts or cfg.get("num_local_experts") or cfg.get("num_experts")
+    width = cfg["intermediate_size"] if model_type == "mixtral" else cfg["moe_intermediate_size"]
+    fields = dict(
+        num_experts=int(experts),
+        experts_per_token=int(cfg["num_experts_per_tok"]),
+        expert_intermediate_size=int(width),
+        norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+    )
+    if not 0 < fields["experts_per_token"] <= fields["num_experts"]:
+        raise CheckpointError(
+            f"{source}: num_experts_per_tok {fields['experts_per_token']} must be in 1..{fields['num_experts']}"
+        )
+    return fields
 
 
 def check_max_len(spec: ModelSpec, max_model_len: int, source: str) -> None:

@@ -94,10 +94,11 @@ class Deployment:
         trusted = None if cache_dir is None else check_trusted_directory(cache_dir)
         enable_compilation_cache(None if StepCache.for_process(cache_dir) is not None else trusted)
         # The mesh first: a mesh the visible devices cannot hold fails before anything is read.
-        mesh = make_mesh(config.mesh.data, config.mesh.model)
+        mesh = make_mesh(config.mesh.data, config.mesh.model, expert=config.mesh.expert)
         resolved = resolve_checkpoint(config.model.checkpoint)
         source = open_source(resolved)
         spec = source.spec
+        check_expert_mesh(spec, config.mesh.expert)
         max_len = config.model.max_model_len or spec.max_position_embeddings
         check_max_len(spec, max_len, str(resolved.path))
         pool = config.engine.num_pages * config.engine.page_size
@@ -141,6 +142,16 @@ class Deployment:
             time.perf_counter() - t0,
         )
         return Deployment(config, spec, models, tokenizer, mesh, mapping, dtype, max_len, prebuilt, started)
+
+
+def check_expert_mesh(spec: ModelSpec, expert: int) -> None:
+    """Refuse an ``expert`` mesh axis the model cannot use: a dense model, or experts that do not split evenly."""
+    if expert == 1:
+        return
+    if not spec.is_moe:
+        raise ConfigError(f"mesh.expert={expert} needs a Mixture-of-Experts model; {spec.model_type} is dense")
+    if spec.num_experts % expert:
+        raise ConfigError(f"mesh.expert={expert} must divide the model's {spec.num_experts} experts")
 
 
 def executor_for(

@@ -1,4 +1,4 @@
-"""The device mesh: (data, model) over the visible devices, one row per data-parallel replica.
+"""The device mesh: (data, expert, model) over the visible devices, one row per data-parallel replica.
 
 What each array shards over is the model's table of logical-axis rules (``models/sharding.py``).
 """
@@ -12,39 +12,40 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from myserve.errors import ConfigError
-from myserve.models.sharding import DATA, MODEL
+from myserve.models.sharding import DATA, EXPERT, MODEL
 
 
-def make_mesh(data: int = 1, model: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, model) mesh over the first ``data * model`` devices, or a clear error if too few.
+def make_mesh(data: int = 1, model: int = 1, devices: Sequence[jax.Device] | None = None, expert: int = 1) -> Mesh:
+    """A (data, expert, model) mesh over the first ``data * expert * model`` devices, or a clear
+    error if too few. ``model`` is the innermost axis, so tensor-parallel peers are neighbours.
 
     With several processes (multi-host) every row of the mesh — one data-parallel replica — takes
     the same number of devices from each process: the leader drives and reads every replica, so
-    each must have devices on it (``model`` must then be a multiple of the process count).
+    each must have devices on it (``expert * model`` must then be a multiple of the process count).
     """
     devices = list(jax.devices() if devices is None else devices)
-    need = data * model
+    need = data * expert * model
+    shape = f"data={data} x expert={expert} x model={model}" if expert > 1 else f"data={data} x model={model}"
     if need > len(devices):
         raise ConfigError(
-            f"mesh data={data} x model={model} needs {need} devices, but {len(devices)} "
-            f"{devices[0].platform} device(s) are visible"
+            f"mesh {shape} needs {need} devices, but {len(devices)} {devices[0].platform} device(s) are visible"
         )
     processes = sorted({d.process_index for d in devices})
     if len(processes) > 1:
-        if need != len(devices) or model % len(processes):
+        if need != len(devices) or (expert * model) % len(processes):
             raise ConfigError(
-                f"mesh data={data} x model={model} on {len(processes)} processes: a multi-host mesh must use "
-                f"every device ({len(devices)}) and mesh.model must be a multiple of the process count"
+                f"mesh {shape} on {len(processes)} processes: a multi-host mesh must use every device "
+                f"({len(devices)}) and mesh.expert x mesh.model must be a multiple of the process count"
             )
         # [process, local device] -> [local device, process]: consecutive devices alternate processes.
         by_process = np.array(sorted(devices, key=lambda d: (d.process_index, d.id))).reshape(len(processes), -1)
         devices = list(by_process.T.reshape(-1))
-    return Mesh(np.array(devices[:need]).reshape(data, model), (DATA, MODEL))
+    return Mesh(np.array(devices[:need]).reshape(data, expert, model), (DATA, EXPERT, MODEL))
 
 
 def replica_meshes(mesh: Mesh) -> list[Mesh]:
-    """One (1, model) mesh per row of ``mesh``: the devices of each data-parallel replica."""
-    return [Mesh(mesh.devices[d : d + 1], (DATA, MODEL)) for d in range(mesh.shape[DATA])]
+    """One (1, expert, model) mesh per row of ``mesh``: the devices of each data-parallel replica."""
+    return [Mesh(mesh.devices[d : d + 1], (DATA, EXPERT, MODEL)) for d in range(mesh.shape[DATA])]
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

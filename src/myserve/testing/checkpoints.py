@@ -36,6 +36,17 @@ TINY_ARCHES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", dict(sliding_window=None)),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=1)),
     "qwen3": ("Qwen3Config", dict(head_dim=32)),
+    # Mixture-of-Experts: 8 experts (shardable 2 and 4 ways), top-2; Qwen3-MoE renormalises the
+    # top-k weights, Qwen2-MoE does not and adds a gated shared expert.
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16),
+    ),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    ),
 }
 
 
