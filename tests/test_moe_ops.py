@@ -74,3 +74,20 @@ def test_block_rows_grow_with_assignments_per_expert() -> None:
     assert block_rows(256, 64) == 4
     assert block_rows(4096, 64) == 64
     assert block_rows(10**6, 8) == 256
+
+
+def test_the_three_dispatch_schemes_agree_on_a_fake_mesh() -> None:
+    """``bench.moe_collectives`` (replicated + psum, all-gather + reduce-scatter, all-to-all) on 4 fake
+    devices: it checks that the three give the same output before timing them."""
+    import subprocess
+    import sys
+
+    args = ["--tokens", "8,24", "--ep", "4", "--experts", "8", "--k", "2", "--hidden", "16", "--width", "8"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "myserve.bench.moe_collectives", *args, "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("\n") == 4  # the header lines and one row per token count

@@ -3,6 +3,13 @@
 The header is parsed by ``gguf_file.read_gguf`` over a memory map; the ``gguf`` package dequantizes
 each tensor with numpy (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and the other ggml types it
 knows), so only one tensor is ever materialised as float32 on the host.
+
+Mixture-of-Experts files (``qwen3moe``, ``qwen2moe``, and Mixtral filed under ``llama`` with an
+``expert_count``) stack each layer's experts in 3-D tensors. llama.cpp's converter ``torch.stack``s
+the HF ``[out, in]`` matrices, so the numpy shape (ggml dims reversed) is ``[experts, out, in]``:
+exactly transformers 5's fused layout. The source answers the fused HF names from them
+(``experts.gate_up_proj`` = gate and up concatenated on axis 1, or the fused ``ffn_gate_up_exps``;
+``experts.down_proj``), so the loader's fused path reads a layer's experts in two reads.
 """
 
 from __future__ import annotations
@@ -17,8 +24,10 @@ from myserve.errors import CheckpointError
 from myserve.models.gguf_file import read_gguf
 from myserve.models.spec import ModelSpec
 
-# GGUF general.architecture -> HF model_type. llama.cpp files Mistral under "llama".
-_GGUF_ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# GGUF general.architecture -> HF model_type. llama.cpp files Mistral under "llama", and Mixtral
+# too (with {arch}.expert_count: model_type "mixtral").
+_GGUF_ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_MOE_ARCHES = ("qwen2moe", "qwen3moe")
 
 # HF per-layer suffix -> GGUF per-block name.
 _LAYER_NAMES = {
@@ -42,7 +51,20 @@ _GLOBAL_NAMES = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
+# HF suffix after a MoE layer's "mlp." (Mixtral: "block_sparse_moe.") -> GGUF per-block name.
+_MOE_NAMES = {
+    "gate.weight": "ffn_gate_inp.weight",
+    "experts.down_proj": "ffn_down_exps.weight",
+    "shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_MOE_RE = re.compile(r"(?:mlp|block_sparse_moe)\.(.+)")
+# Mixtral GGUFs converted before llama.cpp stacked experts (early 2024): one 2-D tensor per expert.
+_LEGACY_EXPERT_RE = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
+_LEGACY_EXPERT = {"w1": "ffn_gate", "w2": "ffn_down", "w3": "ffn_up"}
 
 
 def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -83,11 +105,12 @@ class GGUFSource:
         if "token_embd.weight" not in self._tensors:
             raise CheckpointError(f"{self.path}: GGUF has no token_embd.weight tensor")
         vocab = self._tensors["token_embd.weight"].dims[-1]
+        moe = self._moe_fields(arch, get)
         return ModelSpec(
-            model_type=_GGUF_ARCHES[arch],
+            model_type="mixtral" if moe and arch == "llama" else _GGUF_ARCHES[arch],
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
+            intermediate_size=int(get("feed_forward_length", moe.get("expert_intermediate_size"))),
             num_layers=int(get("block_count")),
             num_heads=heads,
             num_kv_heads=int(get("attention.head_count_kv", heads)),
@@ -96,25 +119,71 @@ class GGUFSource:
             rope_theta=float(get("rope.freq_base", 10000.0)),
             max_position_embeddings=int(get("context_length")),
             tie_word_embeddings="output.weight" not in self._tensors,
-            qkv_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            qkv_bias=arch in ("qwen2", "qwen2moe"),
+            qk_norm=arch in ("qwen3", "qwen3moe"),
+            **moe,
         )
 
-    def _gguf_name(self, hf_name: str) -> str:
+    def _moe_fields(self, arch: str, get: Any) -> dict[str, Any]:
+        """The MoE fields of ModelSpec ({} for a dense file), as llama.cpp reads them: an expert's
+        width is ``expert_feed_forward_length``, else ``feed_forward_length`` (Mixtral, ``llama``)
+        or that over ``expert_used_count`` (Qwen). llama.cpp renormalises the top-k routing weights
+        for qwen3moe and Mixtral whatever the HF config said, never for qwen2moe."""
+        experts = int(self.field(f"{arch}.expert_count", 0) or 0)
+        if not experts:
+            if arch in _MOE_ARCHES:
+                raise CheckpointError(f"{self.path}: GGUF metadata {arch}.expert_count is missing")
+            return {}
+        used = int(get("expert_used_count"))
+        if not 0 < used <= experts:
+            raise CheckpointError(f"{self.path}: GGUF {arch}.expert_used_count {used} must be in 1..{experts}")
+        width = self.field(f"{arch}.expert_feed_forward_length")
+        if width is None:
+            width = int(get("feed_forward_length")) // (1 if arch == "llama" else used)
+        shared = 0
+        if arch == "qwen2moe":
+            shared = self.field(f"{arch}.expert_shared_feed_forward_length") or get("feed_forward_length")
+        return dict(
+            num_experts=experts,
+            experts_per_token=used,
+            expert_intermediate_size=int(width),
+            norm_topk_prob=arch != "qwen2moe",
+            shared_expert_intermediate_size=int(shared),
+        )
+
+    def _gguf_names(self, hf_name: str) -> tuple[str, ...]:
+        """The GGUF tensor(s) an HF name is read from: one, or gate and up for a fused gate_up."""
         if hf_name in _GLOBAL_NAMES:
-            return _GLOBAL_NAMES[hf_name]
+            return (_GLOBAL_NAMES[hf_name],)
         m = _LAYER_RE.fullmatch(hf_name)
-        if m and m.group(2) in _LAYER_NAMES:
-            return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-        return hf_name
+        if not m:
+            return (hf_name,)
+        blk, suffix = f"blk.{m.group(1)}.", m.group(2)
+        if suffix in _LAYER_NAMES:
+            return (blk + _LAYER_NAMES[suffix],)
+        moe = _MOE_RE.fullmatch(suffix)
+        if moe and moe.group(1) == "experts.gate_up_proj":
+            if blk + "ffn_gate_up_exps.weight" in self._tensors:  # llama.cpp's own fused form, gate first
+                return (blk + "ffn_gate_up_exps.weight",)
+            return (blk + "ffn_gate_exps.weight", blk + "ffn_up_exps.weight")
+        if moe and moe.group(1) in _MOE_NAMES:
+            return (blk + _MOE_NAMES[moe.group(1)],)
+        legacy = _LEGACY_EXPERT_RE.fullmatch(suffix)
+        if legacy:
+            return (f"{blk}{_LEGACY_EXPERT[legacy.group(2)]}.{legacy.group(1)}.weight",)
+        return (hf_name,)
 
     def has(self, hf_name: str) -> bool:
-        """Whether the file holds this tensor."""
-        return self._gguf_name(hf_name) in self._tensors
+        """Whether the file holds this tensor (a fused one: all its parts)."""
+        return all(name in self._tensors for name in self._gguf_names(hf_name))
 
     def read(self, hf_name: str) -> np.ndarray:
-        """Dequantize one tensor to float32 in HF layout ([out, in] for projections)."""
-        name = self._gguf_name(hf_name)
+        """Dequantize one tensor to float32 in HF layout ([out, in] for projections; stacked experts
+        [experts, out, in], a fused gate_up [experts, 2 * width, in])."""
+        parts = [self._dequantize(name, hf_name) for name in self._gguf_names(hf_name)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+
+    def _dequantize(self, name: str, hf_name: str) -> np.ndarray:
         tensor = self._tensors.get(name)
         if tensor is None:
             raise CheckpointError(f"{self.path}: tensor {name} ({hf_name}) not found")
@@ -128,7 +197,7 @@ class GGUFSource:
                 f"{self.path}: tensor {name} has ggml type {qtype.name}, which gguf cannot dequantize"
             ) from None
         w = np.asarray(data, dtype=np.float32).reshape(tensor.shape)
-        if self.spec.model_type == "llama":  # only llama.cpp's llama converter permutes Q/K
+        if self.spec.model_type in ("llama", "mixtral"):  # only llama.cpp's llama converter permutes Q/K
             if name.endswith("attn_q.weight"):
                 w = _unpermute_rotary(w, self.spec.num_heads)
             elif name.endswith("attn_k.weight"):
