@@ -64,3 +64,23 @@ def test_spec_flags_per_family(tiny_checkpoints) -> None:
         assert s.layer_types == () and s.hidden_act == "silu" and s.embed_scale is None
         assert not (s.sandwich_norms or s.norm_unit_offset) and s.attn_softcap is None is s.final_softcap
         assert s.sm_scale == 1.0 / math.sqrt(s.head_dim)
+
+
+@pytest.mark.parametrize(("arch", "traces"), [("mistral_window", 1), ("gemma2", 2)])
+def test_one_layer_trace_per_kind(arch: str, traces: int, tiny_checkpoints, monkeypatch) -> None:
+    """The step traces its layer function once per distinct layer kind, not once per layer: both
+    of Mistral's layers slide (one kind), Gemma 2 alternates sliding and global layers (two)."""
+    import dataclasses
+
+    from myserve.models.llama import LlamaModel
+    from myserve.runtime import model_step
+
+    kinds: list = []
+    real = model_step.decoder_block
+    monkeypatch.setattr(model_step, "decoder_block", lambda *a: kinds.append(a[-1]) or real(*a))
+    model, mesh, mapping = load_on_mesh(tiny_checkpoints[arch])
+    # A spec no other test used, so that nothing is cached from before.
+    spec = dataclasses.replace(model.spec, max_position_embeddings=777)
+    fresh = LlamaModel(spec, model.attention_backend, model.embed, model.layers, model.final_norm, model.lm_head)
+    full_logits(fresh, mesh, mapping, list(range(3, 48)))
+    assert len(kinds) == traces == len(set(kinds)) and len(fresh.layers) == 2

@@ -162,7 +162,8 @@ def _unit_offset(w: np.ndarray) -> np.ndarray:
 
 
 # Matmul weights and the axes (by position) they are contracted over: these are what int8
-# quantization replaces; norms, biases and the embedding table stay in the model dtype.
+# quantization replaces; norms, biases and the embedding table stay in the model dtype (Gemma's
+# norms in float32, above).
 _CONTRACTED: dict[str, tuple[int, ...]] = {
     "qkv_proj": (0,),
     "o_proj": (0, 1, 2),
