@@ -23,9 +23,13 @@ def contract_attention(
     num_seqs: jax.Array,  # [1]
     *,
     sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """What the kernel returns: each real query token's causal attention over its sequence's pages
-    (query ``j`` of sequence ``s`` at position ``kv_lens[s] - q_len + j``); zeros past the real tokens."""
+    (query ``j`` of sequence ``s`` at position ``kv_lens[s] - q_len + j``); zeros past the real tokens.
+    ``sliding_window``: keys at positions ``<= pos - sliding_window`` are masked too; ``soft_cap``:
+    scaled scores become ``soft_cap * tanh(s / soft_cap)``."""
     t, h, d = q.shape
     _, page_size, combined, _ = kv_pages.shape
     kvh = combined // 2
@@ -40,7 +44,11 @@ def contract_attention(
     group = h // kvh
     qg = q.reshape(t, kvh, group, d)
     scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys, preferred_element_type=jnp.float32) * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     visible = jnp.arange(keys.shape[1])[None, :] <= pos[:, None]  # causal, and inside the context
+    if sliding_window is not None:
+        visible &= jnp.arange(keys.shape[1])[None, :] > pos[:, None] - sliding_window
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("tkgs,tskd->tkgd", probs, values.astype(jnp.float32)).reshape(t, h, d)

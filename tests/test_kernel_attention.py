@@ -25,7 +25,8 @@ from myserve.testing import collect, hf_greedy
 from myserve.wire.params import SamplingParams
 
 
-def test_the_stand_in_equals_jax_reference_of_the_kernel() -> None:
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 5, "soft_cap": 2.0}])
+def test_the_stand_in_equals_jax_reference_of_the_kernel(options: dict) -> None:
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
     rng = np.random.RandomState(0)
@@ -42,8 +43,8 @@ def test_the_stand_in_equals_jax_reference_of_the_kernel() -> None:
         jnp.asarray(np.concatenate([cu, [cu[-1], cu[-1]]]).astype(np.int32)),
         jnp.asarray([5], jnp.int32),
     )
-    want = np.asarray(ref_ragged_paged_attention(*args, sm_scale=d**-0.5))
-    got = np.asarray(jax.jit(lambda *a: contract_attention(*a, sm_scale=d**-0.5))(*args))
+    want = np.asarray(ref_ragged_paged_attention(*args, sm_scale=d**-0.5, **options))
+    got = np.asarray(jax.jit(lambda *a: contract_attention(*a, sm_scale=d**-0.5, **options))(*args))
     n = int(cu[-1])
     np.testing.assert_allclose(got[:n], want, atol=2e-5)
     assert not got[n:].any()
@@ -58,9 +59,11 @@ def _both_layouts(rng: np.random.RandomState, layers: int, kvh: int, n_pages: in
     return KVCache(jnp.asarray(k), jnp.asarray(v)), KernelKVCache(jnp.asarray(kv))
 
 
-def test_kernel_path_equals_the_reference_on_a_mixed_ragged_step(monkeypatch) -> None:
+@pytest.mark.parametrize(("window", "soft_cap"), [(None, None), (6, 2.0)])
+def test_kernel_path_equals_the_reference_on_a_mixed_ragged_step(monkeypatch, window, soft_cap) -> None:
     """Decode tokens, prefill chunks after cached context, a chunk cut into several blocks, padding:
-    the metadata, the write and the layer-1 offset give the reference's attention for every token."""
+    the metadata, the write and the layer-1 offset give the reference's attention for every token
+    (with a sliding window and a soft cap, passed to the kernel as its own options)."""
     monkeypatch.setattr(tpu_attention, "_tpu_kernel", lambda: contract_attention)
     rng = np.random.RandomState(1)
     layers, kvh, h, d, ps, n_pages = 2, 2, 6, 8, 4, 64
@@ -77,8 +80,8 @@ def test_kernel_path_equals_the_reference_on_a_mixed_ragged_step(monkeypatch) ->
     def both(q, ref_cache, kernel_cache, batch):
         meta = kernel_meta(batch, shape.tokens)
         return (
-            ragged_attention(q, ref_cache, 1, batch, sm_scale=d**-0.5),
-            run_kernel(q, kernel_cache, jnp.int32(1), meta, sm_scale=d**-0.5),
+            ragged_attention(q, ref_cache, 1, batch, sm_scale=d**-0.5, window=window, soft_cap=soft_cap),
+            run_kernel(q, kernel_cache, jnp.int32(1), meta, sm_scale=d**-0.5, window=window, soft_cap=soft_cap),
             meta,
         )
 
@@ -121,3 +124,13 @@ def test_served_requests_through_the_kernel_path_match_transformers(make_service
             by_choice[out.choice].extend(out.token_ids)
     assert by_choice[0] == by_choice[1] == by_choice[2] == hf_greedy(hf_tiny, prompt, 12, (2,))
     assert svc.stats().pages_used == 0
+
+
+def test_served_gemma2_through_the_kernel_path_matches_transformers(tiny_checkpoints, monkeypatch) -> None:
+    """Gemma 2's sliding layers and soft-capped scores reach the kernel as its options: served greedy
+    tokens equal transformers' (chunked prefill, preemption, prefix caching; prompts past the window)."""
+    from served_parity import check_served_greedy
+
+    monkeypatch.setattr(tpu_attention, "_tpu_kernel", lambda: contract_attention)
+    monkeypatch.setattr("myserve.runtime.deployment.resolve_backend", lambda *a, **k: "pallas")
+    check_served_greedy(tiny_checkpoints["gemma2"], "engine.attention_backend=pallas")

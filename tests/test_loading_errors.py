@@ -105,16 +105,22 @@ def test_hub_id_resolved_from_cache(tiny_checkpoints, tmp_path: Path, monkeypatc
     assert source.spec.model_type == "qwen3"
 
 
-def test_sliding_window_refused(tiny_copy: Path) -> None:
-    from myserve.models.spec import check_max_len
-
+def test_sliding_window_is_served_past_the_window(tiny_copy: Path) -> None:
+    """A Mistral window no longer caps the context: every layer slides over its last 128 positions."""
     cfg = json.loads((tiny_copy / "config.json").read_text())
     cfg.update(model_type="mistral", sliding_window=128)
     (tiny_copy / "config.json").write_text(json.dumps(cfg))
     spec = open_source(resolve_checkpoint(tiny_copy)).spec
-    check_max_len(spec, 128, "x")
-    with pytest.raises(CheckpointError, match="exceeds the sliding window 128"):
-        check_max_len(spec, 512, "x")
+    assert spec.sliding_window == 128 and spec.layer_types == ("sliding",) * spec.num_layers
+    assert {k.window for k in spec.layer_kinds()} == {128}
+
+
+def test_multimodal_gemma3_refused_naming_the_text_model(tiny_copy: Path) -> None:
+    cfg = json.loads((tiny_copy / "config.json").read_text())
+    cfg.update(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"])
+    (tiny_copy / "config.json").write_text(json.dumps(cfg))
+    msg = load_error(tiny_copy)
+    assert msg.startswith(str(tiny_copy / "config.json")) and "gemma3_text" in msg and "multimodal" in msg
 
 
 @pytest.mark.parametrize("case", ["no_config", "gguf_arch"])

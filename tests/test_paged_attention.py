@@ -12,7 +12,7 @@ from myserve.ops.attention import ragged_attention
 from myserve.ops.paged_cache import KVCache, write_kv
 from myserve.runtime.kv_cache import init_kv_cache
 from myserve.runtime.model_step import StepLogits
-from myserve.runtime.step_layout import Span
+from myserve.runtime.step_layout import Span, StepShape
 from myserve.testing import hf_logits
 
 NUM_PAGES = 64
@@ -143,6 +143,70 @@ def test_ragged_attention_equals_per_token_attention() -> None:
     assert not got[at:].any()  # padding tokens: zeros
 
 
+WINDOWED = [(30, 1), (38, 1), (24, 13), (20, 7)]
+"""(context before, tokens this step): decode rows late in their sequences, and prefill chunks cut
+into 4-token blocks, so that with a 6-token window each view's first chunks are behind every row."""
+
+
+def _dense(q, k, v, pos: int, window: int | None, soft_cap: float | None, scale: float):
+    """softmax over the keys ``k`` [context, D] a query at ``pos`` sees, of capped scaled scores, @ v."""
+    lo = 0 if window is None else max(0, pos - window + 1)
+    s = k[lo : pos + 1] @ q * scale
+    if soft_cap is not None:
+        s = soft_cap * np.tanh(s / soft_cap)
+    w = np.exp(s - s.max())
+    return (w / w.sum()) @ v[lo : pos + 1]
+
+
+@pytest.mark.parametrize(("window", "soft_cap"), [(6, None), (None, 2.0), (6, 2.0), (64, None)])
+def test_ragged_attention_with_window_and_soft_cap(window, soft_cap) -> None:
+    """Each token attends like a dense softmax over the positions ``p - window < k <= p`` of its
+    sequence, of scores ``cap * tanh(s / cap)``. The context loop reads 8-token chunks; values in
+    every page behind the window of all rows of a view are NaN, so reading one would show: the loop
+    starts past them (single rows from chunk 3, blocks from chunk 1). Page 0, where padding rows
+    point, stays clean."""
+    import jax
+
+    rng = np.random.RandomState(2)
+    kvh, h, d, ps, n_pages, span = 2, 6, 8, 4, 64, 8
+    perm = [int(p) for p in 1 + rng.permutation(n_pages - 1)]
+    spans, used = [], 0
+    for before, n in WINDOWED:
+        pages = perm[used : used + -(-(before + n) // ps)]
+        used += len(pages)
+        spans.append(Span([0] * n, before, pages, samples=True))
+    shape = StepShape.of(32, max_num_seqs=8, block_tokens=4, max_pages=12, chunk_pages=2)
+    batch = device_batch(spans, shape, ps)
+    k_np = rng.randn(1, kvh, n_pages, ps, d).astype(np.float32)
+    v_np = rng.randn(1, kvh, n_pages, ps, d).astype(np.float32)
+    clean = v_np.copy()
+    if window is not None:
+        for view in ([s for s in spans if len(s.token_ids) == 1], [s for s in spans if len(s.token_ids) > 1]):
+            first_chunk = max(0, min(s.start for s in view) - window + 1) // span
+            for s in view:
+                for j, page in enumerate(s.pages):
+                    if j * ps // span < first_chunk:
+                        v_np[0, :, page] = np.nan
+        assert np.isnan(v_np).any() == (window < 20)
+    cache = KVCache(jnp.asarray(k_np), jnp.asarray(v_np))
+    q = rng.randn(shape.tokens, h, d).astype(np.float32)
+    attend = jax.jit(lambda q, c, b: ragged_attention(q, c, 0, b, sm_scale=0.3, window=window, soft_cap=soft_cap))
+    got = np.asarray(attend(jnp.asarray(q), cache, batch))
+    assert np.isfinite(got).all()
+    at = 0
+    for span_ in spans:
+        slots = [(page, off) for page in span_.pages for off in range(ps)]
+        for j in range(len(span_.token_ids)):
+            pos = span_.start + j
+            for head in range(h):
+                kh = head // (h // kvh)
+                keys = np.stack([k_np[0, kh, pg, off] for pg, off in slots])
+                vals = np.stack([clean[0, kh, pg, off] for pg, off in slots])
+                want = _dense(q[at + j, head], keys, vals, pos, window, soft_cap, 0.3)
+                np.testing.assert_allclose(got[at + j, head], want, atol=1e-5)
+        at += len(span_.token_ids)
+
+
 def test_backend_switch_checks_that_the_kernel_fits() -> None:
     from myserve.errors import ConfigError
     from myserve.ops.attention import resolve_backend
@@ -158,3 +222,22 @@ def test_backend_switch_checks_that_the_kernel_fits() -> None:
     assert resolve_backend("reference", **shapes) == "reference"
     with pytest.raises(ConfigError, match="needs a TPU"):
         resolve_backend("pallas", **shapes)
+
+
+def test_the_gpu_decode_kernel_is_not_used_for_windows_or_soft_caps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU decode kernel masks by length only: a model with a sliding window or a score cap
+    stays on the reference ("auto") or fails with the reason ("pallas"); the TPU kernel does both."""
+    import jax
+
+    from myserve.errors import ConfigError
+    from myserve.ops.attention import resolve_backend
+    from myserve.ops.gpu_attention import gpu_fit
+
+    shapes = dict(num_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+    assert gpu_fit(**shapes, sliding_window=True) == "the kernel has no sliding-window attention"
+    assert gpu_fit(**shapes, soft_cap=True) == "the kernel has no attention soft cap"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert resolve_backend("auto", **shapes, sliding_window=True) == "reference"
+    assert resolve_backend("auto", **shapes, soft_cap=True) == "reference"
+    with pytest.raises(ConfigError, match="no sliding-window"):
+        resolve_backend("pallas", **shapes, sliding_window=True)

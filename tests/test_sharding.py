@@ -33,6 +33,15 @@ def test_tiny_llama_sharded_heads_and_kv(tiny_checkpoints) -> None:
     assert result["1x4"]["layout"]["devices"] == 4
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_tiny_gemma_sharded(arch: str, tiny_checkpoints) -> None:
+    """Gemma's sliding layers (the windowed loop on each shard's own KV heads), float32 norms and
+    soft caps on a model=2 mesh give one device's logits."""
+    result = run_worker(str(tiny_checkpoints[arch]), "1x2")
+    assert result["1x2"]["max_abs_diff"] <= 1e-4, result
+    assert "'model'" in result["1x2"]["layout"]["kv_cache"]
+
+
 @pytest.mark.slow
 def test_smollm2_sharded_with_replicated_kv_heads() -> None:
     # SmolLM2: 9 heads and 3 KV heads divide neither 2 nor 4 (replicated); mlp and vocab shard.

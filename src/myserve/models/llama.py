@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3.x, TinyLlama, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""The decoder of every supported family (Llama 2/3.x, TinyLlama, SmolLM2, Mistral, Qwen2, Qwen3,
+Gemma 2, Gemma 3 text) over a paged KV cache.
 
 Equinox modules whose weights are haliax ``NamedArray``s: every weight carries logical axis names
 (``embed``, ``kv_heads``, ``qkv``, ``head_size``, ``mlp``, ``vocab``...), and ``models/sharding.py``
@@ -18,19 +19,21 @@ Projections that read the same input are fused into one matmul (fewer, larger ke
   ``kv_heads`` over the ``model`` mesh axis keeps every query head with the KV head it reads.
 - ``gate_up_proj`` (embed, gate_up, mlp): gate and up, sharded together along ``mlp``.
 
-The families differ only by flags on ``ModelSpec``: q/k/v bias (Qwen2), q/k RMSNorm (Qwen3),
-llama3 rotary scaling, tied embeddings.
+The families differ only by flags on ``ModelSpec``: q/k/v bias (Qwen2), q/k RMSNorm (Qwen3,
+Gemma 3), rotary scaling, tied embeddings, and Gemma's: GeGLU, scaled embeddings, ``1 + w`` norms
+(folded into the weights at load), sandwich norms around attention and MLP, soft-capped attention
+scores and logits, per-layer sliding windows and rotary tables (``LayerKind``).
 """
 
 from __future__ import annotations
 
-import math
 from typing import TypeAlias
 
 import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
+import numpy as np
 from haliax import Axis, NamedArray
 from jax.sharding import NamedSharding
 
@@ -38,16 +41,21 @@ from myserve.models.axes import BATCH, POS, ModelAxes
 from myserve.models.moe import MoeBlock, moe_mlp
 from myserve.models.quant import QuantizedWeight, linear
 from myserve.models.rope import apply_rope, inverse_frequencies
-from myserve.models.spec import ModelSpec
+from myserve.models.spec import LayerKind, ModelSpec
 from myserve.ops.attention import paged_attention
 from myserve.ops.paged_cache import KernelKVCache, KVCache
 from myserve.ops.ragged_batch import RaggedBatch
 
 
-def rms_norm(x: NamedArray, weight: NamedArray, axis: Axis, eps: float) -> NamedArray:
-    """RMSNorm over ``axis``, computed in float32 like transformers, returned in x's dtype."""
+def rms_norm(x: NamedArray, weight: NamedArray, axis: Axis, eps: float, scale_f32: bool = False) -> NamedArray:
+    """RMSNorm over ``axis``, computed in float32 like transformers, returned in x's dtype.
+
+    Llama casts the normalized x to its dtype, then scales; Gemma (``scale_f32``, its weight held in
+    float32 with the 1 of ``1 + w`` added) scales in float32, then casts. Equal in float32."""
     xf = x.astype(jnp.float32)
     var = hax.mean(xf * xf, axis=axis)
+    if scale_f32:
+        return (xf * hax.rsqrt(var + eps) * weight.astype(jnp.float32)).astype(x.dtype)
     normed = (xf * hax.rsqrt(var + eps)).astype(x.dtype)
     return normed * weight
 
@@ -57,12 +65,12 @@ Weight: TypeAlias = NamedArray | QuantizedWeight
 
 
 class DecoderLayer(eqx.Module):
-    """One pre-norm transformer block."""
+    """One pre-norm transformer block (with Gemma's sandwich norms, post-norms too)."""
 
     attn_norm: NamedArray  # (embed)
     qkv_proj: Weight  # (embed, kv_heads, qkv, head_size)
     o_proj: Weight  # (kv_heads, q_per_kv, head_size, embed)
-    mlp_norm: NamedArray  # (embed)
+    mlp_norm: NamedArray  # (embed): the MLP's input norm
     gate_up_proj: Weight | None = None  # (embed, gate_up, mlp); None in a MoE layer
     down_proj: Weight | None = None  # (mlp, embed); None in a MoE layer
     qkv_bias: NamedArray | None = None  # (kv_heads, qkv, head_size)
@@ -71,6 +79,8 @@ class DecoderLayer(eqx.Module):
     k_norm: NamedArray | None = None  # (head_size)
     gate_up_bias: NamedArray | None = None  # (gate_up, mlp)
     down_bias: NamedArray | None = None  # (embed)
+    post_attn_norm: NamedArray | None = None  # (embed): on the attention output (sandwich norms)
+    post_mlp_norm: NamedArray | None = None  # (embed): on the MLP output (sandwich norms)
     moe: MoeBlock | None = None  # the experts of a MoE layer (models/moe.py), instead of gate_up/down
 
 
@@ -98,20 +108,28 @@ class LlamaModel(eqx.Module):
         return ModelAxes.of(self.spec)
 
     def embed_tokens(self, tokens: jax.Array) -> NamedArray:
-        """Embeddings (batch, position, embed) of int32 tokens [B, T]."""
-        return self.embed.take(self.axes.Vocab, hax.named(tokens, (BATCH, POS)))
+        """Embeddings (batch, position, embed) of int32 tokens [B, T], scaled by ``spec.embed_scale``."""
+        x = self.embed.take(self.axes.Vocab, hax.named(tokens, (BATCH, POS)))
+        if self.spec.embed_scale is None:
+            return x
+        # As transformers: the scale is a float32 tensor cast to the weights' dtype (55.4 -> 55.5 in bf16).
+        return x * jnp.asarray(np.float32(self.spec.embed_scale), dtype=x.dtype)
 
     def norm(self, x: NamedArray) -> NamedArray:
         """The final RMSNorm."""
-        return rms_norm(x, self.final_norm, self.axes.Embed, self.spec.rms_norm_eps)
+        return rms_norm(x, self.final_norm, self.axes.Embed, self.spec.rms_norm_eps, self.spec.norm_unit_offset)
 
     def logits(self, hidden: NamedArray) -> NamedArray:
-        """Project hidden states (..., embed) to float32 logits (..., vocab)."""
+        """Project hidden states (..., embed) to float32 logits (..., vocab), soft-capped by
+        ``spec.final_softcap`` when set."""
         ax = self.axes
         head = self.embed if self.lm_head is None else self.lm_head
         if isinstance(head, QuantizedWeight):
-            return head.matmul(hidden, ax.Embed)
-        return hax.dot(hidden, head, axis=ax.Embed, preferred_element_type=jnp.float32)
+            logits = head.matmul(hidden, ax.Embed)
+        else:
+            logits = hax.dot(hidden, head, axis=ax.Embed, preferred_element_type=jnp.float32)
+        cap = self.spec.final_softcap
+        return logits if cap is None else cap * hax.tanh(logits / cap)
 
 
 def decoder_block(
@@ -122,16 +140,22 @@ def decoder_block(
     cache: KVCache | KernelKVCache,
     layer_idx: int | jax.Array,
     cache_sharding: NamedSharding | None = None,
+    kind: LayerKind | None = None,
 ) -> tuple[NamedArray, KVCache | KernelKVCache]:
     """One pre-norm transformer block on a ragged step's hidden states (batch=1, position=T,
     embed); writes its K/V into layer ``layer_idx`` of the cache.
 
     A free function of the layer's weights (not of the whole model), so the runtime can jit it
-    once and call it for every layer with that layer's arrays and index. ``cache_sharding``: the
-    KV cache's sharding. The cache's layout picks the attention (``ops/attention.py``).
+    once per layer kind and call it for every layer of that kind with the layer's arrays and
+    index. ``kind``: the layer's window and rotary table (``spec.layer_kind``; needed when
+    ``layer_idx`` is traced). ``cache_sharding``: the KV cache's sharding. The cache's layout picks
+    the attention (``ops/attention.py``).
     """
-    ax, eps = ModelAxes.of(spec), spec.rms_norm_eps
-    h = rms_norm(x, layer.attn_norm, ax.Embed, eps)
+    if kind is None:
+        assert isinstance(layer_idx, int), "a traced layer index needs its kind"
+        kind = spec.layer_kind(layer_idx)
+    ax, eps, f32 = ModelAxes.of(spec), spec.rms_norm_eps, spec.norm_unit_offset
+    h = rms_norm(x, layer.attn_norm, ax.Embed, eps, f32)
     qkv = _add(linear(h, layer.qkv_proj, ax.Embed), layer.qkv_bias)
     qkv_raw = _raw(qkv, BATCH, POS, "kv_heads", "qkv", "head_size")  # [B, T, KVH, G + 2, D]
     b, t, kvh, _, d = qkv_raw.shape
@@ -139,29 +163,50 @@ def decoder_block(
     q = qkv_raw[:, :, :, :g].reshape(b, t, kvh * g, d)  # head kvh_i * g + j reads KV head kvh_i
     k, v = qkv_raw[:, :, :, g], qkv_raw[:, :, :, g + 1]
     if layer.q_norm is not None and layer.k_norm is not None:
-        q = _rms_norm_raw(q, layer.q_norm.array, eps)
-        k = _rms_norm_raw(k, layer.k_norm.array, eps)
-    inv_freq = inverse_frequencies(spec)
+        q = _rms_norm_raw(q, layer.q_norm.array, eps, f32)
+        k = _rms_norm_raw(k, layer.k_norm.array, eps, f32)
+    inv_freq = inverse_frequencies(d, kind)
     # The paged op works on raw arrays in a fixed layout, like the kernels it can dispatch to.
     q, k = apply_rope(q, batch.positions, inv_freq), apply_rope(k, batch.positions, inv_freq)
     out, cache = paged_attention(
-        q[0], k, v, cache, layer_idx, batch, sm_scale=1.0 / math.sqrt(d), cache_sharding=cache_sharding
-    )
+        q[0], k, v, cache, layer_idx, batch,
+        sm_scale=spec.sm_scale, window=kind.window, soft_cap=spec.attn_softcap, cache_sharding=cache_sharding,
+    )  # fmt: skip
     out = out[None]  # the step's one row of T tokens
     out_axes = (h.resolve_axis(BATCH), h.resolve_axis(POS), ax.KVHeads, ax.QPerKV, ax.HeadSize)
     o = linear(hax.named(out.reshape(b, t, kvh, g, d), out_axes), layer.o_proj, (ax.KVHeads, ax.QPerKV, ax.HeadSize))
-    x = x + _add(o, layer.o_bias)
-    h = rms_norm(x, layer.mlp_norm, ax.Embed, eps)
+    x = x + _post_norm(_add(o, layer.o_bias), layer.post_attn_norm, spec)
+    h = rms_norm(x, layer.mlp_norm, ax.Embed, eps, f32)
     if layer.moe is not None:
-        return x + moe_mlp(spec, layer.moe, h, None if cache_sharding is None else cache_sharding.mesh), cache
+        moe = moe_mlp(spec, layer.moe, h, None if cache_sharding is None else cache_sharding.mesh)
+        return x + _post_norm(moe, layer.post_mlp_norm, spec), cache
     assert layer.gate_up_proj is not None and layer.down_proj is not None
     gate_up = _add(linear(h, layer.gate_up_proj, ax.Embed), layer.gate_up_bias)
     gate, up = gate_up[ax.GateUp, 0], gate_up[ax.GateUp, 1]
-    return x + _add(linear(hax.nn.silu(gate) * up, layer.down_proj, ax.Mlp), layer.down_bias), cache
+    mlp = _add(linear(_activation(gate, spec.hidden_act) * up, layer.down_proj, ax.Mlp), layer.down_bias)
+    return x + _post_norm(mlp, layer.post_mlp_norm, spec), cache
 
 
-def _rms_norm_raw(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis of a raw array (Qwen3's per-head q/k norm), float32 inside."""
+def _activation(gate: NamedArray, name: str) -> NamedArray:
+    """The MLP's gate activation: silu (SwiGLU) or GELU's tanh approximation (Gemma's GeGLU, which
+    transformers calls ``gelu_pytorch_tanh``)."""
+    if name == "gelu_pytorch_tanh":
+        return hax.nn.gelu(gate, approximate=True)
+    return hax.nn.silu(gate)
+
+
+def _post_norm(y: NamedArray, weight: NamedArray | None, spec: ModelSpec) -> NamedArray:
+    """A sublayer's output through its post-norm (Gemma's sandwich norms), or as it is without one."""
+    if weight is None:
+        return y
+    return rms_norm(y, weight, weight.axes[0], spec.rms_norm_eps, spec.norm_unit_offset)
+
+
+def _rms_norm_raw(x: jax.Array, weight: jax.Array, eps: float, scale_f32: bool = False) -> jax.Array:
+    """RMSNorm over the last axis of a raw array (the per-head q/k norm of Qwen3 and Gemma 3),
+    float32 inside; ``scale_f32`` as in ``rms_norm``."""
     xf = x.astype(jnp.float32)
     normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if scale_f32:
+        return (normed * weight.astype(jnp.float32)).astype(x.dtype)
     return normed.astype(x.dtype) * weight

@@ -117,6 +117,9 @@ def _layer_table(spec: ModelSpec, ax: ModelAxes) -> dict[str, tuple[tuple[str, .
         return np.concatenate([q.reshape(kvh, g, d), k.reshape(kvh, 1, d), v.reshape(kvh, 1, d)], axis=1)
 
     attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    # Llama's post_attention_layernorm is its MLP's input norm; Gemma (sandwich norms) names that
+    # one pre_feedforward_layernorm, and its post_attention_layernorm normalizes the attention output.
+    mlp_norm = "pre_feedforward_layernorm" if spec.sandwich_norms else "post_attention_layernorm"
     table: dict[str, tuple[tuple[str, ...], tuple, Combine | None]] = {
         "attn_norm": (("input_layernorm.weight",), (ax.Embed,), None),
         "qkv_proj": (tuple(f"{p}.weight" for p in attn), (ax.Embed, ax.KVHeads, ax.QKV, ax.HeadSize), qkv),
@@ -125,7 +128,7 @@ def _layer_table(spec: ModelSpec, ax: ModelAxes) -> dict[str, tuple[tuple[str, .
             (ax.KVHeads, ax.QPerKV, ax.HeadSize, ax.Embed),
             lambda w: w.T.reshape(kvh, g, d, e),
         ),
-        "mlp_norm": (("post_attention_layernorm.weight",), (ax.Embed,), None),
+        "mlp_norm": ((f"{mlp_norm}.weight",), (ax.Embed,), None),
         "gate_up_proj": (
             ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
             (ax.Embed, ax.GateUp, ax.Mlp),
@@ -142,6 +145,9 @@ def _layer_table(spec: ModelSpec, ax: ModelAxes) -> dict[str, tuple[tuple[str, .
         table["k_norm"] = (("self_attn.k_norm.weight",), (ax.HeadSize,), None)
     if spec.is_moe:  # the MLP is the layer's MoeBlock (_moe_table)
         del table["gate_up_proj"], table["down_proj"]
+    if spec.sandwich_norms:
+        table["post_attn_norm"] = (("post_attention_layernorm.weight",), (ax.Embed,), None)
+        table["post_mlp_norm"] = (("post_feedforward_layernorm.weight",), (ax.Embed,), None)
     if spec.mlp_bias:
         table["gate_up_bias"] = (("mlp.gate_proj.bias", "mlp.up_proj.bias"), (ax.GateUp, ax.Mlp), np.stack)
         table["down_bias"] = (("mlp.down_proj.bias",), (ax.Embed,), None)
@@ -193,8 +199,20 @@ def _moe_table(spec: ModelSpec, ax: ModelAxes, fused: bool) -> dict[str, tuple[t
     return table
 
 
+# RMSNorm weights: with ``spec.norm_unit_offset`` (Gemma, whose norms scale by ``1 + w``) they get
+# the 1 added here, in float32, and stay float32 whatever the model dtype, so the norm multiplies by
+# exactly transformers' float32 ``1.0 + w`` (llama.cpp's GGUF converter folds the 1 in the same way).
+_NORMS = frozenset({"attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm"})
+
+
+def _unit_offset(w: np.ndarray) -> np.ndarray:
+    """A Gemma norm weight ``w`` as the factor it applies, ``1 + w``, in float32."""
+    return w.astype(np.float32) + np.float32(1.0)
+
+
 # Matmul weights and the axes (by position) they are contracted over: these are what int8
-# quantization replaces; norms, biases and the embedding table stay in the model dtype.
+# quantization replaces; norms, biases and the embedding table stay in the model dtype (Gemma's
+# norms in float32, above).
 _CONTRACTED: dict[str, tuple[int, ...]] = {
     "qkv_proj": (0,),
     "o_proj": (0, 1, 2),
@@ -269,8 +287,15 @@ def load_model(
     placer = _Placer(source, mesh, mapping, jnp.dtype(dtype), abstract)
     int8 = quantization == "int8"
 
+    def norm(host: np.ndarray, axes: tuple) -> hax.NamedArray:
+        if spec.norm_unit_offset:
+            return placer.put(_unit_offset(host), axes, jnp.dtype(jnp.float32))
+        return placer.put(host, axes)
+
     def weight(field: str, hf_names: tuple[str, ...], axes: tuple, combine: Combine | None) -> Weight:
         host = placer.host(hf_names, axes, combine)
+        if field in _NORMS:
+            return norm(host, axes)
         if int8 and field in _CONTRACTED:
             return placer.put_quantized(host, axes, _CONTRACTED[field])
         return placer.put(host, axes)
@@ -314,6 +339,6 @@ def load_model(
         attention_backend=attention_backend,
         embed=placer.put(embed_host, (ax.Vocab, ax.Embed)),
         layers=layers,
-        final_norm=placer.put(placer.host(("model.norm.weight",), (ax.Embed,)), (ax.Embed,)),
+        final_norm=norm(placer.host(("model.norm.weight",), (ax.Embed,)), (ax.Embed,)),
         lm_head=lm_head,
     )

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (HF "rotate half" convention), including Llama 3.1 frequency scaling."""
+"""Rotary position embeddings (HF "rotate half" convention), with Llama 3.1 and linear frequency scaling."""
 
 from __future__ import annotations
 
@@ -8,19 +8,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from myserve.models.spec import ModelSpec
+from myserve.models.spec import LayerKind, LinearRopeScaling
 
 
-def inverse_frequencies(spec: ModelSpec) -> np.ndarray:
-    """[head_dim // 2] float32 inverse frequencies, scaled per ``rope_type: llama3`` when configured.
+def inverse_frequencies(head_dim: int, kind: LayerKind) -> np.ndarray:
+    """[head_dim // 2] float32 inverse frequencies of a layer of ``kind`` (its theta and scaling).
 
     Computed on the host in float64 then cast, matching transformers' float32 table.
     """
-    dim = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
-    rs = spec.rope_scaling
+    dim = head_dim
+    inv_freq = 1.0 / (kind.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    rs = kind.rope_scaling
     if rs is None:
         return inv_freq.astype(np.float32)
+    if isinstance(rs, LinearRopeScaling):  # positions divided by the factor, i.e. the frequencies
+        return (inv_freq.astype(np.float32) / np.float32(rs.factor)).astype(np.float32)
     # Llama 3.1: low frequencies are divided by `factor`, high ones kept, the band between blended.
     low_freq_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
     high_freq_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor

@@ -14,6 +14,14 @@ of a view; padding rows have ``kv_lens == 0``.
 
 Causality is by absolute position: a query at position ``p`` sees cache slots ``<= p`` of its row
 (the cache already holds this step's keys), and ``< kv_lens``.
+
+Sliding windows (a layer's static ``window``): a query at position ``p`` sees only positions
+``k > p - window``, as transformers masks them. The context loop then starts at the first chunk
+any row of the view still sees, so pages wholly behind every row's window are not read (the
+loop's cost follows the window, not the context). Those pages are **not freed**: a model's full
+layers (Gemma alternates them) and the prefix cache read the same page table, and a page holds
+every layer's K/V, so one page cannot be freed for some layers only. ``soft_cap``: scores
+(already scaled) become ``cap * tanh(s / cap)`` before masking (Gemma 2).
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ def paged_attention(
     batch: RaggedBatch,
     *,
     sm_scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
     cache_sharding: NamedSharding | None = None,
 ) -> tuple[jax.Array, KVCache | KernelKVCache]:
     """Write this step's ``k``, ``v`` [1, T, kv_heads, D] into layer ``layer`` of ``cache``, then
@@ -56,18 +66,24 @@ def paged_attention(
 
     ``KernelKVCache`` (its batch carrying the kernel's metadata) runs the TPU kernel, ``KVCache``
     the reference (with the decode rows on the GPU kernel when ``batch.decode_kernel``).
-    ``cache_sharding``: the cache's sharding; with its heads split over devices the reference
-    gathers pages per head shard and the kernels run per device.
+    ``window``: the layer's sliding window (None: full attention); ``soft_cap``: the score cap
+    (None: none). ``cache_sharding``: the cache's sharding; with its heads split over devices the
+    reference gathers pages per head shard and the kernels run per device.
     """
     if isinstance(cache, KernelKVCache):
         assert batch.kernel is not None, "the TPU kernel needs the batch's kernel metadata"
         cache = write_kv_kernel(cache, layer, k, v, batch)
-        return kernel_attention(q, cache, layer, batch.kernel, sm_scale=sm_scale, cache_sharding=cache_sharding), cache
+        out = kernel_attention(
+            q, cache, layer, batch.kernel,
+            sm_scale=sm_scale, window=window, soft_cap=soft_cap, cache_sharding=cache_sharding,
+        )  # fmt: skip
+        return out, cache
     heads_sharded = cache_sharding is not None and cache_sharding.spec[1:2] not in ((), (None,))
     cache = write_kv(cache, layer, k, v, batch)
     out = ragged_attention(
-        q, cache, layer, batch, sm_scale=sm_scale, heads_sharded=heads_sharded, cache_sharding=cache_sharding
-    )
+        q, cache, layer, batch,
+        sm_scale=sm_scale, window=window, soft_cap=soft_cap, heads_sharded=heads_sharded, cache_sharding=cache_sharding,
+    )  # fmt: skip
     return out, cache
 
 
@@ -103,8 +119,13 @@ def _view_attention(
     chunk_pages: int,
     sm_scale: float,
     heads_sharded: bool,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
-    """Attention of one view's rows. q: [T + 1, heads, D] (last row zeros) -> [N, Q, heads, D] float32."""
+    """Attention of one view's rows. q: [T + 1, heads, D] (last row zeros) -> [N, Q, heads, D] float32.
+
+    With a ``window`` the loop starts at the chunk holding the oldest position any real row's first
+    query still sees (a row's queries are consecutive from ``positions[:, 0]``)."""
     _, h, d = q.shape
     n, qn = view.idx.shape
     kvh = cache.k.shape[1]
@@ -115,6 +136,13 @@ def _view_attention(
     q_pos = jnp.repeat(view.positions, g, axis=1)  # [N, Q * g]
     span = chunk_pages * cache.page_size
     num_chunks = (jnp.max(view.kv_lens, initial=0) + span - 1) // span
+    first_chunk = jnp.zeros_like(num_chunks)
+    if window is not None:
+        # The oldest position any real row still sees (padding rows, kv_lens 0, see nothing).
+        never = jnp.iinfo(jnp.int32).max
+        seen = jnp.where(view.kv_lens > 0, view.positions[:, 0] - (window - 1), never)
+        oldest = jnp.maximum(jnp.min(seen, initial=never), 0)
+        first_chunk = jnp.minimum(oldest // span, num_chunks).astype(num_chunks.dtype)
 
     def body(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
         m, denom, acc = carry
@@ -124,7 +152,11 @@ def _view_attention(
         )
         kv_pos = i * span + jnp.arange(span)
         mask = (kv_pos[None, :, None] <= q_pos[:, None, :]) & (kv_pos[None, :, None] < view.kv_lens[:, None, None])
+        if window is not None:
+            mask &= kv_pos[None, :, None] > q_pos[:, None, :] - window
         s = jnp.einsum("knsd,nkmd->knsm", keys, qm, preferred_element_type=jnp.float32) * sm_scale
+        if soft_cap is not None:  # as transformers: on the scaled scores, before the mask
+            s = soft_cap * jnp.tanh(s / soft_cap)
         s = jnp.where(mask[None], s, _MASK_VALUE)  # [KVH, N, span, M]
         m_new = jnp.maximum(m, s.max(axis=2))
         p = jnp.exp(s - m_new[:, :, None, :])
@@ -139,7 +171,7 @@ def _view_attention(
         jnp.zeros((kvh, n, m_rows), jnp.float32),
         jnp.zeros((n, kvh, m_rows, d), jnp.float32),
     )
-    _, denom, acc = lax.fori_loop(0, num_chunks, body, init)
+    _, denom, acc = lax.fori_loop(first_chunk, num_chunks, body, init)
     out = acc / jnp.maximum(denom, 1e-30).transpose(1, 0, 2)[..., None]
     return out.reshape(n, kvh, qn, g, d).transpose(0, 2, 1, 3, 4).reshape(n, qn, h, d)
 
@@ -151,13 +183,18 @@ def ragged_attention(
     batch: RaggedBatch,
     *,
     sm_scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
     heads_sharded: bool = False,
     cache_sharding: NamedSharding | None = None,
 ) -> jax.Array:
     """Attention of flat queries ``q`` [T, heads, D] over their sequences' paged context (this
     step's K/V already written); returns [T, heads, D] in q's dtype (padding tokens: zeros). Pure
     JAX, except the single view on the GPU decode kernel when ``batch.decode_kernel`` (which reads
-    ``cache_sharding`` to run per device when heads are split)."""
+    ``cache_sharding`` to run per device when heads are split). ``window``, ``soft_cap``: as
+    ``paged_attention``; the GPU kernel has neither (``resolve_backend`` does not pick it then)."""
+    if batch.decode_kernel and (window is not None or soft_cap is not None):
+        raise ValueError("the GPU decode kernel has no sliding window or soft cap")
     t, h, d = q.shape
     padded = jnp.concatenate([q, jnp.zeros((1, h, d), q.dtype)])
     out = jnp.zeros((t + 1, h, d), jnp.float32)
@@ -172,21 +209,31 @@ def ragged_attention(
             out = out.at[view.idx[:, 0]].set(rows.astype(jnp.float32))
             continue
         rows = _view_attention(
-            padded, cache, layer, view, chunk_pages=batch.chunk_pages, sm_scale=sm_scale, heads_sharded=heads_sharded
-        )
+            padded, cache, layer, view,
+            chunk_pages=batch.chunk_pages, sm_scale=sm_scale, heads_sharded=heads_sharded,
+            window=window, soft_cap=soft_cap,
+        )  # fmt: skip
         # Padding entries all point at row T, which is dropped.
         out = out.at[view.idx.reshape(-1)].set(rows.reshape(-1, h, d))
     return out[:t].astype(q.dtype)
 
 
 def resolve_backend(
-    backend: AttentionBackend, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int
+    backend: AttentionBackend,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    sliding_window: bool = False,
+    soft_cap: bool = False,
 ) -> Literal["reference", "pallas", "pallas_gpu"]:
     """Pick the attention implementation. ``auto`` and ``pallas``: on TPU the Pallas ragged kernel
     (``pallas``), on GPU the Pallas paged decode kernel for the decode rows (``pallas_gpu``,
-    ``ops/gpu_attention.py``), each when it imports and the model's shapes fit it; the
-    reference otherwise (``pallas`` instead fails with the reason). ``reference`` forces the
-    reference."""
+    ``ops/gpu_attention.py``), each when it imports and the model fits it; the reference otherwise
+    (``pallas`` instead fails with the reason). ``reference`` forces the reference.
+    ``sliding_window``, ``soft_cap``: whether any layer of the model has one (the TPU kernel does
+    both, the GPU decode kernel neither)."""
     if backend == "reference":
         return "reference"
     platform = jax.default_backend()
@@ -194,7 +241,7 @@ def resolve_backend(
         misfit = pallas_fit(num_heads, num_kv_heads, head_dim, page_size)  # it imports the kernel's module
         picked: Literal["pallas", "pallas_gpu"] = "pallas"
     elif platform in ("gpu", "cuda", "rocm"):
-        misfit = gpu_fit(num_heads, num_kv_heads, head_dim, page_size)
+        misfit = gpu_fit(num_heads, num_kv_heads, head_dim, page_size, sliding_window=sliding_window, soft_cap=soft_cap)
         picked = "pallas_gpu"
     elif backend == "pallas":
         raise ConfigError("engine.attention_backend 'pallas' needs a TPU or a GPU; use 'auto' or 'reference'")

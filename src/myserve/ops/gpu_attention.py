@@ -132,10 +132,24 @@ def _gpu_kernel() -> Kernel | None:
     return paged_attention  # type: ignore[no-any-return]
 
 
-def gpu_fit(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int) -> str | None:
-    """Why the GPU decode kernel cannot serve these shapes, or None if it can. Triton blocks need
+def gpu_fit(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    *,
+    sliding_window: bool = False,
+    soft_cap: bool = False,
+) -> str | None:
+    """Why the GPU decode kernel cannot serve this model, or None if it can. Triton blocks need
     power-of-two sizes of at least 16: ``head_dim``, and a compute block's tokens (``page_size`` a
-    power of two; the smallest block is one page, so at least 16 tokens per page)."""
+    power of two; the smallest block is one page, so at least 16 tokens per page). The kernel
+    masks only by length: no sliding window and no score soft cap (``sliding_window``,
+    ``soft_cap``: whether some layer of the model has one)."""
+    if sliding_window:
+        return "the kernel has no sliding-window attention"
+    if soft_cap:
+        return "the kernel has no attention soft cap"
     if head_dim < 16 or head_dim & (head_dim - 1):
         return f"head_dim {head_dim} is not a power of two >= 16"
     if page_size < 16 or page_size & (page_size - 1):

@@ -42,7 +42,8 @@ from myserve.ops.ragged_batch import KernelMeta
 logger = logging.getLogger(__name__)
 
 Kernel = Callable[..., jax.Array]
-"""``ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale)``."""
+"""``ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+sliding_window=None, soft_cap=None)``."""
 
 
 def kernel_attention(
@@ -52,18 +53,27 @@ def kernel_attention(
     meta: KernelMeta,
     *,
     sm_scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
     cache_sharding: NamedSharding | None = None,
 ) -> jax.Array:
     """The kernel's attention of flat queries ``q`` [T, heads, D] over layer ``layer`` of ``cache``
-    (this step's K/V already written); [T, heads, D] in q's dtype. ``cache_sharding``: the cache's
-    sharding, whose combined-heads axis (if split) runs the kernel per device under ``shard_map``."""
+    (this step's K/V already written); [T, heads, D] in q's dtype. ``window``, ``soft_cap``: the
+    kernel's own ``sliding_window`` (it masks ``k <= p - window``, as transformers does) and
+    ``soft_cap``, passed only when set. ``cache_sharding``: the cache's sharding, whose
+    combined-heads axis (if split) runs the kernel per device under ``shard_map``."""
     kernel = _tpu_kernel()
     if kernel is None:  # resolve_backend never picks this backend without the kernel
         raise RuntimeError("the Pallas ragged paged attention kernel is not available")
     num_layers, num_pages = cache.kv.shape[:2]
     kv_pages = cache.kv.reshape(num_layers * num_pages, *cache.kv.shape[2:])  # a bitcast
     page_indices = meta.page_indices + layer * num_pages
-    call = functools.partial(kernel, sm_scale=sm_scale)
+    options: dict[str, Any] = {"sm_scale": sm_scale}
+    if window is not None:
+        options["sliding_window"] = window
+    if soft_cap is not None:
+        options["soft_cap"] = soft_cap
+    call = functools.partial(kernel, **options)
     heads = None if cache_sharding is None else cache_sharding.spec[3] if len(cache_sharding.spec) > 3 else None
     if heads is None:
         return call(q, kv_pages, meta.kv_lens, page_indices, meta.cu_q_lens, meta.num_seqs)

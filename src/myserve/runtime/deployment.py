@@ -20,7 +20,7 @@ from myserve.models.llama import LlamaModel
 from myserve.models.loading import TensorSource, load_model, open_source
 from myserve.models.quant import MIN_ROWS
 from myserve.models.sharding import axis_mapping
-from myserve.models.spec import ModelSpec, check_max_len
+from myserve.models.spec import ModelSpec
 from myserve.ops.attention import resolve_backend
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.compile_counter import compile_counts
@@ -100,7 +100,6 @@ class Deployment:
         spec = source.spec
         check_expert_mesh(spec, config.mesh.expert)
         max_len = config.model.max_model_len or spec.max_position_embeddings
-        check_max_len(spec, max_len, str(resolved.path))
         pool = config.engine.num_pages * config.engine.page_size
         if pool < max_len:
             # A sequence longer than the whole KV pool could never be scheduled: it would wait forever.
@@ -116,6 +115,8 @@ class Deployment:
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             page_size=config.engine.page_size,
+            sliding_window="sliding" in spec.layer_types,
+            soft_cap=spec.attn_softcap is not None,
         )
         started = (time.perf_counter(), *compile_counts()) if prebuild else None
         prebuilt = _prebuild(config, source, mesh, mapping, dtype, backend, max_len) if prebuild else ()

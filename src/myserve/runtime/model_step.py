@@ -14,7 +14,9 @@ executable per token bucket), so the run-time cost decides. Each layer is traced
 ``jax.jit`` (``_layer``) called once per layer with its weights and index: JAX traces and lowers
 the layer once per bucket instead of once per layer (0.15 s instead of 0.7-1.1 s per bucket for
 SmolLM2's 30 layers), and XLA inlines the calls, so the compiled program is the same instruction
-for instruction as a Python-unrolled one.
+for instruction as a Python-unrolled one. The layer's kind (``LayerKind``: its sliding window and
+rotary table) is a static argument, so a model whose layers differ (Gemma's sliding and global
+layers) traces one layer function per distinct kind, not one per layer.
 
 One executable per bucket serves every sampling mode: whether any row draws (temperature > 0),
 whether any row wants logprobs and the top ``MAX_TOP_LOGPROBS``, and whether any prompt position
@@ -40,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from myserve.models.llama import BATCH, POS, DecoderLayer, LlamaModel, decoder_block
 from myserve.models.sharding import kv_cache_sharding
-from myserve.models.spec import ModelSpec
+from myserve.models.spec import LayerKind, ModelSpec
 from myserve.ops.paged_cache import KernelKVCache
 from myserve.ops.ragged_batch import RaggedBatch, kernel_meta
 from myserve.runtime.kv_cache import Cache, constrain_cache
@@ -60,9 +62,10 @@ class StepOutput(NamedTuple):
     """(logprob of the following token [T], top ids [T, K], top logprobs [T, K]); zeros when nothing is scored."""
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 6))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 7))
 def _layer(
     spec: ModelSpec,
+    kind: LayerKind,
     treedef: jax.tree_util.PyTreeDef,
     leaves: tuple[jax.Array, ...],
     x: hax.NamedArray,
@@ -71,9 +74,10 @@ def _layer(
     cache_sharding: NamedSharding | None,
     index: jax.Array,
 ) -> tuple[hax.NamedArray, Cache]:
-    """One decoder layer (weights ``leaves``, layer ``index`` of the cache), traced once per bucket."""
+    """One decoder layer of ``kind`` (weights ``leaves``, layer ``index`` of the cache), traced once
+    per bucket and kind."""
     layer: DecoderLayer = jax.tree_util.tree_unflatten(treedef, leaves)
-    return decoder_block(spec, layer, x, batch, cache, index, cache_sharding)
+    return decoder_block(spec, layer, x, batch, cache, index, cache_sharding, kind)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7, 9))
@@ -145,8 +149,9 @@ def _forward(
     elif outer.attention_backend == "pallas_gpu":
         batch = batch.with_decode_kernel()
     x = outer.embed_tokens(tokens[None])  # one row of T tokens: [1, T, embed]
+    kinds = outer.spec.layer_kinds()
     for i, leaves in enumerate(layers):
-        x, cache = _layer(outer.spec, treedef, leaves, x, batch, cache, cache_sharding, jnp.int32(i))
+        x, cache = _layer(outer.spec, kinds[i], treedef, leaves, x, batch, cache, cache_sharding, jnp.int32(i))
     return x, constrain_cache(cache, cache_sharding)
 
 

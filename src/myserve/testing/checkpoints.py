@@ -47,6 +47,33 @@ TINY_ARCHES: dict[str, tuple[str, dict[str, Any]]] = {
         "Qwen2MoeConfig",
         dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
     ),
+    # Sliding windows of 16 (the parity prompts are 45 tokens, the served ones up to 150), a score
+    # scale off 1/sqrt(head_dim), and soft caps low enough to bend these tiny models' scores and logits.
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            head_dim=16,
+            sliding_window=16,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=5.0,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            head_dim=16,
+            sliding_window=16,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters=dict(
+                sliding_attention=dict(rope_type="default", rope_theta=1000.0),
+                full_attention=dict(rope_type="linear", factor=4.0, rope_theta=100000.0),
+            ),
+        ),
+    ),
+    "mistral_window": ("MistralConfig", dict(sliding_window=16)),
 }
 
 
@@ -100,10 +127,12 @@ def make_tiny_checkpoint(
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     # Random init uses std 0.02, which makes every logit ~0; larger weights make parity meaningful.
+    # Norms scale by about 1: by w ~ 1, or for Gemma (whose norms scale by 1 + w) by w ~ 0.
+    unit = 0.0 if config.model_type.startswith("gemma") else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                p.copy_(unit + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.2)
     model = model.to(getattr(torch, dtype))
