@@ -65,7 +65,8 @@ MOE_MESHES = ("1x1x1", "1x2x1", "1x4x1", "1x2x2", "2x2x2")
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_moe_models_serve_identically_with_expert_parallelism(arch: str, tiny_checkpoints) -> None:
-    """8 experts split 2 and 4 ways over the ``expert`` axis (and 2 x 2 with tensor parallelism):
+    """8 experts split 2 and 4 ways over the ``expert`` axis (and 2 x 2 with tensor parallelism, also
+    in each of 2 data-parallel replicas):
     the same greedy tokens as one device, nothing compiled after warmup as the routing changes
     from step to step, the expert weights never gathered (each device runs its own), and the
     experts combined by one all-reduce of the step's [8, hidden] partial sums per layer."""
@@ -82,6 +83,10 @@ def test_moe_models_serve_identically_with_expert_parallelism(arch: str, tiny_ch
         # collective moves activations, routing or the sampler's logits (at most 8 x vocab).
         sizes = [math.prod(int(x) for x in re.findall(r"\d+", c.split("[", 1)[1])) for c in r["decode_collectives"]]
         assert max(sizes, default=0) <= 8 * 256, (mesh, r["decode_collectives"])
+    # The 2 KV heads split over expert=2 (the expert-parallel devices share the attention and the
+    # cache), and over model=2 where expert x model = 4 does not divide them.
+    assert "'expert'" in result["1x2x1"]["cache_spec"]
+    assert "'model'" in result["1x2x2"]["cache_spec"] and "'expert'" not in result["1x2x2"]["cache_spec"]
 
 
 @pytest.mark.slow

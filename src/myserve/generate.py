@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from myserve.config import load_config
 from myserve.errors import MyserveError
 from myserve.models.llama import LlamaModel
+from myserve.models.sharding import MeshAxes
 from myserve.runtime.buckets import BLOCK_TOKENS, CHUNK_TOKENS
 from myserve.runtime.kv_cache import init_kv_cache
 from myserve.runtime.model_step import StepLogits
@@ -30,7 +31,7 @@ def greedy_generate(
     max_new_tokens: int,
     *,
     mesh: Mesh,
-    mapping: Mapping[str, str],
+    mapping: Mapping[str, MeshAxes],
     eos_ids: Sequence[int] = (),
     page_size: int = 16,
     chunk_size: int = 64,

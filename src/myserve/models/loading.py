@@ -26,7 +26,7 @@ from myserve.models.gguf import GGUFSource
 from myserve.models.llama import DecoderLayer, LlamaModel, Weight
 from myserve.models.moe import MoeBlock
 from myserve.models.quant import QuantizedWeight, quantize
-from myserve.models.sharding import named_sharding
+from myserve.models.sharding import MeshAxes, named_sharding
 from myserve.models.spec import ModelSpec, spec_from_hf_config
 
 logger = logging.getLogger(__name__)
@@ -226,7 +226,12 @@ class _Placer:
     reads nothing and places nothing; every weight is a ``jax.ShapeDtypeStruct`` with its sharding."""
 
     def __init__(
-        self, source: TensorSource, mesh: Mesh, mapping: Mapping[str, str], dtype: jnp.dtype, abstract: bool = False
+        self,
+        source: TensorSource,
+        mesh: Mesh,
+        mapping: Mapping[str, MeshAxes],
+        dtype: jnp.dtype,
+        abstract: bool = False,
     ):
         self.source, self.mesh, self.mapping, self.dtype, self.abstract = source, mesh, mapping, dtype, abstract
 
@@ -270,7 +275,7 @@ class _Placer:
 def load_model(
     source: TensorSource,
     mesh: Mesh,
-    mapping: Mapping[str, str],
+    mapping: Mapping[str, MeshAxes],
     dtype: jnp.dtype = jnp.float32,
     attention_backend: str = "reference",
     quantization: str = "none",

@@ -24,7 +24,7 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 from myserve.models.axes import BATCH, POS
@@ -44,7 +44,7 @@ class MoeBlock(eqx.Module):
     shared_gate: NamedArray | None = None  # (embed,)
 
 
-def moe_mlp(spec: ModelSpec, block: MoeBlock, h: NamedArray, mesh: Mesh | None) -> NamedArray:
+def moe_mlp(spec: ModelSpec, block: MoeBlock, h: NamedArray, mesh: Mesh | AbstractMesh | None) -> NamedArray:
     """The MoE MLP of normed hidden states ``h`` (batch, position, embed), in h's dtype. ``mesh``:
     the replica's mesh the weights live on (None: unsharded, e.g. outside a step)."""
     hr = h.rearrange((BATCH, POS, "embed"))
@@ -70,17 +70,17 @@ def _routed_experts(
     weights: jax.Array,
     gate_up: jax.Array,
     down: jax.Array,
-    mesh: Mesh | None,
+    mesh: Mesh | AbstractMesh | None,
 ) -> jax.Array:
     """The routed experts' float32 output [T, embed], per device under ``shard_map`` when the
     experts (``expert`` axis) or their hidden width (``model`` axis) are sharded."""
     impl = grouped_impl()
     mapping = {} if mesh is None else axis_mapping(spec, mesh)
-    experts_axis, width_axis = mapping.get("experts"), mapping.get("expert_mlp")
-    if mesh is not None and mesh.shape.get(experts_axis or "", 1) == 1:
-        experts_axis = None
-    if mesh is not None and mesh.shape.get(width_axis or "", 1) == 1:
-        width_axis = None
+    # Each rule names one mesh axis (models/sharding.py); an axis of size 1 splits nothing.
+    experts_axis, width_axis = (
+        a if isinstance(a, str) and mesh is not None and mesh.shape.get(a, 1) > 1 else None
+        for a in (mapping.get("experts"), mapping.get("expert_mlp"))
+    )
     if mesh is None or (experts_axis is None and width_axis is None):
         return expert_mlp(x, ids, weights, gate_up, down, jax.nn.silu, impl=impl)
     local_experts = spec.num_experts // (mesh.shape[experts_axis] if experts_axis else 1)

@@ -343,7 +343,7 @@ def _moe_fields(cfg: Mapping[str, Any], model_type: str, source: str) -> dict[st
             f"{source}: MoE configs with dense layers (mlp_only_layers, decoder_sparse_step > 1) are not supported"
         )
     experts = cfg.get("num_local_experts") if model_type == "mixtral" else cfg.get("num_experts")
-    experts = experts or cfg.get("num_local_experts") or cfg.get("num_experts")
+    experts = experts or cfg.get("num_local_experts") or cfg.get("num_experts") or 0
     width = cfg["intermediate_size"] if model_type == "mixtral" else cfg["moe_intermediate_size"]
     fields = dict(
         num_experts=int(experts),
@@ -352,7 +352,7 @@ def _moe_fields(cfg: Mapping[str, Any], model_type: str, source: str) -> dict[st
         norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
     )
-    if not 0 < fields["experts_per_token"] <= fields["num_experts"]:
+    if not 0 < fields["experts_per_token"] <= fields["num_experts"]:  # also: no experts at all
         raise CheckpointError(
             f"{source}: num_experts_per_tok {fields['experts_per_token']} must be in 1..{fields['num_experts']}"
         )

@@ -19,7 +19,7 @@ from myserve.models.checkpoint import resolve_checkpoint
 from myserve.models.llama import LlamaModel
 from myserve.models.loading import TensorSource, load_model, open_source
 from myserve.models.quant import MIN_ROWS
-from myserve.models.sharding import axis_mapping
+from myserve.models.sharding import MeshAxes, axis_mapping
 from myserve.models.spec import ModelSpec
 from myserve.ops.attention import resolve_backend
 from myserve.runtime.buckets import Buckets
@@ -59,7 +59,7 @@ class Deployment:
     """The weights once per data-parallel replica, each on its row of the mesh (``replica_meshes``)."""
     tokenizer: Tokenizer
     mesh: Mesh
-    mapping: Mapping[str, str]
+    mapping: Mapping[str, MeshAxes]
     dtype: jnp.dtype
     max_model_len: int
     prebuilt: tuple[Future[Prebuilt], ...] = ()
@@ -159,7 +159,7 @@ def executor_for(
     config: Config,
     model: LlamaModel,
     mesh: Mesh,
-    mapping: Mapping[str, str],
+    mapping: Mapping[str, MeshAxes],
     prebuilt: Future[Prebuilt] | None = None,
 ) -> Executor:
     """One replica's executor of ``model`` (real or abstract) on ``mesh``, sized by the config."""
@@ -180,7 +180,7 @@ def _prebuild(
     config: Config,
     source: TensorSource,
     mesh: Mesh,
-    mapping: Mapping[str, str],
+    mapping: Mapping[str, MeshAxes],
     dtype: jnp.dtype,
     backend: str,
     max_len: int,

@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from myserve.models.llama import LlamaModel
-from myserve.models.sharding import kv_cache_sharding
+from myserve.models.sharding import MeshAxes, kv_cache_sharding
 from myserve.ops.paged_cache import KernelKVCache, KVCache
 from myserve.runtime.compile_counter import count_loaded, thread_cache_hits
 from myserve.runtime.device import StepRead
@@ -88,7 +88,7 @@ class Executor:
         self,
         model: LlamaModel,
         mesh: Mesh,
-        mapping: Mapping[str, str],
+        mapping: Mapping[str, MeshAxes],
         *,
         num_pages: int,
         page_size: int,

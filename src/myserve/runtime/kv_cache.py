@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from myserve.models.sharding import kv_cache_sharding
+from myserve.models.sharding import MeshAxes, kv_cache_sharding
 from myserve.models.spec import ModelSpec
 from myserve.ops.paged_cache import KernelKVCache, KVCache
 
@@ -45,7 +45,7 @@ def init_kv_cache(
     page_size: int,
     dtype: jnp.dtype,
     mesh: Mesh,
-    mapping: Mapping[str, str],
+    mapping: Mapping[str, MeshAxes],
     backend: str = "reference",
 ) -> Cache:
     """A zeroed KV cache, created directly with its sharding (never whole on one device first)."""

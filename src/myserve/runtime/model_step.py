@@ -41,7 +41,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from myserve.models.llama import BATCH, POS, DecoderLayer, LlamaModel, decoder_block
-from myserve.models.sharding import kv_cache_sharding
+from myserve.models.sharding import MeshAxes, kv_cache_sharding
 from myserve.models.spec import LayerKind, ModelSpec
 from myserve.ops.paged_cache import KernelKVCache
 from myserve.ops.ragged_batch import RaggedBatch, kernel_meta
@@ -216,7 +216,7 @@ class StepLogits:
     page_size: int
 
     @staticmethod
-    def of(model: LlamaModel, mesh: Mesh, mapping: Mapping[str, str], page_size: int) -> StepLogits:
+    def of(model: LlamaModel, mesh: Mesh, mapping: Mapping[str, MeshAxes], page_size: int) -> StepLogits:
         """For ``model`` placed on ``mesh`` by ``mapping``, over a cache of ``page_size``-token pages
         in the model's attention backend's layout (``init_kv_cache(..., model.attention_backend)``)."""
         return StepLogits(
