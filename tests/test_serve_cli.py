@@ -122,14 +122,14 @@ def test_flags_map_to_config_keys(monkeypatch: pytest.MonkeyPatch) -> None:
             "--served-model-name", "m", "--chat-template", "{{ x }}", "--max-model-len", "1024",
             "--max-num-seqs", "8", "--dtype", "bfloat16", "--tensor-parallel-size", "2",
             "--log-level", "debug", "--set", "engine.page_size=32", "--set", "server.drain_timeout_s=5",
-            "--api-server-count", "3",
+            "--api-server-count", "3", "--expert-parallel-size", "4",
         ]
     )  # fmt: skip
     c = serve.config_from_args(args)
     assert (c.model.checkpoint, c.model.chat_template, c.model.max_model_len, c.model.dtype) == (
         "some/model", "{{ x }}", 1024, "bfloat16"
     )  # fmt: skip
-    assert (c.engine.max_num_seqs, c.engine.page_size, c.mesh.model) == (8, 32, 2)
+    assert (c.engine.max_num_seqs, c.engine.page_size, c.mesh.model, c.mesh.expert) == (8, 32, 2, 4)
     assert (c.server.host, c.server.port, c.server.served_model_name) == ("0.0.0.0", 9001, "m")
     assert (c.server.api_key, c.server.log_level, c.server.drain_timeout_s) == ("sk-env", "debug", 5.0)
     assert c.server.api_server_count == 3
