@@ -25,11 +25,12 @@ def device_batch(spans: Sequence[Span], shape: StepShape, page_size: int) -> Any
 
 
 def mixed_step(
-    rng: np.random.RandomState, n_pages: int, ps: int, seqs: list[tuple[int, int]] = MIXED
+    rng: np.random.RandomState, n_pages: int, ps: int, seqs: list[tuple[int, int]] = MIXED, first_page: int = 0
 ) -> tuple[StepShape, list[Span], Any]:
-    """``seqs`` on scrambled pages as one 32-token step (2-page context chunks, so the context loop
-    runs several times): its shape, the spans and the device's unpacked ``RaggedBatch``."""
-    perm = [int(p) for p in rng.permutation(n_pages)]
+    """``seqs`` on scrambled pages (from ``first_page`` on) as one 32-token step (2-page context
+    chunks, so the context loop runs several times): its shape, the spans and the device's unpacked
+    ``RaggedBatch``."""
+    perm = [first_page + int(p) for p in rng.permutation(n_pages - first_page)]
     spans, used = [], 0
     for before, n in seqs:
         pages = perm[used : used + -(-(before + n) // ps)]

@@ -6,13 +6,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ragged_steps import chunked_logits, device_batch, shape_for
+from ragged_steps import chunked_logits, device_batch, mixed_step, shape_for
 
 from myserve.ops.attention import ragged_attention
 from myserve.ops.paged_cache import KVCache, write_kv
 from myserve.runtime.kv_cache import init_kv_cache
 from myserve.runtime.model_step import StepLogits
-from myserve.runtime.step_layout import Span, StepShape
+from myserve.runtime.step_layout import Span
 from myserve.testing import hf_logits
 
 NUM_PAGES = 64
@@ -169,14 +169,7 @@ def test_ragged_attention_with_window_and_soft_cap(window, soft_cap) -> None:
 
     rng = np.random.RandomState(2)
     kvh, h, d, ps, n_pages, span = 2, 6, 8, 4, 64, 8
-    perm = [int(p) for p in 1 + rng.permutation(n_pages - 1)]
-    spans, used = [], 0
-    for before, n in WINDOWED:
-        pages = perm[used : used + -(-(before + n) // ps)]
-        used += len(pages)
-        spans.append(Span([0] * n, before, pages, samples=True))
-    shape = StepShape.of(32, max_num_seqs=8, block_tokens=4, max_pages=12, chunk_pages=2)
-    batch = device_batch(spans, shape, ps)
+    shape, spans, batch = mixed_step(rng, n_pages, ps, WINDOWED, first_page=1)
     k_np = rng.randn(1, kvh, n_pages, ps, d).astype(np.float32)
     v_np = rng.randn(1, kvh, n_pages, ps, d).astype(np.float32)
     clean = v_np.copy()
