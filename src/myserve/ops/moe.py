@@ -11,13 +11,15 @@ Two implementations of the grouped matmul, the same numbers (``tests/test_moe_op
 
 - ``ragged_dot``: ``jax.lax.ragged_dot`` over the sorted rows, for TPU, where XLA runs it as a
   grouped matmul. XLA:CPU instead expands it into a dense matmul over *every* expert (measured:
-  8 rows on 64 experts of 1024x512, 71 ms against 2 ms for the blocks below), so it is not used there.
-- ``blocks`` (CPU and GPU): each expert's group is padded to a multiple of a block of ``B`` rows,
-  and each block multiplies its rows by its one expert's weights, gathered per block. A step reads
-  the weights of the experts it uses, about once each (plus one partial block per used expert), so
-  a decode step costs its *active* parameters, not the total. ``B`` grows with the step's
-  assignments per expert (1 for a decode step, where each block is one token's matrix-vector
-  product), which bounds the blocks at ``T * k / B + min(E, T * k)``.
+  8 rows on 64 experts of 1024x512, 71 ms against 2 ms for the loop below), so it is not used there.
+- ``loop`` (CPU and GPU): a ``lax.fori_loop`` over the experts, skipping those without rows; each
+  takes its weights once and runs its group in blocks of ``B`` rows (``B`` the next power of two of
+  the mean rows per expert: 1 for a one-token step). A step reads the weights of the experts it
+  uses once each, so a decode step costs its *active* parameters, not the total. XLA:CPU copies a
+  dynamically indexed weight before its dot reads it, so each used expert's weights are copied
+  once; gathering every block's expert weights in one go instead copied them once per block and
+  was 2-9x slower (one MoE layer of 32 experts of 1024 x 576, top-4: 3.4 against 1.8 ms for one
+  token, 80 against 8.7 ms for 8; docs/performance.md).
 
 With experts sharded over the mesh's ``expert`` axis each device passes its own slice of the
 weights and ``first_expert``: assignments to other devices' experts go to a last, dropped group,
@@ -32,10 +34,10 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-GroupedImpl = Literal["ragged_dot", "blocks"]
+GroupedImpl = Literal["ragged_dot", "loop"]
 
 MAX_BLOCK_ROWS = 256
-"""Upper bound on the rows of one block (a prefill step with many tokens per expert)."""
+"""Upper bound on the rows of one block of the loop (a prefill step with many tokens per expert)."""
 
 
 def route(router_logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -50,13 +52,13 @@ def route(router_logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array,
 
 
 def grouped_impl() -> GroupedImpl:
-    """The grouped matmul for this platform: ``ragged_dot`` on TPU, ``blocks`` elsewhere."""
-    return "ragged_dot" if jax.default_backend() == "tpu" else "blocks"
+    """The grouped matmul for this platform: ``ragged_dot`` on TPU, ``loop`` elsewhere."""
+    return "ragged_dot" if jax.default_backend() == "tpu" else "loop"
 
 
 def block_rows(assignments: int, experts: int) -> int:
-    """Rows per block for ``assignments`` routed rows over ``experts`` experts: the next power of
-    two of the mean rows per expert, in [1, MAX_BLOCK_ROWS] (static: a function of shapes)."""
+    """Rows per block of the loop for ``assignments`` routed rows over ``experts`` experts: the next
+    power of two of the mean rows per expert, in [1, MAX_BLOCK_ROWS] (static: a function of shapes)."""
     mean = -(-assignments // max(experts, 1))
     return min(MAX_BLOCK_ROWS, 1 << max(mean - 1, 0).bit_length())
 
@@ -70,7 +72,7 @@ def expert_mlp(
     act: Callable[[jax.Array], jax.Array],
     *,
     first_expert: int | jax.Array = 0,
-    impl: GroupedImpl = "blocks",
+    impl: GroupedImpl = "loop",
 ) -> jax.Array:
     """The routed experts' weighted sum for each token: ``sum_j weights[t, j] * MLP_{ids[t, j]}(x[t])``
     over the assignments whose expert is among ``gate_up``'s.
@@ -81,6 +83,7 @@ def expert_mlp(
     """
     t, k = ids.shape
     e = gate_up.shape[0]
+    gate_up, down = jnp.asarray(gate_up), jnp.asarray(down)
     local = ids.reshape(-1) - first_expert
     # Assignments to other devices' experts form group ``e``, sorted after every local group.
     group = jnp.where((local >= 0) & (local < e), local, e)
@@ -93,10 +96,51 @@ def expert_mlp(
         y = _ragged(x[token], gate_up, down, sizes, act)
         rows = token
     else:
-        y, rows, row_weight = _blocks(x, token, sorted_group, row_weight, sizes, gate_up, down, act)
+        y, rows = _expert_loop(x, token, sizes, gate_up, down, act), token
     y = y * row_weight[:, None]
     # Rows pointing at T (padding, other devices' assignments) land in a dropped extra row.
     return jnp.zeros((t + 1, x.shape[1]), jnp.float32).at[rows].add(y)[:t]
+
+
+def _expert_loop(
+    x: jax.Array,
+    token: jax.Array,
+    sizes: jax.Array,
+    gate_up: jax.Array,
+    down: jax.Array,
+    act: Callable[[jax.Array], jax.Array],
+) -> jax.Array:
+    """Both matmuls expert by expert (a ``fori_loop``; experts without rows skipped), each expert's
+    rows in blocks of ``B``: every used expert's weights are read once per step. Returns the sorted
+    rows' outputs [n, H] float32 (rows past the local groups: zeros)."""
+    t, hdim = x.shape
+    e = gate_up.shape[0]
+    n = token.shape[0]
+    b = block_rows(n, e)
+    # The sorted rows, plus B zero rows so that a block starting near the end stays in bounds.
+    xs = jnp.concatenate([x, jnp.zeros((1, hdim), x.dtype)])[jnp.concatenate([token, jnp.full(b, t, jnp.int32)])]
+    start = jnp.cumsum(sizes) - sizes
+
+    def expert(i: jax.Array, y: jax.Array) -> jax.Array:
+        def run(y: jax.Array) -> jax.Array:
+            gu_w, dn_w = gate_up[i], down[i]  # this expert's weights, once for all its blocks
+
+            def block(j: jax.Array, y: jax.Array) -> jax.Array:
+                at = start[i] + j * b
+                gu = jnp.einsum(
+                    "bh,hgi->bgi", jax.lax.dynamic_slice_in_dim(xs, at, b), gu_w, preferred_element_type=jnp.float32
+                )
+                out = jnp.dot((act(gu[:, 0]) * gu[:, 1]).astype(dn_w.dtype), dn_w, preferred_element_type=jnp.float32)
+                # Rows past this expert's group belong to the next one: keep what is there.
+                valid = (j * b + jnp.arange(b)) < sizes[i]
+                kept = jnp.where(valid[:, None], out, jax.lax.dynamic_slice_in_dim(y, at, b))
+                return jax.lax.dynamic_update_slice_in_dim(y, kept, at, 0)
+
+            return jax.lax.fori_loop(0, (sizes[i] + b - 1) // b, block, y)
+
+        return jax.lax.cond(sizes[i] > 0, run, lambda y: y, y)
+
+    return jax.lax.fori_loop(0, e, expert, jnp.zeros((n + b, hdim), jnp.float32))[:n]
 
 
 def _ragged(
@@ -108,37 +152,3 @@ def _ragged(
     gu = gu.reshape(-1, 2, i)
     hidden = (act(gu[:, 0]) * gu[:, 1]).astype(down.dtype)
     return jax.lax.ragged_dot(hidden, down, sizes, preferred_element_type=jnp.float32)
-
-
-def _blocks(
-    x: jax.Array,
-    token: jax.Array,
-    sorted_group: jax.Array,
-    row_weight: jax.Array,
-    sizes: jax.Array,
-    gate_up: jax.Array,
-    down: jax.Array,
-    act: Callable[[jax.Array], jax.Array],
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Both matmuls over blocks of ``B`` rows of one expert each: returns the rows' outputs
-    [nb * B, H] float32, the token of each row (``T`` for padding) and each row's weight."""
-    t, hdim = x.shape
-    e = gate_up.shape[0]
-    n = token.shape[0]
-    b = block_rows(n, e)
-    num_blocks = -(-(n + min(e, n) * (b - 1)) // b)
-    padded = -(-sizes // b) * b
-    padded_end = jnp.cumsum(padded)
-    padded_start = padded_end - padded
-    start = jnp.cumsum(sizes) - sizes
-    g = jnp.minimum(sorted_group, e - 1)
-    # Sorted assignment j of a local group goes to row padded_start[g] + (j - start[g]).
-    row = jnp.where(sorted_group < e, padded_start[g] + jnp.arange(n) - start[g], num_blocks * b)
-    row_token = jnp.full((num_blocks * b,), t, jnp.int32).at[row].set(token, mode="drop")
-    weight = jnp.zeros((num_blocks * b,), jnp.float32).at[row].set(row_weight, mode="drop")
-    block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(num_blocks) * b, side="right"), e - 1)
-    xs = jnp.concatenate([x, jnp.zeros((1, hdim), x.dtype)])[row_token].reshape(num_blocks, b, hdim)
-    gu = jnp.einsum("nbh,nhgi->nbgi", xs, gate_up[block_expert], preferred_element_type=jnp.float32)
-    hidden = (act(gu[:, :, 0]) * gu[:, :, 1]).astype(down.dtype)
-    y = jnp.einsum("nbi,nih->nbh", hidden, down[block_expert], preferred_element_type=jnp.float32)
-    return y.reshape(num_blocks * b, hdim), row_token, weight
