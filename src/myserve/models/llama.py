@@ -1,5 +1,5 @@
 """The decoder of every supported family (Llama 2/3.x, TinyLlama, SmolLM2, Mistral, Qwen2, Qwen3,
-Gemma 2, Gemma 3 text) over a paged KV cache.
+Gemma 2, Gemma 3 text, and the Mixture-of-Experts Mixtral, Qwen2-MoE, Qwen3-MoE) over a paged KV cache.
 
 Equinox modules whose weights are haliax ``NamedArray``s: every weight carries logical axis names
 (``embed``, ``kv_heads``, ``qkv``, ``head_size``, ``mlp``, ``vocab``...), and ``models/sharding.py``
@@ -22,7 +22,8 @@ Projections that read the same input are fused into one matmul (fewer, larger ke
 The families differ only by flags on ``ModelSpec``: q/k/v bias (Qwen2), q/k RMSNorm (Qwen3,
 Gemma 3), rotary scaling, tied embeddings, and Gemma's: GeGLU, scaled embeddings, ``1 + w`` norms
 (folded into the weights at load), sandwich norms around attention and MLP, soft-capped attention
-scores and logits, per-layer sliding windows and rotary tables (``LayerKind``).
+scores and logits, per-layer sliding windows and rotary tables (``LayerKind``). In a MoE model
+every layer's MLP is a ``MoeBlock`` instead (``models/moe.py``).
 """
 
 from __future__ import annotations

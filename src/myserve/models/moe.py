@@ -13,7 +13,7 @@ assignments routed to them, and one all-reduce (``psum`` over ``expert`` and ``m
 ``[T, embed]`` partial sums combines them — the same all-reduce a tensor-parallel MLP ends with.
 An all-to-all dispatch moves only the routed rows instead, and wins when the tokens themselves are
 split across the expert axis (data- or sequence-parallel attention); ``python -m
-myserve.bench.moe_collectives`` measures both on the fake-device mesh (docs/performance.md).
+myserve.bench.moe_collectives`` measures the three on the fake-device mesh (docs/performance.md).
 Nothing has a capacity: every assignment is computed, whatever the routing (exact serving).
 """
 
