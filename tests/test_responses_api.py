@@ -1,9 +1,10 @@
 """``POST /v1/responses`` through the real app over HTTP with the OpenAI SDK (``client.responses.create``
 and ``client.responses.stream``), on a tiny random Llama with SmolLM2's vocabulary and tokenizer,
-served with the Hermes tool template and parser as the README shows. The model writes gibberish, so
-the structured checks rely on grammars (a json_schema ``text.format``, a forced function call),
-which guarantee valid output; streamed and non-streamed answers must agree, and a Responses request
-must answer what the same chat completions request answers (one path through the engine)."""
+served in this process and by an engine core process, with the Hermes tool template and parser as
+the README shows. The model writes gibberish, so the structured checks rely on grammars (a
+json_schema ``text.format``, a forced function call), which guarantee valid output; streamed and
+non-streamed answers must agree, and a Responses request must answer what the same chat
+completions request answers (one path through the engine)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from myserve.frontend.reasoning import FORMATS, ReasoningParser
 from myserve.frontend.responses_api_output import OutputItems
 from myserve.frontend.responses_protocol import ResponsesRequest, chat_messages
 from myserve.frontend.tool_parsers import HermesParser
-from myserve.testing import NESTED_SCHEMA, TINY_ENGINE, make_tiny_checkpoint, start_service
+from myserve.testing import NESTED_SCHEMA, TINY_ENGINE, make_tiny_checkpoint, start_client, start_service
 
 MODEL = "tiny"
 TEMPLATE = (Path(__file__).parents[1] / "config" / "templates" / "hermes-tools.jinja").read_text()
@@ -50,9 +51,15 @@ THINKING = (
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory):
-    checkpoint = make_tiny_checkpoint("llama3", tmp_path_factory.mktemp("vocab") / "llama", vocab_size=49152)
-    svc = start_service(Path(checkpoint), *TINY_ENGINE, "engine.num_pages=256")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(make_tiny_checkpoint("llama3", tmp_path_factory.mktemp("vocab") / "llama", vocab_size=49152))
+
+
+@pytest.fixture(scope="module", params=["in_process", "core_process"])
+def service(request, checkpoint: Path):
+    """The engine in this process, and in a core process of its own (as ``serve`` runs it)."""
+    start = start_service if request.param == "in_process" else start_client
+    svc = start(checkpoint, *TINY_ENGINE, "engine.num_pages=256")
     yield svc
     svc.shutdown()
 
