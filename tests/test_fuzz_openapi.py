@@ -8,10 +8,11 @@ fixed seed per operation and mode, no example database), so CI replays the same 
 
 What is adjusted in the generated requests, so that the run fits CI on two cores, and why it hides
 nothing: ``model`` strings are set to the served name (a random name only ever reaches the 404 that
-``test_conformance`` covers, and nothing behind it); a ``max_tokens``/``max_completion_tokens`` that
-would generate more than ``MAX_NEW`` tokens is set to ``MAX_NEW``, and so is an absent or null one
-(16 on completions, the context length on chat). Values beyond the context length, negative or of
-the wrong type are sent as they were generated.
+``test_conformance`` covers, and nothing behind it); a ``max_tokens``/``max_completion_tokens``
+(``max_output_tokens`` on responses) that would generate more than ``MAX_NEW`` tokens is set to
+``MAX_NEW``, and so is an absent or null one (16 on completions, the context length on chat and
+responses). Values beyond the context length, negative or of the wrong type are sent as they were
+generated.
 """
 
 from __future__ import annotations
@@ -39,9 +40,16 @@ EXAMPLES = {"POST": 30, "GET": 5}
 if os.environ.get("MYSERVE_FUZZ_EXAMPLES"):
     EXAMPLES = dict.fromkeys(EXAMPLES, int(os.environ["MYSERVE_FUZZ_EXAMPLES"]))
 DERANDOMIZE = not os.environ.get("MYSERVE_FUZZ_RANDOM")
-GENERATION = ("/v1/chat/completions", "/v1/completions")
+GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+MAX_KEYS = {
+    "/v1/completions": ["max_tokens"],
+    "/v1/chat/completions": ["max_tokens", "max_completion_tokens"],
+    "/v1/responses": ["max_output_tokens"],
+}
+"""Each generation route's fields that bound the new tokens."""
 BODIES = {
     "/v1/chat/completions": "ChatCompletionRequest",
+    "/v1/responses": "ResponsesRequest",
     "/v1/completions": "CompletionRequest",
     "/tokenize": "TokenizeRequest",
     "/detokenize": "DetokenizeRequest",
@@ -49,6 +57,7 @@ BODIES = {
 OPERATIONS = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
+    ("POST", "/v1/responses"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
     ("GET", "/v1/models/{model}"),
@@ -144,10 +153,10 @@ def bounded(case: Any, max_model_len: int) -> Any:
     if isinstance(body.get("model"), str):
         body["model"] = MODEL
     if case.path in GENERATION:
-        keys = ["max_tokens"] if case.path == "/v1/completions" else ["max_tokens", "max_completion_tokens"]
+        keys = MAX_KEYS[case.path]
         given = [k for k in keys if body.get(k) is not None]
-        if not given:  # completions' default is 16; None (or chat's default) is the context length
-            body["max_tokens"] = MAX_NEW
+        if not given:  # completions' default is 16; None (chat's, responses' default) is the context length
+            body[keys[0]] = MAX_NEW
         for k in given:
             if isinstance(body[k], int) and MAX_NEW < body[k] <= max_model_len:
                 body[k] = MAX_NEW

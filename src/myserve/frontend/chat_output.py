@@ -30,6 +30,9 @@ class ChoiceDelta:
     tool_calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """OpenAI delta entries: ``{"index", "id", "type", "function": {"name", "arguments"}}`` when a call
     starts, ``{"index", "function": {"arguments"}}`` for more of its arguments."""
+    order: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
+    """The same pieces in the order of the text: ``("reasoning" | "content" | "args", text)`` and
+    ``("call", {"id", "name"})`` (the Responses API's output items follow it)."""
 
     def json(self) -> dict[str, Any]:
         """The chunk's ``delta`` (only the fields this piece has)."""
@@ -62,8 +65,12 @@ class ChoiceParser:
             more_reasoning, more_content = self.reasoning.finish()
             reasoning, content = reasoning + more_reasoning, content + more_content
         delta = ChoiceDelta(reasoning=reasoning)
+        if reasoning:
+            delta.order.append(("reasoning", reasoning))
         if self.tools is None:
             delta.content = content
+            if content:
+                delta.order.append(("content", content))
             return delta
         events = self.tools.feed(content) if content else []
         if final:
@@ -75,6 +82,7 @@ class ChoiceParser:
     def _apply(self, delta: ChoiceDelta, kind: str, text: str) -> None:
         if kind == "content":
             delta.content += text
+            delta.order.append(("content", text))
             return
         if kind == "call":
             if self.calls and not self.parallel:
@@ -84,11 +92,13 @@ class ChoiceParser:
             self.calls.append({"id": call_id, "type": "function", "function": {"name": text, "arguments": ""}})
             entry = {"index": len(self.calls) - 1, "id": call_id, "type": "function"}
             delta.tool_calls.append({**entry, "function": {"name": text, "arguments": ""}})
+            delta.order.append(("call", {"id": call_id, "name": text}))
             return
         if self._dropping:
             return
         index = len(self.calls) - 1
         self.calls[index]["function"]["arguments"] += text
+        delta.order.append(("args", text))
         last = delta.tool_calls[-1] if delta.tool_calls else None
         if last is not None and last["index"] == index:
             last["function"]["arguments"] += text

@@ -3,6 +3,8 @@ parameters, submitting one engine request per prompt, and the response (JSON or 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -10,6 +12,7 @@ from myserve.frontend.app_context import AppContext
 from myserve.frontend.errors import APIError
 from myserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from myserve.frontend.responses import CompletionResponse, ResponseContext
+from myserve.frontend.responses_protocol import ResponsesRequest
 from myserve.frontend.stream import RequestStream
 from myserve.grammar import GrammarSpec
 from myserve.wire.outputs import ContextLengthExceeded, EngineDead, Overloaded
@@ -19,7 +22,7 @@ GenerationRequest = CompletionRequest | ChatCompletionRequest
 """The two request bodies that generate text."""
 
 
-def admit(context: AppContext, req: GenerationRequest) -> float | None:
+def admit(context: AppContext, req: GenerationRequest | ResponsesRequest) -> float | None:
     """The checks every generation route starts with: 503 unless ready, 404 for another model's
     name, 400 for a field this server accepts but does not implement (the protocol's tables).
     Returns the request's deadline, which runs from its arrival."""
@@ -80,14 +83,23 @@ def sampling_params(
     return params
 
 
+Answer = Callable[[ResponseContext, list[RequestStream], AppContext], CompletionResponse]
+"""Makes the answer to submitted streams: ``CompletionResponse`` or a subclass with other shapes."""
+
+
 async def respond(
-    context: AppContext, request: Request, response: ResponseContext, stream: bool, grammar_field: str | None
+    context: AppContext,
+    request: Request,
+    response: ResponseContext,
+    stream: bool,
+    grammar_field: str | None,
+    answer_class: Answer = CompletionResponse,
 ) -> Response:
-    """Submit ``response``'s prompts, then answer with one JSON body or a stream of SSE chunks.
+    """Submit ``response``'s prompts, then answer with one JSON body or a stream of SSE events.
 
     ``grammar_field``: the request field named by errors about the grammar."""
     streams = _submit_all(context, response, grammar_field)
-    answer = CompletionResponse(response, streams, context)
+    answer = answer_class(response, streams, context)
     if not stream:
         return await answer.json(request)
     return StreamingResponse(answer.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -108,7 +120,7 @@ def _submit_all(context: AppContext, response: ResponseContext, grammar_field: s
             raise APIError(400, str(e), param=param, code="invalid_value") from None
         if isinstance(e, ContextLengthExceeded):
             # The field that made the prompt too long.
-            prompt_field = "messages" if response.kind == "chat" else "prompt"
+            prompt_field = {"chat": "messages", "completion": "prompt"}.get(response.kind, "input")
             raise APIError(400, str(e), param=prompt_field, code="context_length_exceeded") from None
         if isinstance(e, Overloaded):
             raise APIError(429, str(e), code="overloaded", headers={"Retry-After": "1"}) from None

@@ -38,7 +38,8 @@ class ResponseContext:
     """What one completions or chat response is about, built once by its route."""
 
     kind: str
-    """``"completion"`` or ``"chat"``: the shape of the body and chunks, and the id's prefix."""
+    """``"completion"``, ``"chat"`` or ``"responses"`` (a chat answered by the Responses API, whose
+    shapes are ``responses_api_output.py``'s): the shape of the body and chunks, and the id's prefix."""
     model: str
     """The served model name the response reports."""
     prompts: list[list[int]]
@@ -53,14 +54,14 @@ class ResponseContext:
     choice_parser: Callable[[], ChoiceParser] | None = None
     """Chat: makes each choice's reasoning / tool-call parser (None: the text is the content)."""
     request_id: str = dataclasses.field(init=False)
-    """``chatcmpl-…`` or ``cmpl-…``; the engine requests are ``<request_id>-<prompt index>``."""
+    """``chatcmpl-…``, ``cmpl-…`` or ``resp_…``; the engine requests are ``<request_id>-<prompt index>``."""
     created: int = dataclasses.field(init=False, default_factory=lambda: int(time.time()))
     t0: float = dataclasses.field(init=False, default_factory=time.perf_counter)
     """When the route built this (``perf_counter``): latencies are measured from it."""
 
     def __post_init__(self) -> None:
-        prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
-        object.__setattr__(self, "request_id", f"{prefix}-{uuid.uuid4().hex}")
+        prefix = {"chat": "chatcmpl-", "completion": "cmpl-"}.get(self.kind, "resp_")
+        object.__setattr__(self, "request_id", f"{prefix}{uuid.uuid4().hex}")
 
     @property
     def n(self) -> int:
@@ -76,6 +77,10 @@ class CompletionResponse:
         self._parsers: dict[int, ChoiceParser] = {}
         """Each choice's parser (chat with a reasoning or tool-call parser), made at its first output."""
         self.log = RequestLog(ctx.request_id, sum(len(p) for p in ctx.prompts), ctx.t0)
+        self._offsets: dict[int, int] = {}
+        """Streamed completions: the text offset of each choice, for logprobs."""
+        self._chunk_base = self._envelope("chat.completion.chunk" if ctx.kind == "chat" else "text_completion")
+        """The fields every streamed chunk shares."""
         server.state.in_flight += 1
 
     def _envelope(self, obj: str) -> dict[str, Any]:
@@ -138,14 +143,22 @@ class CompletionResponse:
             self._finished("timeout")
             raise self._timeout_error() from None
         started = time.perf_counter()
+        error = next((out.error for _, out in outputs if out.final and out.error), None)
+        if error:
+            self._finished("error")
+            raise APIError(500, error, code="engine_error")
+        usage = sum_usage([out.usage for _, out in outputs if out.final])
+        body = self._body(outputs, usage)
+        self._finished("ok", usage)
+        response = JSONResponse(body)
+        self.server.metrics.frontend_seconds.inc(time.perf_counter() - started)
+        return response
+
+    def _body(self, outputs: list[tuple[int, RequestOutput]], usage: Usage) -> dict[str, Any]:
+        """The JSON body of every output (engine errors already answered)."""
         choices: dict[int, dict[str, Any]] = {}
-        usages = []
         for i, out in outputs:
             if out.final:
-                usages.append(out.usage)
-                if out.error:
-                    self._finished("error")
-                    raise APIError(500, out.error, code="engine_error")
                 continue
             index = i * self.ctx.n + out.choice
             c = choices.setdefault(
@@ -162,16 +175,12 @@ class CompletionResponse:
                 c["message"].add(parser.feed(out.text, final=out.finish_reason is not None))
             c["logprobs"].extend(out.logprobs or ())
             c["finish"] = out.finish_reason or c["finish"]
-        usage = sum_usage(usages)
         body_choices = [self._json_choice(index, choices[index]) for index in sorted(choices)]
         firsts = [c["first"] for c in choices.values() if c["first"] is not None]
         if firsts:
             self.server.metrics.ttft.observe(min(firsts) - self.ctx.t0)
-        self._finished("ok", usage)
         obj = "chat.completion" if self.ctx.kind == "chat" else "text_completion"
-        response = JSONResponse({**self._envelope(obj), "choices": body_choices, "usage": usage_json(usage)})
-        self.server.metrics.frontend_seconds.inc(time.perf_counter() - started)
-        return response
+        return {**self._envelope(obj), "choices": body_choices, "usage": usage_json(usage)}
 
     async def _collect(self) -> list[tuple[int, RequestOutput]]:
         """Every output of every stream, noted as it comes (a request cut short counts what it got);
@@ -204,19 +213,16 @@ class CompletionResponse:
 
     # -- server-sent events -------------------------------------------------------------------
     async def events(self) -> AsyncIterator[bytes]:
-        """SSE chunks: chat role deltas (or completion echoes), content deltas with finish reasons,
-        an optional usage chunk, ``[DONE]``; an engine error or the deadline sends an error event and
-        ends the stream."""
-        base = self._envelope("chat.completion.chunk" if self.ctx.kind == "chat" else "text_completion")
+        """SSE events: ``_opening_events``, each output's ``_output_events``, ``_closing_events``; an
+        engine error or the deadline sends ``_error_event`` and ends the stream."""
         usages: list[Usage | None] = []
         last_token_t: float | None = None
         # Until the stream ends otherwise, it ends because the client went away: the server then
         # cancels this generator where it awaits, or closes it where it yields.
         status = "disconnected"
-        offsets: dict[int, int] = {}  # completions: text offset of each choice, for logprobs
         try:
-            for chunk in self._opening_chunks(offsets):
-                yield sse_event({**base, "choices": [chunk]})
+            for event in self._opening_events():
+                yield event
             outputs = until(self.ctx.deadline, merged(self.streams))
             while True:
                 try:
@@ -226,19 +232,16 @@ class CompletionResponse:
                     break
                 except TimeoutError:
                     status = "timeout"
-                    yield sse_event(self._timeout_error().body())
+                    yield self._error_event(self._timeout_error())
                     return
                 self.log.saw(out)
                 if out.final:
                     usages.append(out.usage)
                     if out.error:
                         status = "error"
-                        yield sse_event(APIError(500, out.error, code="engine_error").body())
+                        yield self._error_event(APIError(500, out.error, code="engine_error"))
                         return
                     continue
-                index = i * self.ctx.n + out.choice
-                if out.prompt_logprobs is not None and self.ctx.echo_texts:
-                    yield sse_event({**base, "choices": [self._scored_echo(i, index, out, offsets)]})
                 if out.token_ids:
                     now = time.perf_counter()
                     if last_token_t is None:
@@ -246,20 +249,48 @@ class CompletionResponse:
                     else:
                         self.server.metrics.itl.observe(now - last_token_t)
                     last_token_t = now
-                choice = self._delta(index, out, offsets)
-                if choice.get("delta") or choice.get("text") or out.finish_reason or choice["logprobs"]:
-                    event = sse_event({**base, "choices": [choice]})
-                    self.server.metrics.frontend_seconds.inc(time.perf_counter() - got)
+                events = self._output_events(i, out)
+                self.server.metrics.frontend_seconds.inc(time.perf_counter() - got)
+                for event in events:
                     yield event
-                else:
-                    self.server.metrics.frontend_seconds.inc(time.perf_counter() - got)
-            if self.ctx.include_usage:
-                yield sse_event({**base, "choices": [], "usage": usage_json(sum_usage(usages))})
-            status = "ok"
-            yield b"data: [DONE]\n\n"
+            closing = self._closing_events(sum_usage(usages))
+            for event in closing[:-1]:
+                yield event
+            status = "ok"  # (a client gone while the last event is sent was answered in full)
+            yield closing[-1]
         finally:
             complete = len(usages) == len(self.ctx.prompts)
             self._finished(status, sum_usage(usages) if complete and status == "ok" else None)
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> bytes:
+        """One chat or completions chunk."""
+        return sse_event({**self._chunk_base, "choices": choices})
+
+    def _opening_events(self) -> list[bytes]:
+        """Events sent before any output."""
+        return [self._chunk([chunk]) for chunk in self._opening_chunks(self._offsets)]
+
+    def _output_events(self, prompt: int, out: RequestOutput) -> list[bytes]:
+        """The chunks of one output of prompt ``prompt``."""
+        index = prompt * self.ctx.n + out.choice
+        events = []
+        if out.prompt_logprobs is not None and self.ctx.echo_texts:
+            events.append(self._chunk([self._scored_echo(prompt, index, out, self._offsets)]))
+        choice = self._delta(index, out, self._offsets)
+        if choice.get("delta") or choice.get("text") or out.finish_reason or choice["logprobs"]:
+            events.append(self._chunk([choice]))
+        return events
+
+    def _closing_events(self, usage: Usage) -> list[bytes]:
+        """The optional usage chunk (empty choices), then ``[DONE]`` (at least one event)."""
+        events = []
+        if self.ctx.include_usage:
+            events.append(sse_event({**self._chunk_base, "choices": [], "usage": usage_json(usage)}))
+        return [*events, b"data: [DONE]\n\n"]
+
+    def _error_event(self, error: APIError) -> bytes:
+        """The event that ends a stream with an error (OpenAI's error envelope)."""
+        return sse_event(error.body())
 
     def _opening_chunks(self, offsets: dict[int, int]) -> list[dict[str, Any]]:
         """Chat: each choice's ``role`` delta. Completions with echo (no logprobs): each prompt's text."""

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from myserve.frontend.routes import chat, completions, health, models, tokenize
+from myserve.frontend.routes import chat, completions, health, models, responses_api, tokenize
 
-ROUTERS: tuple[APIRouter, ...] = (health.router, models.router, tokenize.router, completions.router, chat.router)
+ROUTERS: tuple[APIRouter, ...] = (
+    health.router,
+    models.router,
+    tokenize.router,
+    completions.router,
+    chat.router,
+    responses_api.router,
+)
 """In the order the app includes them (the order of the OpenAPI schema's paths)."""

@@ -25,6 +25,18 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request, context: Context) -> Response:
     expires = admit(context, req)
+    response, param = prepare_chat(context, req, expires)
+    return await respond(context, request, response, req.stream, param)
+
+
+def prepare_chat(
+    context: AppContext, req: ChatCompletionRequest, expires: float | None, kind: str = "chat"
+) -> tuple[ResponseContext, str]:
+    """A chat request made ready to submit: checked (400 naming the field), its constraint and tool
+    plan made, its messages rendered with the chat template, its sampling parameters set. Returns the
+    response's context (``kind``: its shape, ``"chat"`` or ``"responses"``) and the request field
+    that errors about its grammar name. The Responses API's route comes here too, through a chat
+    request made of its input."""
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -59,7 +71,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, context
         skip_special_tokens=False if plan.keeps_special_tokens else None,
     )
     response = ResponseContext(
-        kind="chat",
+        kind=kind,
         model=context.served_model_name,
         prompts=[context.encode_chat(text)],
         params=params,
@@ -67,8 +79,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, context
         deadline=expires,
         choice_parser=_choice_parsers(context, req, plan, state),
     )
-    param = "tools" if plan.grammar is not None else grammar_param(req)
-    return await respond(context, request, response, req.stream, param)
+    return response, "tools" if plan.grammar is not None else grammar_param(req)
 
 
 def _choice_parsers(

@@ -1,0 +1,229 @@
+"""OpenAI Responses API request schema (``POST /v1/responses``), and its translation into the chat
+completions request that the server runs for it.
+
+A Responses request is a chat in other clothes: ``instructions`` become a system message, ``input``
+(a string, or message, ``function_call`` and ``function_call_output`` items) becomes the messages,
+``text.format`` becomes ``response_format``, the flat function ``tools`` become chat tools, and
+``max_output_tokens`` becomes ``max_completion_tokens``. ``chat_request`` makes that
+``ChatCompletionRequest``, so the chat template, sampling, grammars, tool-call and reasoning
+parsing are the chat route's own (``routes/chat.py::prepare_chat``).
+
+Nothing is stored: ``store`` absent, null or false is served, ``store: true`` is a 400, and so are
+the fields that need stored responses (``previous_response_id``, ``conversation``, item references).
+Input ``reasoning`` items are dropped (chat templates do not render past reasoning).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError
+
+from myserve.frontend.errors import APIError
+from myserve.frontend.protocol import _INT64_END, ChatCompletionRequest, Int64, Unsupported, _given, _Request
+
+_NO_STORAGE = "responses are not stored, so {} is not supported"
+
+
+class InputText(_Request):
+    """A text part of an input message's content (an assistant's earlier ``output_text`` too)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class MessageItem(_Request):
+    """An input message; ``type`` may be left out (OpenAI's "easy input message")."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText]
+
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(_Request):
+    """A function call the model made earlier (conversation history)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+
+
+class FunctionCallOutputItem(_Request):
+    """The result of a function call, sent back for the model to read."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+
+
+class ReasoningInputItem(_Request):
+    """Reasoning the model returned earlier; accepted and dropped (templates do not render it)."""
+
+    type: Literal["reasoning"]
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningInputItem
+
+
+class FunctionTool(_Request):
+    """A function the model may call (the Responses API's flat shape: no nested ``function``)."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(_Request):
+    """``tool_choice`` naming one function: the model must call it."""
+
+    type: Literal["function"]
+    name: str
+
+
+class TextConfig(_Request):
+    """``text``: the output's ``format`` (``text``, ``json_object`` or ``json_schema`` with ``name``,
+    ``schema``, ``strict`` beside ``type``)."""
+
+    format: dict[str, Any] | None = None
+    verbosity: str | None = None
+
+
+class ResponsesRequest(_Request):
+    """``POST /v1/responses``."""
+
+    model: str
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, lt=_INT64_END)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    text: TextConfig | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    stream: bool = False
+    store: bool | None = None
+    """Absent, null or false: nothing is stored (the only mode); true is refused."""
+    seed: Int64 | None = None
+    """An extra, as on chat completions: seeded sampling."""
+    # Declared to be refused (UNSUPPORTED).
+    reasoning: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    max_tool_calls: int | None = None
+    prompt: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+
+    UNSUPPORTED = (
+        Unsupported("store", lambda v: v is True, _NO_STORAGE.format("store true") + " (leave it out or send false)"),
+        Unsupported("previous_response_id", _given, _NO_STORAGE.format("previous_response_id")),
+        Unsupported("conversation", _given, _NO_STORAGE.format("conversation")),
+        Unsupported("background", bool, _NO_STORAGE.format("background")),
+        Unsupported("prompt", _given, "prompt templates are not supported"),
+        Unsupported("include", bool, "include is not supported"),
+        Unsupported("truncation", lambda v: v == "auto", "truncation auto is not supported"),
+        Unsupported("max_tool_calls", _given, "max_tool_calls is not supported"),
+        Unsupported("top_logprobs", bool, "top_logprobs is not supported"),
+        Unsupported(
+            "reasoning",
+            lambda v: bool(v) and any(x is not None for x in v.values()),
+            "reasoning options are not supported (a server with --reasoning-parser returns reasoning items)",
+        ),
+        Unsupported("text", lambda v: v is not None and v.verbosity is not None, "text.verbosity is not supported"),
+    )
+
+
+def chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """``instructions`` and ``input`` as chat messages: function calls join the assistant message
+    before them (or make one), function outputs become ``tool`` messages, reasoning is dropped."""
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        return [*messages, {"role": "user", "content": req.input}]
+    for item in req.input:
+        if isinstance(item, MessageItem):
+            role = "system" if item.role == "developer" else item.role
+            messages.append({"role": role, "content": item.text()})
+        elif isinstance(item, FunctionCallItem):
+            function = {"name": item.name, "arguments": item.arguments}
+            call = {"id": item.call_id, "type": "function", "function": function}
+            last = messages[-1] if messages else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": None}
+                messages.append(last)
+            last.setdefault("tool_calls", []).append(call)
+        elif isinstance(item, FunctionCallOutputItem):
+            output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+    return messages
+
+
+def response_format(text: TextConfig | None) -> dict[str, Any] | None:
+    """``text.format`` as chat's ``response_format``."""
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.get("type") != "json_schema":
+        return fmt
+    keys = ("name", "schema", "strict", "description")
+    return {"type": "json_schema", "json_schema": {k: fmt[k] for k in keys if k in fmt}}
+
+
+def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat completions request that answers ``req`` (400 naming the Responses field if the
+    translation does not validate)."""
+    choice: Any = req.tool_choice
+    if isinstance(choice, FunctionChoice):
+        choice = {"type": "function", "function": {"name": choice.name}}
+    tools = [
+        {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in req.tools or []
+    ]
+    body = {
+        "model": req.model,
+        "messages": chat_messages(req),
+        "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "seed": req.seed,
+        "response_format": response_format(req.text),
+        "tools": tools or None,
+        "tool_choice": choice,
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "stream": req.stream,
+    }
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = responses_param(".".join(str(p) for p in first["loc"] if not isinstance(p, int)))
+        raise APIError(400, f"{param}: {first['msg']}", param=param, code="invalid_value") from None
+
+
+_PARAMS = (
+    ("response_format.json_schema", "text.format"),
+    ("response_format", "text.format"),
+    ("max_completion_tokens", "max_output_tokens"),
+    ("messages", "input"),
+)
+
+
+def responses_param(param: str | None) -> str | None:
+    """A chat request's field, named as the Responses request has it (for errors)."""
+    if param is None:
+        return None
+    for chat, responses in _PARAMS:
+        if param == chat or param.startswith(chat + "."):
+            return responses + param[len(chat) :]
+    if param.startswith("tools.") and ".function." in param:
+        return param.replace(".function.", ".", 1)
+    return param
