@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from myserve import run_batch
 from myserve.config import load_config
@@ -233,3 +235,38 @@ def test_cli_killed_halfway_resumes(tiny_checkpoints, tmp_path: Path) -> None:
     assert again.returncode == 0 and "already have results" in again.stderr and out.read_text() == before
     bad = subprocess.run([*cmd[:3], "-i", str(tmp_path / "none.jsonl"), "-o", str(out)], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: cannot read")
+
+
+def test_overloaded_lines_are_retried_and_a_dead_engine_stops_the_run(tmp_path: Path) -> None:
+    """On a stand-in app (no model): a 429 is sent again; once the engine is dead nothing more is
+    written, and a rerun starts after the lines that were."""
+
+    class Engine:
+        dead: BaseException | None = None
+
+    engine, seen = Engine(), []
+    app = FastAPI()
+    app.state.context = type("Context", (), {"engine": engine})()
+
+    @app.post("/v1/completions")
+    async def complete(request: Request):  # noqa: ANN202
+        prompt = (await request.json())["prompt"]
+        seen.append(prompt)
+        if prompt == "busy" and seen.count("busy") == 1:
+            return JSONResponse({"error": {"message": "overloaded"}}, status_code=429)
+        if prompt == "die" and engine.dead is None and seen.count("die") == 1:
+            engine.dead = RuntimeError("boom")
+            return JSONResponse({"error": {"message": "boom", "code": "engine_error"}}, status_code=500)
+        return {"id": f"cmpl-{prompt}", "usage": {"prompt_tokens": 1, "completion_tokens": 2}}
+
+    inp = write(tmp_path / "in.jsonl", [completion(f"l{i}", prompt=p) for i, p in enumerate(["a", "busy", "die", "b"])])
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(BaseExceptionGroup) as caught:
+        run_batch.run_file(app, inp, out, concurrency=1)
+    assert caught.group_contains(run_batch.EngineDied)
+    assert [r["response"]["request_id"] for r in read(out)] == ["cmpl-a", "cmpl-busy"]
+    assert seen == ["a", "busy", "busy", "die"]
+    engine.dead = None  # a restarted engine
+    summary = run_batch.run_file(app, inp, out, concurrency=1)
+    assert (summary.skipped, summary.done, summary.failed) == (2, 2, 0)
+    assert [r["response"]["request_id"] for r in read(out)] == ["cmpl-a", "cmpl-busy", "cmpl-die", "cmpl-b"]
