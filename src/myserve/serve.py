@@ -57,12 +57,22 @@ _FLAGS = {
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line."""
     p = argparse.ArgumentParser(prog="python -m myserve.serve", description=__doc__)
-    p.add_argument("--config", default=None, help="deployment YAML (default: config/smollm2-135m-cpu.yaml)")
-    p.add_argument("--hf-checkpoint", help="HF directory, cached hub id or .gguf file")
+    add_config_flags(p)
     p.add_argument("--host")
     p.add_argument("--port", type=int)
-    p.add_argument("--served-model-name")
     p.add_argument("--api-key", default=os.environ.get("MYSERVE_API_KEY"), help="or MYSERVE_API_KEY")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--api-server-count", type=int, help="HTTP front-end processes sharing the port (default 1)")
+    return p.parse_args(argv)
+
+
+def add_config_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that choose and size the model and engine (``--config``, ``--hf-checkpoint``,
+    ``--set`` and the vLLM-style ones): shared by ``serve`` and ``run_batch``; read by
+    ``config_from_args``."""
+    p.add_argument("--config", default=None, help="deployment YAML (default: config/smollm2-135m-cpu.yaml)")
+    p.add_argument("--hf-checkpoint", help="HF directory, cached hub id or .gguf file")
+    p.add_argument("--served-model-name")
     p.add_argument("--chat-template", help="Jinja template file or text")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int)
@@ -72,7 +82,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--expert-parallel-size", type=int, help="devices a MoE model's experts are split over (mesh.expert)"
     )
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="how tool calls are read from the text")
     p.add_argument(
         "--enable-auto-tool-choice",
@@ -81,9 +90,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="serve tool_choice auto (needs --tool-call-parser)",
     )
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, help="split <think> blocks off as reasoning")
-    p.add_argument("--api-server-count", type=int, help="HTTP front-end processes sharing the port (default 1)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key")
-    return p.parse_args(argv)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -94,7 +101,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     """
     from myserve.config import load_config, parse_overrides, with_overrides
 
-    overrides = {key: getattr(args, flag) for flag, key in _FLAGS.items() if getattr(args, flag) is not None}
+    overrides = {key: value for flag, key in _FLAGS.items() if (value := getattr(args, flag, None)) is not None}
     overrides.update(parse_overrides(args.set))
     config = load_config(args.config)
     return with_overrides(config, overrides, source="command line") if overrides else config
@@ -113,40 +120,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if front_ends > 1:
             metrics_dir = _shared_metrics_dir()  # before prometheus_client is imported
 
-        from myserve.bundled import BUNDLED_MODEL_NAME
-        from myserve.core.process import run_core
         from myserve.frontend.core_client import EngineClient
         from myserve.frontend.http_server import serve_http
 
-        service: GenerationService | EngineClient
-        # A multi-host leader's core (process 0) broadcasts its steps from its own process; a
-        # follower has no front end, and a process that learns its id from JAX runs in one process.
-        if config.server.engine_process and config.mesh.role() in ("single", "leader"):
-            # The core loads the model and owns the device; this process only needs the tokenizer
-            # (it never imports the engine, nor JAX).
-            load_tokenizer = functools.partial(front_tokenizer, config)
-            service = EngineClient(config, load_tokenizer, core_main=run_core, front_ends=front_ends)
-            try:
-                service.wait_loaded()  # the core's verdict on the configuration first
-            except BaseException:
-                service.shutdown()
-                raise
-        else:
-            if front_ends > 1:
-                raise ConfigError("server.api_server_count > 1 needs mesh.process_id on a multi-host mesh")
-            loaded = _in_process(config)
-            if isinstance(loaded, int):
-                return loaded  # a follower's exit status
-            service = loaded
+        loaded = load_engine(config, front_ends)
+        if isinstance(loaded, int):
+            return loaded  # a follower's exit status
+        service = loaded
     except MyserveError as e:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    name = config.server.served_model_name or (
-        BUNDLED_MODEL_NAME if config.model.checkpoint is None else os.path.basename(config.model.checkpoint.rstrip("/"))
-    )
+    name = served_model_name(config)
     try:
         if front_ends == 1:
             code = serve_http(config, service, name)
@@ -161,6 +148,41 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         multihost.shutdown()
     return code
+
+
+def load_engine(config: Config, front_ends: int = 1) -> GenerationService | EngineClient | int:
+    """The loaded (not yet warmed up) engine ``config`` asks for: a core process and its client
+    (``server.engine_process``), or the engine in this process; or a multi-host follower's exit
+    status. Raises ``MyserveError`` (a ``ConfigError`` for a bad combination)."""
+    from myserve.core.process import run_core
+    from myserve.frontend.core_client import EngineClient
+
+    # A multi-host leader's core (process 0) broadcasts its steps from its own process; a
+    # follower has no front end, and a process that learns its id from JAX runs in one process.
+    if config.server.engine_process and config.mesh.role() in ("single", "leader"):
+        # The core loads the model and owns the device; this process only needs the tokenizer
+        # (it never imports the engine, nor JAX).
+        load_tokenizer = functools.partial(front_tokenizer, config)
+        client = EngineClient(config, load_tokenizer, core_main=run_core, front_ends=front_ends)
+        try:
+            client.wait_loaded()  # the core's verdict on the configuration first
+        except BaseException:
+            client.shutdown()
+            raise
+        return client
+    if front_ends > 1:
+        raise ConfigError("server.api_server_count > 1 needs mesh.process_id on a multi-host mesh")
+    return _in_process(config)
+
+
+def served_model_name(config: Config) -> str:
+    """The ``model`` the app answers to: ``server.served_model_name``, else the checkpoint's name."""
+    from myserve.bundled import BUNDLED_MODEL_NAME
+
+    if config.server.served_model_name:
+        return config.server.served_model_name
+    checkpoint = config.model.checkpoint
+    return BUNDLED_MODEL_NAME if checkpoint is None else os.path.basename(checkpoint.rstrip("/"))
 
 
 def _in_process(config: Config) -> GenerationService | int:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import uvicorn
+from fastapi import FastAPI
 
 from myserve.frontend.app import create_app
 from myserve.frontend.app_context import AppContext
@@ -34,6 +35,21 @@ logger = logging.getLogger("myserve.serve")
 
 FATAL_GRACE_S = 3
 """Seconds open responses get to end once the server exits after a fatal engine error."""
+
+
+def app_for(config: Config, service: Engine, name: str) -> FastAPI:
+    """The app ``config`` describes around ``service``, serving model ``name``: what ``serve_http``
+    serves, and what ``python -m myserve.run_batch`` sends each line through."""
+    return create_app(
+        service,
+        served_model_name=name,
+        api_key=config.server.api_key,
+        max_body_bytes=config.server.max_body_bytes,
+        request_timeout_s=config.server.request_timeout_s,
+        tool_call_parser=config.server.tool_call_parser,
+        enable_auto_tool_choice=config.server.enable_auto_tool_choice,
+        reasoning_parser=config.server.reasoning_parser,
+    )
 
 
 def serve_http(
@@ -53,16 +69,7 @@ def serve_http(
     before the engine stops). ``follows_parent``: an extra front end, which ignores SIGINT (Ctrl-C
     reaches every process of the group; the first front end forwards what it decides).
     """
-    app = create_app(
-        service,
-        served_model_name=name,
-        api_key=config.server.api_key,
-        max_body_bytes=config.server.max_body_bytes,
-        request_timeout_s=config.server.request_timeout_s,
-        tool_call_parser=config.server.tool_call_parser,
-        enable_auto_tool_choice=config.server.enable_auto_tool_choice,
-        reasoning_parser=config.server.reasoning_parser,
-    )
+    app = app_for(config, service, name)
     context: AppContext = app.state.context
     url = f"http://{config.server.host}:{config.server.port}"
 
