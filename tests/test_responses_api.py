@@ -17,7 +17,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from test_server import LiveServer
+from test_server import LiveServer, tools_server
 
 from myserve.frontend.app import create_app
 from myserve.frontend.chat_output import ChoiceParser
@@ -28,7 +28,6 @@ from myserve.frontend.tool_parsers import HermesParser
 from myserve.testing import NESTED_SCHEMA, TINY_ENGINE, make_tiny_checkpoint, start_client, start_service
 
 MODEL = "tiny"
-TEMPLATE = (Path(__file__).parents[1] / "config" / "templates" / "hermes-tools.jinja").read_text()
 WEATHER_PARAMS = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -66,14 +65,7 @@ def service(request, checkpoint: Path):
 
 @pytest.fixture(scope="module")
 def live(service) -> Iterator[LiveServer]:
-    app = create_app(
-        service,
-        served_model_name=MODEL,
-        chat_template=TEMPLATE,
-        tool_call_parser="hermes",
-        enable_auto_tool_choice=True,
-    )
-    server = LiveServer(app)
+    server = tools_server(service, MODEL)
     yield server
     server.stop()
 

@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -43,6 +44,22 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+HERMES_TEMPLATE = (Path(__file__).parents[1] / "config" / "templates" / "hermes-tools.jinja").read_text()
+"""The chat template with tools that the tool-calling tests serve (Hermes ``<tool_call>`` format)."""
+
+
+def tools_server(service, served_model_name: str) -> LiveServer:
+    """A live app over ``service`` with the Hermes tools template, parser and ``tool_choice: auto``."""
+    app = create_app(
+        service,
+        served_model_name=served_model_name,
+        chat_template=HERMES_TEMPLATE,
+        tool_call_parser="hermes",
+        enable_auto_tool_choice=True,
+    )
+    return LiveServer(app)
 
 
 @pytest.fixture(scope="module", params=["in_process", "core_process"])

@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from test_server import LiveServer
+from test_server import HERMES_TEMPLATE, LiveServer, tools_server
 
 from myserve.frontend.app import create_app
 from myserve.testing import NESTED_SCHEMA, streamed_and_not
 
 MODEL = "smol-tools"
-TEMPLATE = (Path(__file__).parents[1] / "config" / "templates" / "hermes-tools.jinja").read_text()
 WEATHER_PARAMS = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -51,14 +49,7 @@ def live(request) -> Iterator[LiveServer]:
     """The app over the engine in this process, and over an engine core process (grammars are then
     validated in the front end and enforced in the core)."""
     service = request.getfixturevalue("smol_service" if request.param == "in_process" else "smol_client")
-    app = create_app(
-        service,
-        served_model_name=MODEL,
-        chat_template=TEMPLATE,
-        tool_call_parser="hermes",
-        enable_auto_tool_choice=True,
-    )
-    server = LiveServer(app)
+    server = tools_server(service, MODEL)
     yield server
     server.stop()
 
@@ -257,7 +248,7 @@ def test_bad_constraints_and_tools_get_a_400_naming_the_field(live, extra, param
 
 
 def test_auto_tool_choice_needs_the_parser_flag(smol_service) -> None:
-    server = LiveServer(create_app(smol_service, served_model_name=MODEL, chat_template=TEMPLATE))
+    server = LiveServer(create_app(smol_service, served_model_name=MODEL, chat_template=HERMES_TEMPLATE))
     try:
         body = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "max_tokens": 5}
         r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
