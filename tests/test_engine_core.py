@@ -119,7 +119,7 @@ def test_prompt_logprobs_arrive_once_before_the_first_token() -> None:
 
 def test_an_engine_error_fails_every_request_and_releases_their_pages() -> None:
     class Broken(FakeDevice):
-        def read(self, output, *, tops, scored):  # type: ignore[no-untyped-def]
+        def read(self, output, **_):  # type: ignore[no-untyped-def]
             raise RuntimeError("device lost")
 
     e = FakeCore(device=Broken())

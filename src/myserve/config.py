@@ -25,6 +25,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+TASKS = ("generate", "embed", "generate+embed")
+POOLINGS = ("auto", "last", "mean", "cls")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -67,12 +69,31 @@ class ModelConfig:
     quantization: str = "none"
     """none, or int8: matmul weights and the LM head stored as int8 per output channel, activations
     quantized per token on the fly (W8A8); about 3x faster matmuls on CPUs with int8 dot products."""
+    task: str = "generate"
+    """What the model serves: generate (chat, completions, responses), embed (/v1/embeddings only:
+    its steps have no LM head nor sampler) or generate+embed (both, in the same steps)."""
+    pooling: str = "auto"
+    """How an embedding is pooled from the prompt's final hidden states: last (the last token's),
+    mean or cls (the first token's); auto = the checkpoint's sentence-transformers pooling
+    (modules.json, 1_Pooling/config.json), else last."""
+    normalize: bool | None = None
+    """Unit-normalize embeddings; null = as the checkpoint's sentence-transformers modules say
+    (a Normalize module), else true."""
+    matryoshka_dimensions: tuple[int, ...] = ()
+    """Widths an embedding request may truncate to (``dimensions``); empty = as the checkpoint's
+    config.json says (matryoshka_dimensions, or is_matryoshka: any width), else none."""
 
     def __post_init__(self) -> None:
         for name in ("checkpoint", "tokenizer", "chat_template"):
             _check_not_empty(f"model.{name}", getattr(self, name))
         _check_choice("model.dtype", self.dtype, DTYPES)
         _check_choice("model.quantization", self.quantization, QUANTIZATIONS)
+        _check_choice("model.task", self.task, TASKS)
+        _check_choice("model.pooling", self.pooling, POOLINGS)
+        _check(
+            all(d >= 1 for d in self.matryoshka_dimensions),
+            f"model.matryoshka_dimensions must be positive widths, got {list(self.matryoshka_dimensions)}",
+        )
         if self.max_model_len is not None:
             _check(self.max_model_len >= 1, f"model.max_model_len must be >= 1, got {self.max_model_len}")
 

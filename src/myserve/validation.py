@@ -9,6 +9,7 @@ from collections.abc import Callable
 from myserve.grammar import Grammars, InvalidGrammar
 from myserve.wire.outputs import ContextLengthExceeded
 from myserve.wire.params import InvalidParams, SamplingParams
+from myserve.wire.pooling import Pooler
 
 
 def validate_request(
@@ -18,9 +19,13 @@ def validate_request(
     vocab_size: int,
     max_model_len: int,
     grammars: Callable[[], Grammars],
+    pooler: Pooler | None = None,
 ) -> None:
     """Raise if the request cannot be served; ``grammars()`` gives the engine's grammar compiler
-    (built on first use, so only constrained requests pay for it)."""
+    (built on first use, so only constrained requests pay for it); ``pooler``: how the model makes
+    embeddings (None: it makes none)."""
+    if params.pooling is not None or (pooler is not None and not pooler.generate):
+        _validate_task(prompt, params, pooler, max_model_len)
     if not prompt:
         raise InvalidParams("prompt", "the prompt must contain at least one token")
     if any(t < 0 or t >= vocab_size for t in prompt):
@@ -37,10 +42,28 @@ def validate_request(
             grammars().validate(params.grammar)  # compiled once per grammar, then cached
         except InvalidGrammar as e:
             raise InvalidParams("grammar", str(e)) from None
+    if params.pooling is not None:
+        return  # no completion: the context was checked in _validate_task
     wanted = len(prompt) + (params.max_tokens or 1)
     if wanted > max_model_len:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{wanted} tokens ({len(prompt)} in the messages, {params.max_tokens or 1} in the completion). "
             "Please reduce the length of the messages or completion."
+        )
+
+
+def _validate_task(prompt: list[int], params: SamplingParams, pooler: Pooler | None, max_model_len: int) -> None:
+    """An embedding request needs a model that pools, and fits the context without a completion;
+    an embedding-only model takes nothing else."""
+    if params.pooling is None:
+        raise InvalidParams("model", "this model serves embeddings only (use /v1/embeddings)")
+    if pooler is None:
+        raise InvalidParams("model", "this model does not serve embeddings (model.task: generate)")
+    if params.pooling.dimensions is not None and (why := pooler.check_dimensions(params.pooling.dimensions)):
+        raise InvalidParams("dimensions", why)
+    if len(prompt) > max_model_len:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_model_len} tokens. However, your input has "
+            f"{len(prompt)} tokens. Please reduce the length of the input, or set truncate_prompt_tokens."
         )

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 
+from myserve.core.pooler import resolve_pooler
 from myserve.core.replica import Replica, make_replica
 from myserve.runtime.compile_counter import compile_counts
 from myserve.runtime.deployment import Deployment, executor_for, step_buckets
@@ -61,4 +62,5 @@ def core_arguments(
         on_shutdown=stop_followers if leader else None,
         async_scheduling=cfg.async_scheduling,
         compile_counts=compile_counts,
+        pooler=resolve_pooler(dep.config.model, dep.checkpoint_dir, dep.spec.hidden_size),
     )

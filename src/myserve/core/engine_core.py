@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Self, cast
 
+from myserve.core.pooling import finished_embeddings
 from myserve.core.replica import Replica, Request
 from myserve.core.runner import PlannedStep, StepResults
 from myserve.core.sequence import Sequence as Seq
@@ -35,6 +36,7 @@ from myserve.wire.outputs import (
     Usage,
 )
 from myserve.wire.params import SamplingParams
+from myserve.wire.pooling import Pooler
 
 if TYPE_CHECKING:
     from myserve.runtime.deployment import Deployment
@@ -65,8 +67,11 @@ class EngineCore:
         on_shutdown: Callable[[], None] | None = None,
         async_scheduling: bool = True,
         compile_counts: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        pooler: Pooler | None = None,
     ):
         self.replicas = list(replicas)
+        self.pooler = pooler
+        """How the model makes embeddings (None: it serves none)."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -153,9 +158,8 @@ class EngineCore:
         if self.dead is not None:
             raise EngineDead(f"engine stopped: {self.dead}")
         prompt = [int(t) for t in prompt_ids]
-        validate_request(
-            prompt, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len, grammars=self.grammars
-        )
+        limits = dict(vocab_size=self.vocab_size, max_model_len=self.max_model_len, pooler=self.pooler)
+        validate_request(prompt, params, grammars=self.grammars, **limits)  # type: ignore[arg-type]
         with self._pending_lock:
             if not admitted and self._pending + self._num_waiting() >= self.max_waiting:
                 raise Overloaded(f"the waiting queue is full ({self.max_waiting} requests)")
@@ -290,12 +294,15 @@ class EngineCore:
         with self._pending_lock:
             self._pending -= 1
         max_len = min(self.max_model_len, len(req.prompt_ids) + (req.params.max_tokens or self.max_model_len))
+        if req.params.pooling is not None:  # one past the prompt: its last token alone is still scheduled
+            max_len = len(req.prompt_ids) + 1
         self._requests[req.request_id] = req
         # All choices of a request on one replica: they share its prompt pages.
         req.replica = min(self.replicas, key=lambda r: r.load)
         for choice in range(req.params.n):
             parent = req.seqs[0] if req.seqs else None
             seq = Seq(req.request_id, choice, req.prompt_ids, req.params, max_len, parent=parent)
+            seq.pool_type = self.pooler.type if req.params.pooling and self.pooler else None
             req.seqs.append(seq)
             if req.params.grammar is not None:
                 matcher = self.grammars().matcher(req.params.grammar)
@@ -364,6 +371,10 @@ class EngineCore:
         """Append a read step's tokens: advance grammars, deliver, finish sequences."""
         for seq, start, lps, ids, tlps in results.prompt_scores:
             seq.record_prompt_scores(start, lps, ids, tlps)
+        for seq, vector in finished_embeddings(results.pooled, self.pooler):
+            req = self._requests[seq.request_id]
+            self._emit(RequestOutput(req.request_id, 0, finish_reason="stop", embedding=vector))
+            self._finish_seq(req, seq, "stop")
         for seq, samples in results.sampled.items():
             seq.num_inflight -= len(samples)
             req = self._requests.get(seq.request_id)

@@ -92,7 +92,7 @@ def run_core(config: Config, links: Sequence[CoreLink]) -> None:
         send(msg.Died(f"engine failed to load: {type(e).__name__}: {e}"))
         _linger(inbox, outboxes)
         os._exit(1)
-    send(msg.Loaded(core.vocab_size, core.max_model_len, core.max_waiting))
+    send(msg.Loaded(core.vocab_size, core.max_model_len, core.max_waiting, core.pooler))
     last_stats = 0.0
     sender: dict[str, int] = {}
     """Request id -> the front end its outputs go to (when there are several)."""

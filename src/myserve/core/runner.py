@@ -51,6 +51,8 @@ class PlannedStep:
     """Some chunk scores prompt positions: the prompt scores are read back."""
     tops: bool
     """Some sampling row asked for top logprobs: they are read back."""
+    pooled: bool = False
+    """Some chunk pools (an embedding request): the pooled rows are read back."""
     outputs: list[Any] = dataclasses.field(default_factory=list)
     """The device's output handles once dispatched (one: the step call's)."""
 
@@ -63,6 +65,9 @@ class StepResults:
     """Sequences whose chunk ended their known tokens: (token, logprob, top ids, top logprobs)."""
     prompt_scores: list[tuple[Seq, int, np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
     """Scored prompt chunks: (sequence, start, logprob of each position's next token [n], top ids, top logprobs)."""
+    pooled: list[tuple[Seq, int, int, np.ndarray | None]] = dataclasses.field(default_factory=list)
+    """Chunks of embedding requests: (sequence, start, tokens, summed hidden states of its pooled
+    tokens [embed], or None when none of its tokens pools)."""
 
 
 def span_of(chunk: ScheduledChunk, inflight_rows: dict[Seq, int]) -> Span:
@@ -76,7 +81,8 @@ def span_of(chunk: ScheduledChunk, inflight_rows: dict[Seq, int]) -> Span:
         assert len(tokens) == n - 1 and seq.num_inflight == 1, "only the last token can be in flight"
         tokens, feed = [*tokens, 0], inflight_rows[seq]
     following = seq.tokens(start + 1, start + n + 1) if seq.scores_prompt(start) else None
-    return Span(tokens, start, seq.pages, chunk.samples, following, feed)
+    pool = seq.pool_range(start, n) if seq.pool_type is not None else None
+    return Span(tokens, start, seq.pages, chunk.samples, following, feed, pool)
 
 
 class ModelRunner:
@@ -150,7 +156,7 @@ class ModelRunner:
         offsets = np.cumsum([0, *(c.num_tokens for c in chunks)])
         placed = [(c, int(at), row) for c, at, row in zip(chunks, offsets, host.sample_rows, strict=False)]
         tops = any(bool(c.seq.params.logprobs) for c in sampling)
-        return PlannedStep(self, ops, placed, host.scored, tops)
+        return PlannedStep(self, ops, placed, host.scored, tops, host.pooled)
 
     def _step_call(self, host: HostStep, shape: StepShape, sampling: Sequence[ScheduledChunk]) -> StepCall:
         packed = self._sampling_rows(sampling, shape.singles)
@@ -171,9 +177,14 @@ class ModelRunner:
     def collect(self, planned: PlannedStep) -> StepResults:
         """Wait for a dispatched step: sampled tokens, and prompt scores of chunks that asked for them."""
         (out,) = planned.outputs
-        read = self.device.read(out, tops=planned.tops, scored=planned.scored)  # one transfer
+        read = self.device.read(out, tops=planned.tops, scored=planned.scored, pooled=planned.pooled)  # one transfer
         results = StepResults()
-        for chunk, at, row in planned.chunks:
+        for i, (chunk, at, row) in enumerate(planned.chunks):
+            seq = chunk.seq
+            if seq.pool_type is not None:  # (a chunk that pools no token still reports: it may end the prompt)
+                pooled = seq.pool_range(chunk.start, chunk.num_tokens) is not None
+                vector = read.pooled[i] if pooled and read.pooled is not None else None
+                results.pooled.append((seq, chunk.start, chunk.num_tokens, vector))
             if row is not None:
                 top = (read.top_ids[row], read.top_logprobs[row]) if planned.tops else (_NO_TOP, _NO_TOP)  # type: ignore[index]
                 results.sampled[chunk.seq] = [(int(read.tokens[row]), float(read.logprobs[row]), *top)]

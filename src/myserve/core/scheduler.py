@@ -40,8 +40,9 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """Whether this chunk reaches the sequence's last known token, so its logits give a new token."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        """Whether this chunk reaches the sequence's last known token, so its logits give a new token
+        (never for an embedding request's chunk, whose hidden states are pooled instead)."""
+        return self.start + self.num_tokens == self.seq.num_tokens and self.seq.pool_type is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,8 +232,8 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Pages for ``seq``: its prefix-cached ones and those of a first chunk; the chunk's size, or 0 if short."""
         hashes = chain_hashes(seq.tokens(0, seq.num_tokens), self.page_size)
-        # A prompt that is scored (prompt logprobs) must be computed whole: no cached pages.
-        scored = seq.params.prompt_logprobs is not None and not seq.output_ids
+        # A prompt that is scored (prompt logprobs) or mean/cls pooled must be computed whole: no cached pages.
+        scored = (seq.params.prompt_logprobs is not None and not seq.output_ids) or seq.pools_every_token
         cached = [] if scored else self.allocator.match_prefix(hashes, seq.num_tokens)
         computed = len(cached) * self.page_size
         first = min(seq.num_tokens - computed, budget, self.max_prefill_chunk)

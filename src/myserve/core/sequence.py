@@ -79,6 +79,28 @@ class Sequence:
         self.matcher: GrammarMatcher | None = None
         # A matcher waiting for ``params.grammar_after`` to appear in the output (reasoning first).
         self.pending_matcher: GrammarMatcher | None = None
+        # An embedding request's pooling (``Pooler.type``: last, mean or cls), set at admission;
+        # None for generation. Its chunks sample nothing: their hidden states are pooled instead.
+        self.pool_type: str | None = None
+        # Pooled sums read back so far, by chunk start: (chunk tokens, float32 [hidden]).
+        self.pool_parts: dict[int, tuple[int, np.ndarray]] = {}
+
+    @property
+    def pools_every_token(self) -> bool:
+        """Its pooling reads hidden states from the prompt's start (mean, cls): no prefix-cache hit
+        may skip computing them."""
+        return self.pool_type is not None and self.pool_type != "last"
+
+    def pool_range(self, start: int, n: int) -> tuple[int, int] | None:
+        """Which tokens of a chunk of ``n`` from ``start`` pool, as offsets (first, stop) in the
+        chunk; None if none does."""
+        if self.pool_type == "mean":
+            return 0, n
+        if self.pool_type == "last":
+            return (n - 1, n) if start + n == len(self.prompt_ids) else None
+        if self.pool_type == "cls":
+            return (0, 1) if start == 0 else None
+        return None  # generation
 
     @property
     def constrained(self) -> bool:

@@ -39,6 +39,7 @@ from myserve.wire import messages as msg
 from myserve.wire.link import CoreLink
 from myserve.wire.outputs import EngineDead, EngineStats, Overloaded, RequestOutput, Usage
 from myserve.wire.params import SamplingParams
+from myserve.wire.pooling import Pooler
 
 if TYPE_CHECKING:
     from myserve.config import Config
@@ -82,6 +83,8 @@ class EngineClient:
         """Called once (receiver thread) after the core died and every open request was failed."""
         self.vocab_size = 0
         self.max_model_len = 0
+        self.pooler: Pooler | None = None
+        """How the model makes embeddings, as the core said on loading (None: it makes none)."""
         self.max_waiting = config.engine.max_waiting
         self._stats: EngineStats | None = None
         self._added_since_stats = 0
@@ -225,7 +228,12 @@ class EngineClient:
             raise EngineDead(f"engine stopped: {self.dead}")
         prompt = [int(t) for t in prompt_ids]
         validate_request(
-            prompt, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len, grammars=self.grammars
+            prompt,
+            params,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            grammars=self.grammars,
+            pooler=self.pooler,
         )
         waiting = self._stats.waiting if self._stats is not None else 0
         if waiting + self._added_since_stats >= self.max_waiting:
@@ -352,6 +360,7 @@ class EngineClient:
         elif isinstance(message, msg.Loaded):
             self.vocab_size, self.max_model_len = message.vocab_size, message.max_model_len
             self.max_waiting = message.max_waiting
+            self.pooler = message.pooler
             self._loaded.set()
         elif isinstance(message, msg.Ready):
             self.ready.set()

@@ -12,6 +12,7 @@ from myserve.frontend.stream import RequestStream
 from myserve.tokenizer import Tokenizer
 from myserve.wire.outputs import EngineStats
 from myserve.wire.params import SamplingParams
+from myserve.wire.pooling import Pooler
 
 
 class Engine(Protocol):
@@ -23,6 +24,8 @@ class Engine(Protocol):
     """Why the engine stopped, once it has (``/health`` then answers 503)."""
     on_dead: Callable[[BaseException], None] | None
     """Called once after the engine died and every open request was failed."""
+    pooler: Pooler | None
+    """How the model makes embeddings (None: it serves none)."""
 
     @property
     def tokenizer(self) -> Tokenizer:

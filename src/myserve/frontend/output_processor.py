@@ -84,6 +84,8 @@ class OutputProcessor:
             if usage is not None:  # completion tokens as delivered: a stop string ends the count
                 usage = dataclasses.replace(usage, completion_tokens=sum(c.tokens for c in req.choices.values()))
             return dataclasses.replace(out, usage=usage)
+        if out.embedding is not None:  # an embedding request's one delta: no text
+            return out
         choice = req.choices.get(out.choice)
         if choice is None:
             choice = req.choices[out.choice] = _Choice(self.tokenizer, req.prompt_ids, req.params)

@@ -67,6 +67,9 @@ class Deployment:
     weights were read (``load(prebuild=True)``); ``CompileSteps`` takes them."""
     prebuild_started: tuple[float, int, int] | None = None
     """(perf_counter, compiled, loaded executables so far) when the early build began."""
+    checkpoint_dir: Path | None = None
+    """The checkpoint's directory (its sentence-transformers files say how it embeds); None for a
+    single-file checkpoint (GGUF)."""
 
     @property
     def model(self) -> LlamaModel:
@@ -142,7 +145,8 @@ class Deployment:
             backend,
             time.perf_counter() - t0,
         )
-        return Deployment(config, spec, models, tokenizer, mesh, mapping, dtype, max_len, prebuilt, started)
+        directory = resolved.path if resolved.path.is_dir() else None
+        return Deployment(config, spec, models, tokenizer, mesh, mapping, dtype, max_len, prebuilt, started, directory)
 
 
 def check_expert_mesh(spec: ModelSpec, expert: int) -> None:
@@ -173,6 +177,7 @@ def executor_for(
         num_slots=cfg.max_num_seqs + 1,
         prebuilt=prebuilt,
         step_cache=StepCache.for_process(cfg.compilation_cache_dir),
+        sampler=config.model.task != "embed",
     )
 
 

@@ -32,6 +32,8 @@ class StepRead(NamedTuple):
     scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None
     """For scored prompt tokens: (logprob of the following token [T], top ids [T, K], top
     logprobs [T, K]); None unless the read asked for them (``scored``)."""
+    pooled: np.ndarray | None = None
+    """float32 [N1, embed]: each pooling row's summed hidden states; None unless asked (``pooled``)."""
 
 
 class Device(Protocol):
@@ -42,7 +44,7 @@ class Device(Protocol):
         among them. ``progress(done, total)`` is told of each executable a ``CompileSteps`` builds."""
         ...
 
-    def read(self, output: Any, *, tops: bool, scored: bool) -> StepRead:
+    def read(self, output: Any, *, tops: bool, scored: bool, pooled: bool = False) -> StepRead:
         """Wait for a step's output and bring its results to the host: the samples, their top
-        logprobs when ``tops``, the prompt scores when ``scored``."""
+        logprobs when ``tops``, the prompt scores when ``scored``, the pooled rows when ``pooled``."""
         ...

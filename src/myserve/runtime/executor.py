@@ -95,12 +95,15 @@ class Executor:
         num_slots: int,
         prebuilt: Future[Prebuilt] | None = None,
         step_cache: StepCache | None = None,
+        sampler: bool = True,
     ):
         """``model`` may be abstract (``load_model(abstract=True)``): the executor then holds no
         arrays, only their shapes and shardings, and serves to build step executables early.
         ``prebuilt``: such an executor's builds, taken by ``CompileSteps`` when they match.
-        ``step_cache``: where step executables are loaded from without tracing, and stored."""
+        ``step_cache``: where step executables are loaded from without tracing, and stored.
+        ``sampler`` False: an embedding-only deployment, whose steps have no LM head nor sampler."""
         self.model = model
+        self.sampler = sampler
         self._prebuilt = prebuilt
         self._step_cache = step_cache
         self.mesh = mesh
@@ -168,7 +171,7 @@ class Executor:
                 )
         return outputs
 
-    def read(self, output: StepOutput, *, tops: bool, scored: bool) -> StepRead:
+    def read(self, output: StepOutput, *, tops: bool, scored: bool, pooled: bool = False) -> StepRead:
         """A step's results on the host, fetched in one transfer (``Device.read``)."""
         sampled = output.sampled
         arrays = [sampled.tokens, sampled.logprobs]
@@ -176,13 +179,17 @@ class Executor:
             arrays += [sampled.top_ids, sampled.top_logprobs]
         if scored:
             arrays += list(output.scores)
+        if pooled:
+            arrays.append(output.pooled)
         got = fetch(arrays)
+        end = len(got) - pooled
         return StepRead(
             tokens=got[0],
             logprobs=got[1],
             top_ids=got[2] if tops else None,
             top_logprobs=got[3] if tops else None,
-            scores=(got[-3], got[-2], got[-1]) if scored else None,
+            scores=(got[end - 3], got[end - 2], got[end - 1]) if scored else None,
+            pooled=got[-1] if pooled else None,
         )
 
     def lower_step(self, shape: StepShape) -> jax.stages.Lowered:
@@ -194,7 +201,7 @@ class Executor:
         """(static, dynamic) arguments of ``model_step`` for a step of ``shape`` on this executor."""
         host = layout([], shape, self.page_size)
         rows = SamplingRows.empty(shape.singles, self.scratch_slot)
-        static = (shape, self.treedef, self.cache_sharding, self.replicated)
+        static = (shape, self.treedef, self.cache_sharding, self.replicated, self.sampler)
         bitmask = jax.ShapeDtypeStruct((shape.singles, self.mask_words), np.int32, sharding=self.replicated)
         return static, (*self._state(), host.pack(), rows.ints, rows.floats, bitmask)
 
@@ -282,7 +289,7 @@ def _step_out_tree(cache: Cache) -> jax.tree_util.PyTreeDef:
     the step cache unflattens its outputs with it (the stored executable's own treedef does not
     survive pickling)."""
     zeros = jax.tree.map(lambda _: 0, cache)
-    return jax.tree_util.tree_structure((StepOutput(SampleOutput(0, 0, 0, 0), (0, 0, 0)), zeros, 0, 0))  # type: ignore[arg-type]
+    return jax.tree_util.tree_structure((StepOutput(SampleOutput(0, 0, 0, 0), (0, 0, 0), 0), zeros, 0, 0))  # type: ignore[arg-type]
 
 
 Prebuilt = tuple[dict[StepShape, Step], list[tuple[object, ...]]]

@@ -54,12 +54,16 @@ from myserve.runtime.step_layout import Span, StepShape, layout
 
 
 class StepOutput(NamedTuple):
-    """A step's device results: the sampling rows' samples, and prompt scores per flat token."""
+    """A step's device results: the sampling rows' samples, prompt scores per flat token, and the
+    pooling rows' summed hidden states."""
 
     sampled: SampleOutput
     """tokens [N1], logprobs [N1], top ids and top logprobs [N1, K] (zeros when no row asked for logprobs)."""
     scores: tuple[jax.Array, jax.Array, jax.Array]
     """(logprob of the following token [T], top ids [T, K], top logprobs [T, K]); zeros when nothing is scored."""
+    pooled: jax.Array
+    """float32 [N1, embed]: per pooling row (a span's index), the sum of its pooled tokens' final
+    hidden states (after the final norm); zeros when no span pools."""
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 7))
@@ -80,12 +84,13 @@ def _layer(
     return decoder_block(spec, layer, x, batch, cache, index, cache_sharding, kind)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7, 9))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7, 8, 10))
 def model_step(
     shape: StepShape,
     treedef: jax.tree_util.PyTreeDef,
     cache_sharding: NamedSharding | None,
     replicated: NamedSharding | None,
+    sampler: bool,
     outer: LlamaModel,
     layers: tuple[tuple[jax.Array, ...], ...],
     cache: Cache,
@@ -103,12 +108,24 @@ def model_step(
     int32 [N1, ceil(V / 32)] the grammar masks of the constrained rows (all ones elsewhere). ``fed`` [F]
     holds the previous step's sampled tokens (F = max_num_seqs + 1 rows, whatever its bucket):
     tokens still in flight on the host are taken from it. Returns this step's, padded the same way.
+    ``sampler`` False (an embedding-only deployment): no LM head, no sampling; zeros stand for them.
     """
     if replicated is not None:
         flat = jax.lax.with_sharding_constraint(flat, replicated)
-    tokens, batch, sample_idx, following, feed = unpack_step(flat, shape)
+    tokens, batch, sample_idx, following, feed, pool_rows = unpack_step(flat, shape)
     tokens = jnp.where(feed >= 0, fed[jnp.maximum(feed, 0)], tokens)
     x, cache = _forward(shape, treedef, cache_sharding, outer, layers, cache, tokens, batch)
+    n1 = shape.singles
+    pooled = jax.lax.cond(
+        jnp.any(pool_rows >= 0),
+        lambda: _pool(outer, x, pool_rows, n1),
+        lambda: jnp.zeros((n1, outer.spec.hidden_size), jnp.float32),
+    )
+    if not sampler:
+        k = MAX_TOP_LOGPROBS
+        ints, floats = jnp.zeros((n1, k), jnp.int32), jnp.zeros((n1, k), jnp.float32)
+        zeros = SampleOutput(ints[:, 0], floats[:, 0], ints, floats)
+        return StepOutput(zeros, _no_scores(tokens.shape[0]), pooled), cache, counts, fed
     hidden = x.rearrange((BATCH, POS, "embed")).array[0]  # [T, embed]
     last = hax.named(hidden[sample_idx], (BATCH, "embed"))
     logits = outer.logits(outer.norm(last)).array  # [N1, V]
@@ -129,7 +146,16 @@ def model_step(
     )
     counts = counts.at[slots, out.tokens].add(weight)
     next_fed = jnp.zeros_like(fed).at[: out.tokens.shape[0]].set(out.tokens)
-    return StepOutput(out, scores), cache, counts, next_fed
+    return StepOutput(out, scores, pooled), cache, counts, next_fed
+
+
+def _pool(outer: LlamaModel, x: hax.NamedArray, pool_rows: jax.Array, rows: int) -> jax.Array:
+    """float32 [rows, embed]: the final-norm hidden states of ``x`` [1, T, embed] summed by pooling
+    row (``pool_rows`` [T], -1: not pooled). The host divides a mean by the prompt's length once
+    every chunk is in, and normalizes."""
+    hidden = outer.norm(x).rearrange((BATCH, POS, "embed")).array[0].astype(jnp.float32)  # [T, embed]
+    segments = jnp.where(pool_rows >= 0, pool_rows, rows)  # unpooled tokens sum into a dropped row
+    return jax.ops.segment_sum(hidden, segments, num_segments=rows + 1)[:rows]
 
 
 def _forward(
@@ -187,7 +213,7 @@ def step_logits(
     property of the served step."""
     if replicated is not None:
         flat = jax.lax.with_sharding_constraint(flat, replicated)
-    tokens, batch, _, _, _ = unpack_step(flat, shape)
+    tokens, batch, *_ = unpack_step(flat, shape)
     x, cache = _forward(shape, treedef, cache_sharding, outer, layers, cache, tokens, batch)
     return _all_logits(outer, x), cache
 

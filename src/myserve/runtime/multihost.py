@@ -94,9 +94,9 @@ class BroadcastingDevice:
         _step_channel().send(encode_step(self.replica, ops))
         return self.executor.run(ops, progress)
 
-    def read(self, output: StepOutput, *, tops: bool, scored: bool) -> StepRead:
+    def read(self, output: StepOutput, *, tops: bool, scored: bool, pooled: bool = False) -> StepRead:
         """The step's results, read from this process's devices (every result is replicated)."""
-        return self.executor.read(output, tops=tops, scored=scored)
+        return self.executor.read(output, tops=tops, scored=scored, pooled=pooled)
 
 
 def _step_channel() -> StepChannel:

@@ -31,15 +31,17 @@ from myserve.runtime.sampling_rows import (
 from myserve.runtime.step_layout import StepShape
 
 
-def unpack_step(flat: jax.Array, shape: StepShape) -> tuple[jax.Array, RaggedBatch, jax.Array, jax.Array, jax.Array]:
-    """Inside the jit: (tokens [T], RaggedBatch, sample_idx [N1], following [T], feed [T]) from
-    ``HostStep.pack``."""
+def unpack_step(
+    flat: jax.Array, shape: StepShape
+) -> tuple[jax.Array, RaggedBatch, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Inside the jit: (tokens [T], RaggedBatch, sample_idx [N1], following [T], feed [T],
+    pool_rows [T]) from ``HostStep.pack``."""
     parts, at = [], 0
     for dims in shape.array_shapes():
         size = math.prod(dims)
         parts.append(flat[at : at + size].reshape(dims))
         at += size
-    tokens, positions, q_lens, write_pages, *views, sample_idx, following, feed = parts
+    tokens, positions, q_lens, write_pages, *views, sample_idx, following, feed, pool_rows = parts
     batch = RaggedBatch(
         positions,
         q_lens,
@@ -48,7 +50,7 @@ def unpack_step(flat: jax.Array, shape: StepShape) -> tuple[jax.Array, RaggedBat
         AttentionView(*views[4:]),
         chunk_pages=shape.chunk_pages,
     )
-    return tokens, batch, sample_idx, following, feed
+    return tokens, batch, sample_idx, following, feed, pool_rows
 
 
 def unpack_rows(ints: jax.Array, floats: jax.Array) -> tuple[SamplingArrays, jax.Array, jax.Array, jax.Array]:

@@ -12,6 +12,8 @@ single view; a longer span is cut into blocks of ``block_tokens`` tokens of the 
 span that ends its sequence's known tokens samples: its last token's hidden state goes through the
 LM head and the sampler, as sampling row ``k`` for the ``k``-th such span. A token sampled by
 the step still in flight is fed on the device: ``feed`` names the previous step's sampling row.
+An embedding request's span pools instead of sampling: ``pool_rows`` gives each of its pooled
+tokens the span's index, and the step sums those tokens' final hidden states into that row.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class StepShape:
             (n1,),  # sample_idx
             (t,),  # following (scored prompt positions' next token, -1 elsewhere)
             (t,),  # feed (the previous step's sampling row whose token this token is, -1 elsewhere)
+            (t,),  # pool_rows (the pooling row a token's hidden state is summed into, -1 elsewhere)
         )  # fmt: skip
 
 
@@ -91,6 +94,9 @@ class Span:
     feed: int = -1
     """The span's last token is still in flight: the previous step's sampling row that samples it
     (the device takes it from there; ``token_ids`` holds a placeholder)."""
+    pool: tuple[int, int] | None = None
+    """An embedding request's span: the tokens (first, stop offsets in the span) whose final hidden
+    states are summed into its pooling row (the span's index in the step)."""
 
     def blocks(self, block_tokens: int) -> int:
         """Blocks of ``block_tokens`` this span takes in the block view (0: it is a single-view row)."""
@@ -115,6 +121,8 @@ class HostStep:
     """Per span: its sampling row, or None when it does not sample."""
     scored: bool
     """Some span scores prompt positions (``following`` is used)."""
+    pooled: bool = False
+    """Some span pools (``pool_rows`` is used): the step's pooled rows are read back."""
 
     def pack(self) -> np.ndarray:
         """Every array in one int32 vector (one transfer)."""
@@ -141,6 +149,7 @@ def layout(spans: Sequence[Span], shape: StepShape, page_size: int) -> HostStep:
     sample_idx = np.zeros(shape.singles, np.int32)
     following = np.full(t, -1, np.int32)
     feed = np.full(t, -1, np.int32)
+    pool_rows = np.full(t, -1, np.int32)
     lengths = [len(span.token_ids) for span in spans]
     ends = list(itertools.accumulate(lengths))  # flat index after each span
     singles = [i for i, n in enumerate(lengths) if n == 1]
@@ -148,8 +157,8 @@ def layout(spans: Sequence[Span], shape: StepShape, page_size: int) -> HostStep:
         _lay_singles([spans[i] for i in singles], [ends[i] - 1 for i in singles], page_size, tokens, positions,
                      write_pages, s_idx, s_pos, s_kv, s_pages)  # fmt: skip
     n_block = 0
-    scored = False
-    for span, n, end in zip(spans, lengths, ends, strict=True):
+    scored = pooled = False
+    for i, (span, n, end) in enumerate(zip(spans, lengths, ends, strict=True)):
         at = end - n
         if n > 1:
             pages = np.asarray(span.pages, np.int32)
@@ -169,15 +178,20 @@ def layout(spans: Sequence[Span], shape: StepShape, page_size: int) -> HostStep:
         if span.following is not None:
             following[at : at + len(span.following)] = span.following
             scored = True
+        if span.pool is not None:
+            # Row i < N1: a step holds at most one span per running sequence (max_num_seqs) and
+            # at least one token per span.
+            pool_rows[at + span.pool[0] : at + span.pool[1]] = i
+            pooled = True
     sampling = [end - 1 for span, end in zip(spans, ends, strict=True) if span.samples]
     sample_idx[: len(sampling)] = sampling
     rows = iter(range(len(sampling)))
     sample_rows = [next(rows) if span.samples else None for span in spans]
     arrays = [
         tokens, positions[None], np.array([ends[-1] if ends else 0], np.int32), write_pages[None],
-        s_idx, s_pos, s_kv, s_pages, b_idx, b_pos, b_kv, b_pages, sample_idx, following, feed,
+        s_idx, s_pos, s_kv, s_pages, b_idx, b_pos, b_kv, b_pages, sample_idx, following, feed, pool_rows,
     ]  # fmt: skip
-    return HostStep(arrays, sample_rows, scored)
+    return HostStep(arrays, sample_rows, scored, pooled)
 
 
 def _lay_singles(

@@ -45,6 +45,29 @@ def scripted_token(seed: int, choice: int, position: int) -> int:
     return 3 + (seed + 31 * choice + 7 * position) % 200
 
 
+def fake_pooled(op: Any) -> Any:
+    """What ``FakeDevice`` pools: per pooling row, the sum over its pooled tokens of the vector
+    (1, token id, position, 0), so a test knows every embedding exactly (a mean of the vectors)."""
+    import math
+
+    import numpy as np
+
+    parts, at = [], 0
+    for dims in op.shape.array_shapes():
+        size = math.prod(dims)
+        parts.append(op.batch[at : at + size].reshape(dims))
+        at += size
+    tokens, positions, pool_rows = parts[0], parts[1][0], parts[-1]
+    vectors = np.stack([np.ones_like(tokens), tokens, positions, np.zeros_like(tokens)], axis=1).astype(np.float32)
+    pooled = np.zeros((op.shape.singles + 1, FAKE_HIDDEN), np.float32)
+    np.add.at(pooled, np.where(pool_rows >= 0, pool_rows, op.shape.singles), vectors)
+    return pooled[:-1]
+
+
+FAKE_HIDDEN = 4
+"""The width of ``FakeDevice``'s pooled vectors."""
+
+
 class FakeDevice:
     """A runtime ``Device`` with no JAX and no model, for the engine core's host-logic tests.
 
@@ -107,14 +130,16 @@ class FakeDevice:
         t = op.shape.tokens
         scores = (np.zeros(t, np.float32), np.zeros((t, k), np.int32), np.zeros((t, k), np.float32))
         tops = np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)
-        return StepRead(tokens, np.zeros(n, np.float32), *tops, scores)
+        return StepRead(tokens, np.zeros(n, np.float32), *tops, scores, fake_pooled(op))
 
-    def read(self, output: Any, *, tops: bool, scored: bool) -> Any:
-        """The step's rows, with top logprobs and prompt scores only when asked for (as ``Executor.read``)."""
+    def read(self, output: Any, *, tops: bool, scored: bool, pooled: bool = False) -> Any:
+        """The step's rows, with top logprobs, prompt scores and pooled rows only when asked for (as
+        ``Executor.read``)."""
         return output._replace(
             top_ids=output.top_ids if tops else None,
             top_logprobs=output.top_logprobs if tops else None,
             scores=output.scores if scored else None,
+            pooled=output.pooled if pooled else None,
         )
 
 
@@ -152,7 +177,9 @@ class FakeCore:
         tokenizer: Any = None,
         vocab_size: int = 256,
         max_waiting: int = 1024,
+        pooler: Any = None,
     ):
+        """``pooler``: a ``wire.pooling.Pooler`` (its ``hidden_size`` ``FAKE_HIDDEN``) to serve embeddings."""
         import math
 
         from myserve.core.engine_core import EngineCore
@@ -190,6 +217,7 @@ class FakeCore:
             max_model_len=max_model_len,
             max_waiting=max_waiting,
             async_scheduling=overlap,
+            pooler=pooler,
         )
         self.outputs: list[RequestOutput] = []
         self.core.sink = self.outputs.extend

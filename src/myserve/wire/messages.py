@@ -15,6 +15,7 @@ import msgspec
 
 from myserve.wire.outputs import EngineStats, RequestOutput
 from myserve.wire.params import SamplingParams
+from myserve.wire.pooling import Pooler
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
@@ -44,6 +45,8 @@ class Loaded(msgspec.Struct, tag="loaded", array_like=True):
     vocab_size: int
     max_model_len: int
     max_waiting: int
+    pooler: Pooler | None = None
+    """How the model makes embeddings; None when it serves none."""
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

@@ -65,6 +65,8 @@ class RequestOutput:
     error: str | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     """Per prompt token (the first is None), once, before the choice's first token; only when asked."""
+    embedding: bytes | None = None
+    """An embedding request's vector, little-endian float32 (its one delta, finish reason "stop")."""
 
     @property
     def final(self) -> bool:

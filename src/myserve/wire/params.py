@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from myserve.grammar import GrammarSpec
+from myserve.wire.pooling import PoolingParams
 
 MAX_TOP_LOGPROBS = 20
 """Most top logprobs a request may ask for (OpenAI's limit); the step always computes this many."""
@@ -57,6 +58,9 @@ class SamplingParams:
     grammar_after: tuple[int, ...] = ()
     """The grammar applies only after the output contains these tokens (a reasoning block's end
     marker); empty: from the first token."""
+    pooling: PoolingParams | None = None
+    """An embedding request: the prompt is pooled into one vector and nothing is generated
+    (``wire/pooling.py``); the sampling fields are then unused."""
 
     def __post_init__(self) -> None:
         def check(ok: bool, param: str, message: str) -> None:
@@ -101,6 +105,10 @@ class SamplingParams:
         check(all(s for s in self.stop), "stop", "stop strings must not be empty")
         check(len(self.stop) <= 16, "stop", "at most 16 stop strings")
         check(not self.grammar_after or self.grammar is not None, "grammar_after", "grammar_after needs a grammar")
+        if self.pooling is not None:
+            check(self.n == 1, "n", "an embedding request has one choice")
+            dims = self.pooling.dimensions
+            check(dims is None or dims >= 1, "dimensions", "dimensions must be at least 1")
 
     @staticmethod
     def bias_from_mapping(bias: Mapping[str, float] | Mapping[int, float] | None) -> tuple[tuple[int, float], ...]:
