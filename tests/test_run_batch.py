@@ -39,7 +39,7 @@ def completion(custom_id: str, prompt: str | list[int] = [40, 41, 42], **kw) -> 
 MIXED = [
     chat("chat-1", max_tokens=6, temperature=0),
     completion("cmpl-1", max_tokens=5, temperature=0),
-    request("emb-1", "/v1/embeddings", input="hello"),  # no such route yet: the server's 404
+    request("emb-1", "/v1/embeddings", input="hello"),  # a generation-only model: the server's 400
     "{not json",
     completion("cmpl-2", max_tokens=-1),  # the server's 400
     "[1, 2, 3]",
@@ -54,7 +54,7 @@ MIXED = [
 EXPECTED = [  # custom_id, status (None: the line's error object), error code
     ("chat-1", 200, None),
     ("cmpl-1", 200, None),
-    ("emb-1", 404, None),
+    ("emb-1", 400, None),
     (None, None, "invalid_json"),
     ("cmpl-2", 400, None),
     (None, None, "invalid_request"),
@@ -96,7 +96,7 @@ def test_mixed_file_one_result_per_line_in_order(app, tmp_path: Path) -> None:
     assert 1 <= chat_1["usage"]["completion_tokens"] <= 6 and len(chat_2["choices"]) == 2
     assert cmpl_1["object"] == "text_completion" and cmpl_1["usage"]["completion_tokens"] <= 5
     # Failed requests carry the server's own OpenAI-shaped error body.
-    assert by_id["emb-1"]["body"]["error"]["type"] == "not_found_error"
+    assert by_id["emb-1"]["body"]["error"]["code"] == "model_not_supported"
     assert by_id["cmpl-2"]["body"]["error"]["param"] == "max_tokens"
     assert by_id["wrong-model"]["body"]["error"]["code"] == "model_not_found"
     usage = [r["response"]["body"].get("usage", {}) for r in results if r["response"]]
@@ -173,32 +173,38 @@ def test_an_output_of_another_file_is_refused(tmp_path: Path) -> None:
     assert run_batch.resume_point(out, lines) == 1 and out.read_text().count("\n") == 1
 
 
-KILL_LINES = 600
+KILL_TOKENS = 48
+"""Tokens per generated line of the killed run: long enough that the kill lands halfway."""
 """Lines of the file the CLI test kills halfway: enough that the tiny model is still busy."""
 
 
 @pytest.mark.slow
 def test_cli_killed_halfway_resumes(tiny_checkpoints, tmp_path: Path) -> None:
-    """The real command (engine core in its own process, as serve runs it), SIGKILLed while it
-    writes, then run again: the lines written before the kill stay as they were and the rest follow."""
+    """The real command (engine core in its own process, as serve runs it) on 200 lines mixing chat,
+    completions, embeddings and 3 malformed lines, SIGKILLed while it writes, then run again: the
+    lines written before the kill stay as they were and the rest follow, 200 results in order."""
     from myserve.bundled import bundled_gguf_path
 
     checkpoint = tiny_checkpoints["llama3"]
-    head = [
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_tokens": 5}),
-        ("/v1/embeddings", {"input": "hello"}),
+    tale = {"max_tokens": KILL_TOKENS, "ignore_eos": True}
+    kinds = [
+        lambda i: ("/v1/chat/completions", {"messages": [{"role": "user", "content": chr(65 + i % 26)}], **tale}),
+        lambda i: ("/v1/completions", {"prompt": [i % 200 + 3, 4], **tale}),
+        lambda i: ("/v1/embeddings", {"input": [i % 200 + 3, 5, 6]}),
     ]
-    tale = {"max_tokens": 16, "ignore_eos": True}
-    bodies = head + [("/v1/completions", {"prompt": [i % 200 + 3, 4], **tale}) for i in range(KILL_LINES)]
+    bodies = [kinds[i % 3](i) for i in range(197)]
     lines = [
         json.dumps({"custom_id": f"q{i}", "method": "POST", "url": url, "body": {"model": MODEL, **body}})
         for i, (url, body) in enumerate(bodies)
     ]
-    lines.insert(1, "oops")
+    malformed = {1: "oops", 100: "[1, 2, 3]", 150: json.dumps({"url": "/v1/completions", "body": {}})}
+    for at, text in malformed.items():
+        lines.insert(at, text)
+    assert len(lines) == 200
     inp, out = write(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
     (tmp_path / "chat.jinja").write_text(TEMPLATE)
     sets = [f"model.chat_template={tmp_path / 'chat.jinja'}", f"model.tokenizer={bundled_gguf_path()}"]
-    sets += ["model.dtype=float32", "engine.num_pages=256", *TINY_ENGINE]
+    sets += ["model.dtype=float32", "engine.num_pages=256", "model.task=generate+embed", *TINY_ENGINE]
     cmd = [sys.executable, "-m", "myserve.run_batch", "-i", str(inp), "-o", str(out)]
     cmd += ["--hf-checkpoint", str(checkpoint), "--served-model-name", MODEL]
     cmd += [arg for s in sets for arg in ("--set", s)]
@@ -222,10 +228,20 @@ def test_cli_killed_halfway_resumes(tiny_checkpoints, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out.read_text().splitlines(keepends=True)[: len(kept)] == kept  # not redone
     results = read(out)
-    assert [r["custom_id"] for r in results] == ["q0", None] + [f"q{i}" for i in range(1, len(bodies))]
-    assert [r["response"]["status_code"] for r in results[:3:2]] == [200, 404]
-    assert results[1]["error"]["code"] == "invalid_json"
-    assert all(r["response"]["body"]["usage"]["completion_tokens"] == 16 for r in results[3:])
+    ids = [f"q{i}" for i in range(len(bodies))]
+    for at in malformed:
+        ids.insert(at, None)
+    assert len(results) == 200 and [r["custom_id"] for r in results] == ids
+    assert [r["error"]["code"] for r in results if r["error"]] == [
+        "invalid_json",
+        "invalid_request",
+        "missing_custom_id",
+    ]
+    answered = [r["response"] for r in results if r["response"]]
+    assert len(answered) == 197 and all(r["status_code"] == 200 for r in answered)
+    bodies_out = [r["body"] for r in answered]
+    assert all(len(b["data"][0]["embedding"]) == 64 for b in bodies_out[2::3])  # the tiny model's width
+    assert all(b["usage"]["completion_tokens"] == KILL_TOKENS for i, b in enumerate(bodies_out) if i % 3 != 2)
     done = len(lines) - len(kept)
     assert "tok/s" in proc.stderr and f"{done} lines done" in proc.stderr
     assert f"{len(kept)} already in the output" in proc.stderr

@@ -10,7 +10,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from myserve.frontend.app_context import AppContext
 from myserve.frontend.errors import APIError
-from myserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from myserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from myserve.frontend.responses import CompletionResponse, ResponseContext
 from myserve.frontend.responses_protocol import ResponsesRequest
 from myserve.frontend.stream import RequestStream
@@ -22,7 +22,7 @@ GenerationRequest = CompletionRequest | ChatCompletionRequest
 """The two request bodies that generate text."""
 
 
-def admit(context: AppContext, req: GenerationRequest | ResponsesRequest) -> float | None:
+def admit(context: AppContext, req: GenerationRequest | ResponsesRequest | EmbeddingRequest) -> float | None:
     """The checks every generation route starts with: 503 unless ready, 404 for another model's
     name, 400 for a field this server accepts but does not implement (the protocol's tables).
     Returns the request's deadline, which runs from its arrival."""
@@ -115,12 +115,11 @@ def _submit_all(context: AppContext, response: ResponseContext, grammar_field: s
     except BaseException as e:
         for s in streams:
             s.close()
-        if isinstance(e, InvalidParams):
-            param = grammar_field if e.param == "grammar" else e.param  # the field that asked for it
+        prompt_field = {"chat": "messages", "completion": "prompt"}.get(response.kind, "input")
+        if isinstance(e, InvalidParams):  # named by the field that asked for it
+            param = {"grammar": grammar_field, "prompt": prompt_field}.get(e.param, e.param)
             raise APIError(400, str(e), param=param, code="invalid_value") from None
-        if isinstance(e, ContextLengthExceeded):
-            # The field that made the prompt too long.
-            prompt_field = {"chat": "messages", "completion": "prompt"}.get(response.kind, "input")
+        if isinstance(e, ContextLengthExceeded):  # named by the field that made the prompt too long
             raise APIError(400, str(e), param=prompt_field, code="context_length_exceeded") from None
         if isinstance(e, Overloaded):
             raise APIError(429, str(e), code="overloaded", headers={"Retry-After": "1"}) from None

@@ -293,3 +293,25 @@ class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
     """Inside the vocabulary (checked by the app)."""
+
+
+MAX_EMBEDDING_INPUTS = 2048
+"""Most inputs in one embeddings request (OpenAI's limit)."""
+
+
+class EmbeddingRequest(_Request):
+    """``POST /v1/embeddings`` (OpenAI's fields, with vLLM's ``truncate_prompt_tokens`` and ``normalize``)."""
+
+    model: str | None = None
+    input: str | list[str] | list[Int64] | list[list[Int64]]
+    """Text, texts, token ids or lists of token ids (inside the vocabulary: checked by the app)."""
+    encoding_format: Literal["float", "base64"] = "float"
+    """base64: each vector's little-endian float32 bytes, base64-encoded."""
+    dimensions: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    """Matryoshka truncation (then renormalized), where the model supports it."""
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    """Keep only each input's last this many tokens; -1: the model's context length; None: an input
+    longer than the context is refused."""
+    normalize: bool | None = None
+    """Unit-normalize each vector; None: the model's setting (``model.normalize``)."""

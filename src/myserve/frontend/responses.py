@@ -38,8 +38,9 @@ class ResponseContext:
     """What one completions or chat response is about, built once by its route."""
 
     kind: str
-    """``"completion"``, ``"chat"`` or ``"responses"`` (a chat answered by the Responses API, whose
-    shapes are ``responses_api_output.py``'s): the shape of the body and chunks, and the id's prefix."""
+    """``"completion"``, ``"chat"``, ``"responses"`` (a chat answered by the Responses API, whose
+    shapes are ``responses_api_output.py``'s) or ``"embedding"`` (``embedding_output.py``): the
+    shape of the body and chunks, and the id's prefix."""
     model: str
     """The served model name the response reports."""
     prompts: list[list[int]]
@@ -60,7 +61,7 @@ class ResponseContext:
     """When the route built this (``perf_counter``): latencies are measured from it."""
 
     def __post_init__(self) -> None:
-        prefix = {"chat": "chatcmpl-", "completion": "cmpl-"}.get(self.kind, "resp_")
+        prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "embedding": "embd-"}.get(self.kind, "resp_")
         object.__setattr__(self, "request_id", f"{prefix}{uuid.uuid4().hex}")
 
     @property

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from myserve.frontend.routes import chat, completions, health, models, responses_api, tokenize
+from myserve.frontend.routes import chat, completions, embeddings, health, models, responses_api, tokenize
 
 ROUTERS: tuple[APIRouter, ...] = (
     health.router,
@@ -17,5 +17,6 @@ ROUTERS: tuple[APIRouter, ...] = (
     completions.router,
     chat.router,
     responses_api.router,
+    embeddings.router,
 )
 """In the order the app includes them (the order of the OpenAPI schema's paths)."""

@@ -23,7 +23,7 @@ router = APIRouter()
 async def completions(req: CompletionRequest, request: Request, context: Context) -> Response:
     expires = admit(context, req)
     tokenizer = context.tokenizer
-    prompts = completion_prompts(req.prompt, tokenizer.encode)
+    prompts = completion_prompts(req.prompt, tokenizer.encode, "prompt")
     if isinstance(req.prompt, list) and not isinstance(req.prompt[0], str):  # the client's token ids,
         context.check_token_ids((t for p in prompts for t in p), "prompt")  # checked before echo decodes them
     # echo with logprobs scores the prompt; echo with max_tokens 0 returns only the prompt.
@@ -44,16 +44,17 @@ async def completions(req: CompletionRequest, request: Request, context: Context
     return await respond(context, request, response, req.stream, grammar_param(req))
 
 
-def completion_prompts(prompt: Any, encode: Callable[[str], list[int]]) -> list[list[int]]:
-    """OpenAI's four prompt forms (text, texts, token ids, lists of token ids) as token-id lists."""
+def completion_prompts(prompt: Any, encode: Callable[[str], list[int]], param: str) -> list[list[int]]:
+    """OpenAI's four prompt forms (text, texts, token ids, lists of token ids) as token-id lists;
+    ``param`` names the field in errors (completions' ``prompt``, embeddings' ``input``)."""
     if isinstance(prompt, str):
         return [encode(prompt)]
     if not prompt:
-        raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+        raise APIError(400, f"{param} must not be empty", param=param, code="invalid_value")
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     if all(isinstance(p, str) for p in prompt):
         return [encode(p) for p in prompt]
     if all(isinstance(p, list) for p in prompt):
         return [list(p) for p in prompt]
-    raise APIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
+    raise APIError(400, f"{param} must be a string, a list of strings, or token ids", param=param)
