@@ -140,3 +140,47 @@ def test_a_preempted_embedding_is_recomputed_to_the_same_vector() -> None:
     core.run()
     assert core.scheduler.num_preemptions > 0
     np.testing.assert_allclose(vector_of(core, "e"), fake_vector(prompt, list(range(28))).mean(axis=0), rtol=1e-6)
+
+
+def _st_checkpoint(root, pooling: dict, *, normalize: bool, hf: dict | None = None):  # noqa: ANN001, ANN202
+    """A directory with sentence-transformers' modules.json and pooling config (no weights needed)."""
+    import json
+
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (root / "1_Pooling").mkdir(parents=True)
+    (root / "modules.json").write_text(json.dumps(modules))
+    (root / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **pooling}))
+    (root / "config.json").write_text(json.dumps(hf or {}))
+    return root
+
+
+def test_the_pooler_comes_from_sentence_transformers_files_unless_the_config_says(tmp_path) -> None:  # noqa: ANN001
+    from myserve.config import ModelConfig
+    from myserve.core.pooler import resolve_pooler
+    from myserve.errors import ConfigError
+
+    embed = ModelConfig(task="embed")
+    mean = _st_checkpoint(tmp_path / "mean", {"pooling_mode_mean_tokens": True}, normalize=True)
+    assert resolve_pooler(embed, mean, 64) == Pooler("mean", True, 64, None, generate=False)
+    last = _st_checkpoint(
+        tmp_path / "last", {"pooling_mode_lasttoken": True}, normalize=False, hf={"matryoshka_dimensions": [32, 64]}
+    )
+    assert resolve_pooler(embed, last, 64) == Pooler("last", False, 64, (32, 64), generate=False)
+    cls = _st_checkpoint(tmp_path / "cls", {"pooling_mode_cls_token": True}, normalize=True, hf={"is_matryoshka": True})
+    both = ModelConfig(task="generate+embed")
+    assert resolve_pooler(both, cls, 64) == Pooler("cls", True, 64, (), generate=True)
+    # What the config sets wins; no files (a GGUF, or a plain checkpoint): last, normalized.
+    chosen = ModelConfig(task="embed", pooling="mean", normalize=False, matryoshka_dimensions=(16,))
+    assert resolve_pooler(chosen, cls, 64) == Pooler("mean", False, 64, (16,), generate=False)
+    assert resolve_pooler(embed, None, 64) == Pooler("last", True, 64, None, generate=False)
+    assert resolve_pooler(ModelConfig(), cls, 64) is None  # task generate: no embeddings
+    weighted = _st_checkpoint(tmp_path / "w", {"pooling_mode_weightedmean_tokens": True}, normalize=True)
+    with pytest.raises(ConfigError, match="weightedmean_tokens is not served"):
+        resolve_pooler(embed, weighted, 64)
+    with pytest.raises(ConfigError, match="model.task must be one of"):
+        ModelConfig(task="rerank")
