@@ -31,8 +31,8 @@ evictable, so they count as free: an idle server holds none however much it has 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)")
 
 
-_MODEL_LABEL = re.compile(r'model_name="(?:[^"\\]|\\.)*",?')
-"""The ``model_name`` label every myserve series carries (first), which the figures leave out."""
+_MODEL_LABEL = re.compile(r',?model_name="(?:[^"\\]|\\.)*"')
+"""The ``model_name`` label every myserve series carries, which the figures leave out."""
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -46,7 +46,7 @@ def parse_metrics(text: str) -> dict[str, float]:
                 value = float(match.group(2))
             except ValueError:
                 continue
-            name = _MODEL_LABEL.sub("", match.group(1)).replace("{}", "")
+            name = _MODEL_LABEL.sub("", match.group(1)).replace("{,", "{").replace("{}", "")
             figures[name] = figures.get(name, 0.0) + value
     return figures
 
