@@ -13,6 +13,7 @@ from myserve.config import (
     EngineConfig,
     MeshConfig,
     ModelConfig,
+    ModelEntry,
     ServerConfig,
     config_from_dict,
     default_config_path,
@@ -25,7 +26,7 @@ from myserve.config_fields import field_docs, key_docs
 from myserve.errors import ConfigError, MyserveError
 
 REPO_DEFAULT = Path(__file__).resolve().parents[1] / "config" / "smollm2-135m-cpu.yaml"
-SECTIONS = (ModelConfig, EngineConfig, ServerConfig, MeshConfig, Config)
+SECTIONS = (ModelConfig, EngineConfig, ServerConfig, MeshConfig, ModelEntry, Config)
 
 
 def expected_default() -> Config:
@@ -76,8 +77,9 @@ def test_builtin_default_equals_yaml_when_file_is_missing(monkeypatch: pytest.Mo
 
 def test_default_yaml_spells_out_and_comments_every_key() -> None:
     data = yaml.safe_load(REPO_DEFAULT.read_text())
-    keys = {f"{section}.{key}" for section, fields in data.items() for key in fields}
-    assert keys == set(key_docs(Config))
+    keys = {f"{section}.{key}" for section, fields in data.items() if isinstance(fields, dict) for key in fields}
+    lists = {section for section, value in data.items() if isinstance(value, list)}  # models
+    assert keys | lists == set(key_docs(Config)) and lists == {"models"}
     for line in REPO_DEFAULT.read_text().splitlines():
         if line.startswith("  ") and ":" in line:
             assert "#" in line, f"key without a comment: {line!r}"
@@ -158,7 +160,8 @@ def test_request_timeout_is_off_by_default_and_takes_seconds() -> None:
         ),
         (
             "egnine.page_size=32",
-            "overrides: unknown section 'egnine' (did you mean 'engine'?); known sections: model, engine, server, mesh",
+            "overrides: unknown section 'egnine' (did you mean 'engine'?); known sections: model, engine, server, "
+            "mesh, models",
         ),
         ("engine.page_size=abc", "overrides: engine.page_size: expected int, got 'abc' (str)"),
         ("engine.page_size=true", "overrides: engine.page_size: expected int, got True (bool)"),
@@ -331,4 +334,4 @@ def test_field_docs_reads_attribute_docstrings() -> None:
     assert docs["pair"] == "Fixed-length pair, or null."
     assert "undocumented" not in docs
     assert key_docs(Config)["engine.page_size"] == field_docs(EngineConfig)["page_size"]
-    assert len(key_docs(Config)) == sum(len(dataclasses.fields(cls)) for cls in SECTIONS[:-1])
+    assert len(key_docs(Config)) == sum(len(dataclasses.fields(cls)) for cls in SECTIONS[:4]) + 1  # + models

@@ -14,6 +14,7 @@ import openai
 import pytest
 from test_server import LiveServer
 
+from myserve.bench.soak_checks import parse_metrics
 from myserve.frontend.app import create_app
 from myserve.frontend.detokenizer import token_bytes
 from myserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
@@ -222,10 +223,8 @@ def test_cut_inside_a_character_drops_its_bytes(tiny_service, served_by: str, re
 
 
 def counters(server: LiveServer) -> dict[str, float]:
-    """The app's Prometheus counters (``name{labels}`` -> value)."""
-    text = httpx.get(f"{server.url}/metrics").text
-    samples = [line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")]
-    return {name: float(value) for name, value in samples}
+    """The app's Prometheus counters (``name{labels}`` -> value; its one model's ``model_name`` label left out)."""
+    return parse_metrics(httpx.get(f"{server.url}/metrics").text)
 
 
 def request_line(caplog: pytest.LogCaptureFixture, status: str, within: float = 5.0) -> tuple[str, int, int]:

@@ -209,7 +209,7 @@ def test_two_front_ends_share_the_port_and_the_core_and_merge_their_metrics(two_
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
     total = sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("myserve_requests_total{"))
     assert total == sent == sum(by_process.values())
-    steps = next(line for line in metrics.splitlines() if line.startswith("myserve_engine_steps "))
+    steps = next(line for line in metrics.splitlines() if line.startswith("myserve_engine_steps{"))
     assert float(steps.split()[1]) > 0  # the core's counters, through the front ends
 
     # SIGTERM: each front end finishes its streams (the core stays up until they are done), all exit 0.

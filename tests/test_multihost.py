@@ -177,11 +177,11 @@ def test_two_processes_serve_chat_like_one_and_stop_together(chat_checkpoint: Pa
         assert "following process 0's steps" in "".join(cluster.logs[1])
         assert "engine core ready" in "".join(cluster.logs[0])  # the leader's core runs in its own process
         metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
-        steps = next(line for line in metrics.splitlines() if line.startswith("myserve_engine_steps "))
+        steps = next(line for line in metrics.splitlines() if line.startswith("myserve_engine_steps{"))
         assert float(steps.split()[1]) > 0  # the leader's steps, replayed by the follower
         # The steps overlapped on two processes too: each was dispatched and sent to the follower
         # before the previous one was read (a negative host-measured gap).
-        gap = next(line for line in metrics.splitlines() if line.startswith("myserve_engine_step_gap_seconds "))
+        gap = next(line for line in metrics.splitlines() if line.startswith("myserve_engine_step_gap_seconds{"))
         assert float(gap.split()[1]) < 0, gap
         # A signal to the leader: it drains, tells the follower to stop, and both exit cleanly.
         cluster.procs[0].send_signal(signal.SIGTERM)

@@ -311,8 +311,8 @@ def test_unknown_fields_ignored_and_tokenize_roundtrip(live) -> None:
     assert text == "Hello world"
     metrics = httpx.get(f"{live.url}/metrics").text
     assert "myserve_requests_total" in metrics and "myserve_kv_pages_used" in metrics
-    assert 'myserve_engine_host_seconds{phase="postprocess"}' in metrics
-    assert "myserve_engine_step_gap_seconds" in metrics
+    assert f'myserve_engine_host_seconds{{model_name="{MODEL}",phase="postprocess"}}' in metrics
+    assert f'myserve_engine_step_gap_seconds{{model_name="{MODEL}"}}' in metrics
     assert "myserve_frontend_seconds_total" in metrics and "myserve_compile_cache_loads" in metrics
     assert json.loads(json.dumps(tok))  # plain JSON
 

@@ -10,13 +10,13 @@ can make here raises :class:`~myserve.errors.ConfigError` with one line naming t
 
 import dataclasses
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 
-from myserve.config_fields import build, errors_from, set_dotted, show, wrong_type
+from myserve.config_fields import build, errors_from, inherit, parse_overrides, set_dotted, show, wrong_type
 from myserve.errors import ConfigError
 
 T = TypeVar("T")
@@ -48,6 +48,12 @@ def _check_not_empty(key: str, value: str | None) -> None:
     # An empty string is never a usable path, id or key; catching it here beats a confusing
     # "file not found: ''" (or an API key that accepts an empty bearer token) later.
     _check(value is None or value.strip() != "", f"{key} must not be empty (use null for the default)")
+
+
+def _check_names(key: str, names: str | tuple[str, ...] | None) -> None:
+    for name in (names,) if names is None or isinstance(names, str) else names:
+        _check_not_empty(key, name)
+    _check(names != (), f"{key} must name at least one model (use null for the default)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -162,8 +168,10 @@ class ServerConfig:
     """Address to listen on; 0.0.0.0 listens on all interfaces."""
     port: int = 8000
     """TCP port to listen on, 1..65535."""
-    served_model_name: str | None = None
-    """Model name reported by /v1/models and accepted in requests; null = derived from the checkpoint."""
+    served_model_name: str | tuple[str, ...] | None = None
+    """Model name reported by /v1/models and accepted in requests, or a list of names (aliases; the
+    first is the one responses report); null = derived from the checkpoint. One model only: with
+    ``models`` each entry names its own."""
     api_key: str | None = None
     """If set, requests must send 'Authorization: Bearer <api_key>'; null = no authentication."""
     log_level: str = "info"
@@ -202,7 +210,7 @@ class ServerConfig:
         _check(timeout is None or timeout > 0, f"server.request_timeout_s must be > 0 or null, got {timeout}")
         _check_not_empty("server.host", self.host)
         _check(1 <= self.port <= 65535, f"server.port must be in 1..65535, got {self.port}")
-        _check_not_empty("server.served_model_name", self.served_model_name)
+        _check_names("server.served_model_name", self.served_model_name)
         _check_not_empty("server.api_key", self.api_key)
         _check_choice("server.log_level", self.log_level, LOG_LEVELS)
         if self.tool_call_parser is not None:
@@ -277,6 +285,39 @@ MESH_ENV = {
 """Environment variables that override these mesh keys (as cluster launchers set them)."""
 
 
+MODEL_SECTIONS = ("model", "engine", "mesh")
+"""The sections each entry of ``models`` has of its own (``server`` is the server's)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelEntry:
+    """One model of a server that serves several (an entry of ``models``): its own engine core
+    process, KV pool and warmup. In YAML its sections hold only what differs from the top-level
+    ones, which every entry inherits key by key."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """Which model to serve and how to run it."""
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    """Its KV cache and scheduling."""
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    """Its device mesh shape."""
+    served_model_name: str | tuple[str, ...] | None = None
+    """Its name in requests and /v1/models, or a list of names (aliases); null = derived from the checkpoint."""
+    tool_call_parser: str | None = None
+    """Its tool-call parser; null = server.tool_call_parser."""
+    enable_auto_tool_choice: bool | None = None
+    """Serve tool_choice auto for it; null = server.enable_auto_tool_choice."""
+    reasoning_parser: str | None = None
+    """Its reasoning parser; null = server.reasoning_parser."""
+
+    def __post_init__(self) -> None:
+        _check_names("served_model_name", self.served_model_name)
+        if self.tool_call_parser is not None:
+            _check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        if self.reasoning_parser is not None:
+            _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """A whole deployment: one section per concern."""
@@ -289,6 +330,43 @@ class Config:
     """The HTTP front end."""
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     """Device mesh shape."""
+    models: tuple[ModelEntry, ...] = ()
+    """Several models in one server, each with its own engine core: the entries' model, engine and
+    mesh sections override the top-level ones key by key; empty = the one model above."""
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            return
+        # Each model's core is a process of this host, which the front end starts and supervises.
+        _check(self.server.engine_process, "models (several models) needs server.engine_process: true")
+        _check(self.server.api_server_count == 1, "models (several models) needs server.api_server_count: 1")
+        _check(self.server.served_model_name is None, "with models, set each entry's served_model_name instead")
+        hosts = {e.mesh.num_processes for e in self.models}
+        _check(hosts == {1}, f"models: every entry's mesh.num_processes must be 1 (one host), got {hosts}")
+        self.per_model()  # each model's server options (parsers) validated as that model's
+
+    def per_model(self) -> tuple["Config", ...]:
+        """One one-model config per served model (what its core and its front-end half are built
+        from): this config itself without ``models``, else one per entry."""
+        if not self.models:
+            return (self,)
+        return tuple(
+            Config(
+                model=e.model,
+                engine=e.engine,
+                mesh=e.mesh,
+                server=dataclasses.replace(
+                    self.server,
+                    served_model_name=e.served_model_name,
+                    tool_call_parser=e.tool_call_parser or self.server.tool_call_parser,
+                    enable_auto_tool_choice=self.server.enable_auto_tool_choice
+                    if e.enable_auto_tool_choice is None
+                    else e.enable_auto_tool_choice,
+                    reasoning_parser=e.reasoning_parser or self.server.reasoning_parser,
+                ),
+            )
+            for e in self.models
+        )
 
 
 REMOVED_KEYS = {
@@ -313,34 +391,25 @@ def from_mapping(cls: type[T], data: Mapping[str, object], source: str) -> T:
 
 
 def config_from_dict(d: Mapping[str, object], source: str) -> Config:
-    """Build a :class:`Config` from a mapping of sections; missing keys take the dataclass defaults."""
+    """Build a :class:`Config` from a mapping of sections; missing keys take the dataclass defaults.
+    Each entry of ``models`` inherits the top-level model, engine and mesh keys it does not set."""
+    entries = d.get("models") if isinstance(d, Mapping) else None
+    if isinstance(entries, list):
+        d = {**d, "models": [inherit(d, entry, MODEL_SECTIONS) for entry in entries]}
     return from_mapping(Config, d, source)
 
 
 def with_overrides(config: Config, overrides: Mapping[str, object], *, source: str = "overrides") -> Config:
-    """Return ``config`` with dotted keys (``{"engine.page_size": 32}``) replaced, fully re-validated."""
+    """Return ``config`` with dotted keys (``{"engine.page_size": 32}``) replaced, fully re-validated.
+    A model, engine or mesh key is set for every entry of ``models`` too."""
     data = dataclasses.asdict(config)
     with errors_from(source):
         for key, value in overrides.items():
             set_dotted(data, Config, key, value, REMOVED_KEYS)
+            if key.split(".")[0] in MODEL_SECTIONS:
+                for entry in data["models"]:
+                    set_dotted(entry, ModelEntry, key, value, REMOVED_KEYS)
         return build(Config, data, "", REMOVED_KEYS)
-
-
-def parse_overrides(overrides: Iterable[str]) -> dict[str, object]:
-    """Parse ``section.field=value`` strings; each value is read as YAML (``2048``, ``null``, ``[1, 2]``)."""
-    if isinstance(overrides, str):
-        raise TypeError("overrides must be a sequence of 'section.field=value' strings, not one str")
-    parsed: dict[str, object] = {}
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"overrides: invalid override {item!r}; expected section.field=value")
-        try:
-            parsed[key.strip()] = yaml.safe_load(text)
-        except yaml.YAMLError:
-            # Not valid YAML (e.g. a template fragment like '{{ x'): the literal text is what was meant.
-            parsed[key.strip()] = text
-    return parsed
 
 
 DEFAULT_CONFIG_NAME = "smollm2-135m-cpu.yaml"

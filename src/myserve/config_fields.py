@@ -12,8 +12,10 @@ import inspect
 import textwrap
 import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
+
+import yaml
 
 from myserve.errors import ConfigError
 
@@ -80,6 +82,11 @@ def is_section(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+def _is_section_list(tp: Any) -> bool:
+    """Whether an annotation is a list of sections (``tuple[Section, ...]``, as ``models``)."""
+    return typing.get_origin(tp) is tuple and any(is_section(arg) for arg in typing.get_args(tp))
+
+
 def coerce(value: object, tp: Any, key: str, removed: Mapping[str, str] = _NONE) -> Any:
     """Check ``value`` (as YAML produced it) against the annotation ``tp``; return it converted."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -127,7 +134,7 @@ def unknown_key(cls: type, name: str, prefix: str, removed: Mapping[str, str] = 
         return ConfigError(f"'{prefix}{name}' was {removed[prefix + name]}")
     hints = typing.get_type_hints(cls)
     known = [field.name for field in dataclasses.fields(cls)]
-    word = "section" if all(is_section(hints[k]) for k in known) else "key"
+    word = "section" if all(is_section(hints[k]) or _is_section_list(hints[k]) for k in known) else "key"
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
     return ConfigError(f"unknown {word} '{prefix}{name}'{hint}; known {word}s: {', '.join(known)}")
@@ -172,3 +179,32 @@ def set_dotted(data: dict[str, Any], cls: type, key: str, value: object, removed
             raise ConfigError(f"'{prefix}{part}' is not a section, so '{key}' is not a key")
         else:
             data, cls = data[part], tp
+
+
+def inherit(top: Mapping[str, Any], entry: object, sections: Sequence[str]) -> object:
+    """A list entry (YAML mapping) with the keys of the top level's ``sections`` that it does not set."""
+    if not isinstance(entry, Mapping):
+        return entry  # build() names it as the wrong type
+    merged = dict(entry)
+    for section in sections:
+        below, own = top.get(section) or {}, entry.get(section) or {}
+        if isinstance(below, Mapping) and isinstance(own, Mapping):
+            merged[section] = {**below, **own}
+    return merged
+
+
+def parse_overrides(overrides: Iterable[str]) -> dict[str, object]:
+    """Parse ``section.field=value`` strings; each value is read as YAML (``2048``, ``null``, ``[1, 2]``)."""
+    if isinstance(overrides, str):
+        raise TypeError("overrides must be a sequence of 'section.field=value' strings, not one str")
+    parsed: dict[str, object] = {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"overrides: invalid override {item!r}; expected section.field=value")
+        try:
+            parsed[key.strip()] = yaml.safe_load(text)
+        except yaml.YAMLError:
+            # Not valid YAML (e.g. a template fragment like '{{ x'): the literal text is what was meant.
+            parsed[key.strip()] = text
+    return parsed

@@ -27,9 +27,9 @@ from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from myserve.errors import MyserveError
+from myserve.errors import ConfigError, MyserveError
 from myserve.frontend.front_end_process import GIL_SWITCH_INTERVAL_S
-from myserve.serve import add_config_flags, config_from_args, load_engine, served_model_name
+from myserve.serve import add_config_flags, config_from_args, load_engine, served_model_names
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -359,6 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
+        if config.models:
+            raise ConfigError("run_batch runs one model: a config with models (several) is for the server")
         if args.log_level:
             logging.getLogger().setLevel(config.server.log_level.upper())
         if args.concurrency is not None and args.concurrency < 1:
@@ -380,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = 0
     try:
         service.start()  # warmup: compiles (or loads) the step executables
-        app = app_for(config, service, served_model_name(config))
+        app = app_for(config, service, served_model_names(config))
         concurrency = args.concurrency or default_concurrency(config)
         with open(args.output_file, "a", encoding="utf-8") as out:
             run = process(

@@ -1,6 +1,8 @@
 """``python -m myserve.serve``: the OpenAI-compatible server. No arguments: bundled SmolLM2 on 127.0.0.1:8000.
 
 Flags use vLLM's spelling where vLLM has one; ``--set section.key=value`` overrides any config field.
+``--add-model KEY=VALUE,...`` (repeatable) serves another model beside the one the other flags
+describe, each with its own engine core process; requests pick one by ``model``.
 The HTTP socket opens at once (``/health`` answers 503), the engine compiles its buckets, then the
 server reports ready. SIGTERM/SIGINT stop admission (503), let in-flight requests finish within
 ``server.drain_timeout_s``, then exit 0. If the engine dies or warmup fails, requests in flight get
@@ -11,15 +13,20 @@ supervisor restarts it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
 import tempfile
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
 
 from myserve.config import REASONING_PARSERS, TOOL_CALL_PARSERS
 from myserve.errors import ConfigError, MyserveError
@@ -28,6 +35,7 @@ from myserve.frontend.front_end_process import GIL_SWITCH_INTERVAL_S
 if TYPE_CHECKING:
     from myserve.config import Config
     from myserve.frontend.core_client import EngineClient
+    from myserve.frontend.engine import Engine
     from myserve.service import GenerationService
 
 logger = logging.getLogger("myserve.serve")
@@ -63,6 +71,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get("MYSERVE_API_KEY"), help="or MYSERVE_API_KEY")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--api-server-count", type=int, help="HTTP front-end processes sharing the port (default 1)")
+    p.add_argument(
+        "--add-model",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="serve another model too (repeatable): comma-separated keys of a models entry, e.g. "
+        "'checkpoint=/models/x,served_model_name=x,engine.num_pages=512' (model.* keys may drop 'model.'), "
+        "or a YAML file holding one entry",
+    )
     return p.parse_args(argv)
 
 
@@ -72,7 +89,7 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
     ``config_from_args``."""
     p.add_argument("--config", default=None, help="deployment YAML (default: config/smollm2-135m-cpu.yaml)")
     p.add_argument("--hf-checkpoint", help="HF directory, cached hub id or .gguf file")
-    p.add_argument("--served-model-name")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME", help="the model's name, then any aliases")
     p.add_argument("--chat-template", help="Jinja template file or text")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int)
@@ -102,9 +119,78 @@ def config_from_args(args: argparse.Namespace) -> Config:
     from myserve.config import load_config, parse_overrides, with_overrides
 
     overrides = {key: value for flag, key in _FLAGS.items() if (value := getattr(args, flag, None)) is not None}
+    names = overrides.get("server.served_model_name")
+    if isinstance(names, list):  # nargs="+": one name stays a plain name
+        overrides["server.served_model_name"] = names[0] if len(names) == 1 else names
     overrides.update(parse_overrides(args.set))
     config = load_config(args.config)
-    return with_overrides(config, overrides, source="command line") if overrides else config
+    config = with_overrides(config, overrides, source="command line") if overrides else config
+    added = getattr(args, "add_model", None)
+    return add_models(config, added) if added else config
+
+
+def add_models(config: Config, specs: Sequence[str]) -> Config:
+    """``config`` serving one more model per ``--add-model`` spec, after its own model (or after the
+    entries of its ``models``). Each entry inherits the top-level model, engine and mesh keys it
+    does not set. Raises ``ConfigError`` naming the spec."""
+    from myserve.config import MODEL_SECTIONS, ModelEntry, from_mapping
+    from myserve.config_fields import inherit
+
+    entries = list(config.models)
+    server = config.server
+    if not entries:  # the model the other flags describe comes first, under its own name
+        entries.append(
+            ModelEntry(
+                model=config.model, engine=config.engine, mesh=config.mesh, served_model_name=server.served_model_name
+            )
+        )
+        server = dataclasses.replace(server, served_model_name=None)
+    top = {section: dataclasses.asdict(getattr(config, section)) for section in MODEL_SECTIONS}
+    for spec in specs:
+        data = inherit(top, _entry_mapping(spec), MODEL_SECTIONS)
+        entries.append(from_mapping(ModelEntry, data, f"--add-model {spec!r}"))  # type: ignore[arg-type]
+    try:
+        return dataclasses.replace(config, server=server, models=tuple(entries))
+    except ConfigError as e:
+        raise ConfigError(f"--add-model: {e}") from None
+
+
+_ENTRY_ITEM = re.compile(r",(?=\s*[A-Za-z_][\w.]*\s*=)")
+"""Splits ``a=1,b.c=[1,2]`` at the commas that start a key, not at those inside a value."""
+
+
+def _entry_mapping(spec: str) -> dict[str, Any]:
+    """One ``--add-model`` spec as a ``models`` entry mapping: ``key=value`` items (values read as
+    YAML; ``model.`` may be left off model keys; ``hf_checkpoint`` means ``model.checkpoint``), or
+    the path of a YAML file holding one entry."""
+    from myserve.config import ModelConfig, ModelEntry, parse_overrides
+
+    if "=" not in spec:
+        try:
+            loaded = yaml.safe_load(Path(spec).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            reason = " ".join(str(e).split())
+            raise ConfigError(
+                f"--add-model {spec!r}: not key=value items, nor a readable YAML file ({reason})"
+            ) from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--add-model {spec!r}: the file must hold one mapping (a models entry)")
+        return loaded
+    entry_keys = {f.name for f in dataclasses.fields(ModelEntry)}
+    model_keys = {f.name for f in dataclasses.fields(ModelConfig)}
+    data: dict[str, Any] = {}
+    for key, value in parse_overrides(_ENTRY_ITEM.split(spec)).items():
+        key = "model.checkpoint" if key == "hf_checkpoint" else key
+        if "." not in key and key not in entry_keys and key in model_keys:
+            key = f"model.{key}"
+        *sections, leaf = key.split(".")
+        node = data
+        for section in sections:
+            node = node.setdefault(section, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--add-model {spec!r}: '{section}' is not a section")
+        node[leaf] = value
+    return data
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -121,25 +207,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics_dir = _shared_metrics_dir()  # before prometheus_client is imported
 
         from myserve.frontend.core_client import EngineClient
-        from myserve.frontend.http_server import serve_http
+        from myserve.frontend.http_server import serve_http, served_model
 
-        loaded = load_engine(config, front_ends)
-        if isinstance(loaded, int):
-            return loaded  # a follower's exit status
-        service = loaded
+        configs = config.per_model()
+        names = [served_model_names(one) for one in configs]
+        if len(configs) > 1:
+            engines: list[Engine] = list(load_engines(configs, names))
+            service: Engine = engines[0]
+        else:
+            loaded = load_engine(config, front_ends)
+            if isinstance(loaded, int):
+                return loaded  # a follower's exit status
+            service, engines = loaded, [loaded]
     except MyserveError as e:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    name = served_model_name(config)
     try:
         if front_ends == 1:
-            code = serve_http(config, service, name)
+            code = serve_http(config, [served_model(*m) for m in zip(configs, engines, names, strict=True)])
         else:
             assert isinstance(service, EngineClient)
-            code = _serve_front_ends(config, service, name)
+            code = _serve_front_ends(config, service, names[0])
     finally:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -175,14 +266,53 @@ def load_engine(config: Config, front_ends: int = 1) -> GenerationService | Engi
     return _in_process(config)
 
 
-def served_model_name(config: Config) -> str:
-    """The ``model`` the app answers to: ``server.served_model_name``, else the checkpoint's name."""
+def load_engines(configs: Sequence[Config], names: Sequence[tuple[str, ...]]) -> list[EngineClient]:
+    """Several models: check that they fit in memory together, then start every model's core
+    process at once (their loading and warmup overlap) and wait until each has loaded. If one
+    fails, all are stopped and its error is raised (a ``ConfigError`` for a configuration)."""
+    from myserve.core.process import run_core
+    from myserve.frontend.core_client import EngineClient
+    from myserve.memory_check import check_memory
+
+    seen: dict[str, int] = {}
+    for i, model_names in enumerate(names):
+        for name in model_names:
+            if name in seen:
+                raise ConfigError(f"models {seen[name]} and {i} are both served as {name!r}: set served_model_name")
+            seen[name] = i
+    check_memory(configs, [n[0] for n in names])
+    # Several processes share the GPU: none may take XLA's default 75 % of its memory at start.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    clients: list[EngineClient] = []
+    try:
+        for one, model_names in zip(configs, names, strict=True):
+            clients.append(EngineClient(one, functools.partial(front_tokenizer, one), core_main=run_core))
+            assert clients[-1].process is not None
+            logger.info("model %s: engine core process %d", model_names[0], clients[-1].process.pid)
+        for client in clients:
+            client.wait_loaded()
+    except BaseException:
+        for client in clients:
+            client.shutdown()
+        raise
+    return clients
+
+
+def served_model_names(config: Config) -> tuple[str, ...]:
+    """The ``model`` values the one model of ``config`` answers to: ``server.served_model_name``
+    (a name or a list of aliases), else the checkpoint's name."""
     from myserve.bundled import BUNDLED_MODEL_NAME
 
-    if config.server.served_model_name:
-        return config.server.served_model_name
+    names = config.server.served_model_name
+    if names:
+        return (names,) if isinstance(names, str) else tuple(names)
     checkpoint = config.model.checkpoint
-    return BUNDLED_MODEL_NAME if checkpoint is None else os.path.basename(checkpoint.rstrip("/"))
+    return (BUNDLED_MODEL_NAME if checkpoint is None else os.path.basename(checkpoint.rstrip("/")),)
+
+
+def served_model_name(config: Config) -> str:
+    """The name the one model of ``config`` reports (the first of ``served_model_names``)."""
+    return served_model_names(config)[0]
 
 
 def _in_process(config: Config) -> GenerationService | int:
@@ -203,12 +333,12 @@ def _in_process(config: Config) -> GenerationService | int:
     return GenerationService.from_deployment(dep)
 
 
-def _serve_front_ends(config: Config, service: EngineClient, name: str) -> int:
+def _serve_front_ends(config: Config, service: EngineClient, names: tuple[str, ...]) -> int:
     """``--api-server-count N``: this process and N-1 spawned ones serve one port."""
     import multiprocessing
 
     from myserve.frontend.front_end_process import run_front_end
-    from myserve.frontend.http_server import serve_http
+    from myserve.frontend.http_server import serve_http, served_model
 
     address = (config.server.host, config.server.port)
     if not hasattr(socket, "SO_REUSEPORT"):
@@ -228,7 +358,7 @@ def _serve_front_ends(config: Config, service: EngineClient, name: str) -> int:
     siblings = [
         spawn.Process(
             target=run_front_end,
-            args=(config, link, address, name, functools.partial(front_tokenizer, config)),
+            args=(config, link, address, names, functools.partial(front_tokenizer, config)),
             name=f"myserve-front-{link.index}",
         )
         for link in service.links[1:]
@@ -236,7 +366,7 @@ def _serve_front_ends(config: Config, service: EngineClient, name: str) -> int:
     for sibling in siblings:
         sibling.start()
     logger.info("%d front-end processes share %s:%d", len(siblings) + 1, *address)
-    return serve_http(config, service, name, sockets=[sock], siblings=siblings)
+    return serve_http(config, [served_model(config, service, names)], sockets=[sock], siblings=siblings)
 
 
 def _shared_metrics_dir() -> str | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -129,14 +130,24 @@ class Tokenizer:
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
 
 
+_TRANSFORMERS_IMPORT = threading.Lock()
+"""transformers' lazy top-level module fails an import that two threads make at once (``cannot
+import name 'PreTrainedTokenizerFast'``): a server of several models loads their tokenizers together."""
+
+
+def _fast_tokenizer_class() -> type[PreTrainedTokenizerFast]:
+    """transformers' ``PreTrainedTokenizerFast``, imported under ``_TRANSFORMERS_IMPORT``."""
+    with _TRANSFORMERS_IMPORT:
+        from transformers import PreTrainedTokenizerFast
+    return PreTrainedTokenizerFast
+
+
 def _from_directory(directory: Path, source: str) -> Tokenizer:
     """A tokenizer from ``tokenizer.json`` (+ config, chat template) and generation_config's EOS ids."""
     if not (directory / "tokenizer.json").is_file():
         raise CheckpointError(f"{directory}: no tokenizer files (tokenizer.json) in this directory")
     try:
-        from transformers import PreTrainedTokenizerFast
-
-        hf = PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
+        hf = _fast_tokenizer_class().from_pretrained(str(directory), local_files_only=True)
     except Exception as e:  # malformed JSON, unknown tokenizer model type, ...
         raise CheckpointError(f"{directory}: cannot load tokenizer ({type(e).__name__}: {e})") from None
     eos = _generation_eos_ids(directory / "generation_config.json")
@@ -198,10 +209,11 @@ def _from_gguf(path: Path) -> Tokenizer:
     This follows transformers' ``get_gguf_tokenizer`` (whose module imports torch for its tensor
     reader) and then calls its torch-free ``convert_gguf_tokenizer``.
     """
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        GGUF_TOKENIZER_MAPPING,
-        convert_gguf_tokenizer,
-    )
+    with _TRANSFORMERS_IMPORT:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
 
     metadata = read_gguf(path, with_tensors=False).metadata
     if "tokenizer.ggml.tokens" not in metadata:
@@ -220,9 +232,7 @@ def _from_gguf(path: Path) -> Tokenizer:
             init_kwargs[name] = tokenizer_dict["tokens"][metadata[key]] if key in metadata else None
         architecture = metadata.get("general.architecture", "")
         backend, extra_kwargs = convert_gguf_tokenizer(architecture, tokenizer_dict)
-        from transformers import PreTrainedTokenizerFast
-
-        hf = PreTrainedTokenizerFast(tokenizer_object=backend, **init_kwargs, **extra_kwargs)
+        hf = _fast_tokenizer_class()(tokenizer_object=backend, **init_kwargs, **extra_kwargs)
     except (ValueError, KeyError, IndexError) as e:  # a tokenizer transformers cannot build, a bad id
         raise CheckpointError(f"{path}: cannot build a tokenizer from this GGUF ({e})") from None
     eos = [metadata[key] for key in _GGUF_EOS_KEYS if key in metadata]

@@ -31,16 +31,23 @@ evictable, so they count as free: an idle server holds none however much it has 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)")
 
 
+_MODEL_LABEL = re.compile(r',?model_name="(?:[^"\\]|\\.)*"')
+"""The ``model_name`` label every myserve series carries, which the figures leave out."""
+
+
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus exposition text as ``{"name" or "name{labels}": value}`` (comments skipped)."""
-    figures = {}
+    """Prometheus exposition text as ``{"name" or "name{labels}": value}`` (comments skipped), the
+    ``model_name`` label left out: a server of several models has each figure summed over them."""
+    figures: dict[str, float] = {}
     for line in text.splitlines():
         match = _SAMPLE.match(line)
         if match and not line.startswith("#"):
             try:
-                figures[match.group(1)] = float(match.group(2))
+                value = float(match.group(2))
             except ValueError:
                 continue
+            name = _MODEL_LABEL.sub("", match.group(1)).replace("{,", "{").replace("{}", "")
+            figures[name] = figures.get(name, 0.0) + value
     return figures
 
 

@@ -1,7 +1,8 @@
-"""What every route of one app shares: the engine, the served model, the options, the metrics.
+"""What the routes of one served model share: its engine, its names, its options, its metrics.
 
-``create_app`` builds one ``AppContext`` and keeps it in ``app.state.context``; routes get it as the
-FastAPI dependency ``Context`` (no closures over ``create_app``'s arguments).
+The app builds one ``AppContext`` per served model; routes find the one a request names through
+``ServedModels.resolve`` (``frontend/served_models.py``), never through closures over the app's
+arguments.
 """
 
 from __future__ import annotations
@@ -10,14 +11,12 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Iterable
-from typing import Annotated, Any
-
-from fastapi import Depends, Request
+from typing import Any
 
 from myserve.frontend.engine import Engine
 from myserve.frontend.errors import APIError
 from myserve.frontend.formatting import LogprobFormatter
-from myserve.frontend.metrics import Metrics
+from myserve.frontend.metrics import Metrics, ModelMetrics
 from myserve.frontend.reasoning import ReasoningFormat
 from myserve.frontend.tool_parsers import ToolParser
 from myserve.frontend.tools import template_messages
@@ -25,7 +24,8 @@ from myserve.tokenizer import ChatTemplateError, Tokenizer
 
 
 class ServerState:
-    """Mutable server-wide state: draining flag for graceful shutdown, requests in flight."""
+    """Mutable server-wide state: draining flag for graceful shutdown, requests in flight (every
+    served model's: the models of one app share one)."""
 
     def __init__(self) -> None:
         self.draining = False
@@ -34,12 +34,14 @@ class ServerState:
 
 @dataclasses.dataclass
 class AppContext:
-    """One app's engine, served model name and options, with the checks and rendering its routes share."""
+    """One served model's engine, names and options, with the checks and rendering its routes share."""
 
     engine: Engine
     """``GenerationService`` (in process) or ``EngineClient`` (the core in its own process)."""
     served_model_name: str
-    """The only ``model`` this server answers to."""
+    """The model's name: what responses report, and the first of the ``model`` values it answers to."""
+    aliases: tuple[str, ...] = ()
+    """Further names requests may use for it (``served_model_name`` as a list)."""
     request_timeout_s: float | None = None
     """A generation request still running this long after it reached its handler is aborted."""
     chat_template: str | None = None
@@ -50,39 +52,47 @@ class AppContext:
     """Splits ``reasoning_content`` off chat outputs (None: no reasoning parser)."""
     state: ServerState = dataclasses.field(default_factory=ServerState)
     """Draining and requests in flight (``serve_http`` drains on a signal)."""
-    metrics: Metrics = dataclasses.field(init=False)
-    """The app's Prometheus metrics (its own registry)."""
+    app_metrics: dataclasses.InitVar[Metrics | None] = None
+    """The app's metric families, shared by its models (None: a registry of its own)."""
+    metrics: ModelMetrics = dataclasses.field(init=False)
+    """This model's Prometheus series (labelled with its name)."""
     fmt: LogprobFormatter = dataclasses.field(init=False)
     """Logprobs in OpenAI's completions and chat shapes."""
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     """When the model card says the model was created (the app's start)."""
 
-    def __post_init__(self) -> None:
-        self.metrics = Metrics(self.engine)
+    def __post_init__(self, app_metrics: Metrics | None) -> None:
+        self.metrics = (app_metrics or Metrics()).for_model(self.served_model_name, self.engine)
         self.fmt = LogprobFormatter(self.engine.tokenizer)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every ``model`` value this model answers to."""
+        return (self.served_model_name, *self.aliases)
 
     @property
     def tokenizer(self) -> Tokenizer:
         """The model's tokenizer."""
         return self.engine.tokenizer
 
-    def model_card(self) -> dict[str, Any]:
-        """The served model, as ``/v1/models`` lists it."""
+    def model_card(self, name: str | None = None) -> dict[str, Any]:
+        """The model under ``name`` (one of ``names``; default its own), as ``/v1/models`` lists it."""
         return {
-            "id": self.served_model_name,
+            "id": name or self.served_model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "myserve",
+            "root": self.served_model_name,
             "max_model_len": self.engine.max_model_len,
         }
 
-    def check_ready(self, model: str | None) -> None:
-        """503 while draining or loading; 404 for a model this server does not serve."""
+    def check_ready(self, model: str | None = None) -> None:
+        """503 while draining or loading; 404 if ``model`` is given and is not one of this model's names."""
         if self.state.draining:
             raise APIError(503, "the server is shutting down", code="server_draining")
         if not self.engine.ready.is_set():
             raise APIError(503, "the model is still loading", code="server_not_ready")
-        if model is not None and model != self.served_model_name:
+        if model is not None and model != self.served_model_name and model not in self.aliases:
             raise model_not_found(model)
 
     def check_token_ids(self, ids: Iterable[int], param: str) -> None:
@@ -124,13 +134,3 @@ class AppContext:
 def model_not_found(model: str) -> APIError:
     """The 404 for a ``model`` this server does not serve."""
     return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-
-
-def app_context(request: Request) -> AppContext:
-    """The FastAPI dependency behind ``Context``: the context ``create_app`` stored on the app."""
-    context: AppContext = request.app.state.context
-    return context
-
-
-Context = Annotated[AppContext, Depends(app_context)]
-"""A route parameter of this type receives the app's ``AppContext``."""

@@ -38,7 +38,11 @@ alternating rounds). ``serve`` and every extra front end set it first thing."""
 
 
 def run_front_end(
-    config: Config, link: CoreLink, address: tuple[str, int], name: str, load_tokenizer: Callable[[], Tokenizer]
+    config: Config,
+    link: CoreLink,
+    address: tuple[str, int],
+    names: tuple[str, ...],
+    load_tokenizer: Callable[[], Tokenizer],
 ) -> None:
     """The process's entry point: attach to the core, serve HTTP on ``address``, exit with the status.
 
@@ -48,7 +52,7 @@ def run_front_end(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # until uvicorn's handlers (which ignore it too)
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from myserve.frontend.core_client import EngineClient
-    from myserve.frontend.http_server import serve_http
+    from myserve.frontend.http_server import serve_http, served_model
 
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     service = EngineClient.attach(config, load_tokenizer, link)
@@ -60,4 +64,4 @@ def run_front_end(
         logger.error("front end %d: %s", link.index, e)
         service.shutdown()
         sys.exit(1)
-    sys.exit(serve_http(config, service, name, sockets=[sock], follows_parent=True))
+    sys.exit(serve_http(config, [served_model(config, service, names)], sockets=[sock], follows_parent=True))

@@ -1,11 +1,11 @@
-"""Running one HTTP front end: the app on uvicorn, draining on a signal, exiting 1 when the engine dies.
+"""Running one HTTP front end: the app on uvicorn, draining on a signal, exiting 1 when an engine dies.
 
 ``serve_http`` is what ``python -m myserve.serve`` runs in its own process, and what each extra
 front-end process of ``--api-server-count`` runs (``frontend/front_end_process.py``) on the listening
 socket they share. Rules: the first SIGTERM/SIGINT refuses new requests (503) and lets in-flight
-ones finish within ``server.drain_timeout_s``; a second one exits at once. A dead engine (or a failed
-warmup, or a sibling front end that died) ends the server with status 1 after open responses had
-``FATAL_GRACE_S`` to end.
+ones finish within ``server.drain_timeout_s`` (every model's); a second one exits at once. A dead
+engine (any model's; or a failed warmup, or a sibling front end that died) ends the server with
+status 1 after open responses had ``FATAL_GRACE_S`` to end.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
 
-from myserve.frontend.app import create_app
-from myserve.frontend.app_context import AppContext
+from myserve.frontend.app import ServedModel, create_models_app
 from myserve.frontend.core_client import EngineClient
 from myserve.frontend.engine import Engine
+from myserve.frontend.served_models import ServedModels
 
 if TYPE_CHECKING:
     from myserve.config import Config
@@ -37,14 +37,12 @@ FATAL_GRACE_S = 3
 """Seconds open responses get to end once the server exits after a fatal engine error."""
 
 
-def app_for(config: Config, service: Engine, name: str) -> FastAPI:
-    """The app ``config`` describes around ``service``, serving model ``name``: what ``serve_http``
-    serves, and what ``python -m myserve.run_batch`` sends each line through."""
-    return create_app(
-        service,
-        served_model_name=name,
-        api_key=config.server.api_key,
-        max_body_bytes=config.server.max_body_bytes,
+def served_model(config: Config, engine: Engine, names: str | Sequence[str]) -> ServedModel:
+    """The model of ``config`` (a one-model config: an item of ``Config.per_model()``), served by
+    ``engine`` under ``names``, with the server options its config gives it."""
+    return ServedModel(
+        engine=engine,
+        names=(names,) if isinstance(names, str) else tuple(names),
         request_timeout_s=config.server.request_timeout_s,
         tool_call_parser=config.server.tool_call_parser,
         enable_auto_tool_choice=config.server.enable_auto_tool_choice,
@@ -52,25 +50,38 @@ def app_for(config: Config, service: Engine, name: str) -> FastAPI:
     )
 
 
+def app_for(config: Config, service: Engine, name: str | Sequence[str]) -> FastAPI:
+    """The app ``config`` describes around ``service``, serving one model as ``name`` (or names):
+    what ``python -m myserve.run_batch`` sends each line through."""
+    return app_for_models(config, [served_model(config, service, name)])
+
+
+def app_for_models(config: Config, served: Sequence[ServedModel]) -> FastAPI:
+    """The app serving ``served`` with ``config``'s server-wide options: what ``serve_http`` serves."""
+    return create_models_app(served, api_key=config.server.api_key, max_body_bytes=config.server.max_body_bytes)
+
+
 def serve_http(
     config: Config,
-    service: Engine,
-    name: str,
+    served: Sequence[ServedModel],
     *,
     sockets: Sequence[socket.socket] | None = None,
     siblings: Sequence[multiprocessing.process.BaseProcess] = (),
     follows_parent: bool = False,
 ) -> int:
-    """Serve ``service`` over HTTP until signalled or fatal; returns the exit status (0 or 1).
+    """Serve the ``served`` models over HTTP until signalled or fatal; returns the exit status (0 or 1).
 
-    ``service`` is loaded (its tokenizer at hand); this starts its warmup on a thread and stops it
-    at the end. ``sockets``: listening sockets to serve on (shared with ``siblings``, the extra
-    front-end processes, which get every signal this process gets, are watched, and are waited for
-    before the engine stops). ``follows_parent``: an extra front end, which ignores SIGINT (Ctrl-C
-    reaches every process of the group; the first front end forwards what it decides).
+    Each model's engine is loaded (its tokenizer at hand); this starts their warmups, each on a
+    thread of its own, and stops them all at the end. Any engine that dies (or fails to warm up)
+    ends the server with status 1; a signal drains every model's requests. ``sockets``: listening
+    sockets to serve on (shared with ``siblings``, the extra front-end processes, which get every
+    signal this process gets, are watched, and are waited for before the engine stops).
+    ``follows_parent``: an extra front end, which ignores SIGINT (Ctrl-C reaches every process of
+    the group; the first front end forwards what it decides).
     """
-    app = app_for(config, service, name)
-    context: AppContext = app.state.context
+    app = app_for_models(config, served)
+    models: ServedModels = app.state.models
+    state = models.state
     url = f"http://{config.server.host}:{config.server.port}"
 
     told = 0  # signals forwarded to the siblings: the first drains them, a second ends them
@@ -98,12 +109,12 @@ def serve_http(
                 self.should_exit = True
                 return
             self.draining = True
-            context.state.draining = True
+            state.draining = True
             logger.info("signal %d: draining (up to %.0fs)", sig, config.server.drain_timeout_s)
 
             def drain() -> None:
                 deadline = time.monotonic() + config.server.drain_timeout_s
-                while context.state.in_flight > 0 and time.monotonic() < deadline:
+                while state.in_flight > 0 and time.monotonic() < deadline:
                     time.sleep(0.05)
                 self.should_exit = True
 
@@ -128,29 +139,34 @@ def serve_http(
         logger.error("%s: exiting with status 1 so that a supervisor can restart the server", what)
         server.should_exit = True
 
-    # Runs on the engine thread after it has failed every request (the traceback is logged there).
-    service.on_dead = lambda e: fatal(f"the engine stopped ({type(e).__name__})")
+    def on_dead(name: str) -> Callable[[BaseException], None]:
+        # Runs on the engine thread after it has failed every request (the traceback is logged there).
+        many = len(served) > 1
+        return lambda e: fatal(f"the engine{f' of {name}' if many else ''} stopped ({type(e).__name__})")
 
-    def warm() -> None:
+    def warm(model: ServedModel) -> None:
+        service = model.engine
         try:
             service.start()
         except BaseException as e:
             if isinstance(service, EngineClient):  # the core process logged its traceback
-                logger.error("warmup failed: %s", e)
+                logger.error("warmup failed (%s): %s", model.names[0], e)
             else:
                 logger.exception("warmup failed")
             service.dead = e  # /health answers 503 until the exit
             fatal(f"warmup failed ({type(e).__name__})")
             return
         if not follows_parent:
-            logger.info("model %s ready on %s", name, url)
+            logger.info("model %s ready on %s", model.names[0], url)
 
     def watch(sibling: multiprocessing.process.BaseProcess) -> None:
         sibling.join()
         if not server.should_exit and not server.draining:
             fatal(f"front end {sibling.name} exited (code {sibling.exitcode})")
 
-    threading.Thread(target=warm, name="myserve-warmup", daemon=True).start()
+    for model in served:
+        model.engine.on_dead = on_dead(model.names[0])
+        threading.Thread(target=warm, args=(model,), name=f"warmup-{model.names[0]}", daemon=True).start()
     for sibling in siblings:
         threading.Thread(target=watch, args=(sibling,), name=f"watch-{sibling.name}", daemon=True).start()
     server.run(sockets=list(sockets) if sockets else None)
@@ -162,5 +178,6 @@ def serve_http(
             sibling.kill()
         elif sibling.exitcode:
             failed.set()
-    service.shutdown()  # on a multi-host mesh this also ends the followers' loops
+    for model in served:
+        model.engine.shutdown()  # on a multi-host mesh this also ends the followers' loops
     return 1 if failed.is_set() else 0

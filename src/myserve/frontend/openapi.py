@@ -1,7 +1,9 @@
-"""The app's OpenAPI schema: FastAPI's, with the range of token ids (the model's vocabulary)."""
+"""The app's OpenAPI schema: FastAPI's, with the range of token ids (the models' vocabulary: the
+largest, with several models; each request is checked against its own model's)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI
@@ -17,17 +19,17 @@ TOKEN_ID_FIELDS = (
 """The request fields whose integers are token ids (checked by ``AppContext.check_token_ids``)."""
 
 
-def install_openapi(app: FastAPI, engine: Engine) -> None:
-    """Serve ``app``'s schema with token ids bounded by ``engine``'s vocabulary once it is known."""
+def install_openapi(app: FastAPI, engines: Sequence[Engine]) -> None:
+    """Serve ``app``'s schema with token ids bounded by the ``engines``' vocabulary once it is known."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
         schema = FastAPI.openapi(app)
-        if not engine.ready.is_set():  # a core process's vocabulary is not known yet: ask again later
+        if not all(e.ready.is_set() for e in engines):  # a core's vocabulary is not known yet: ask again later
             app.openapi_schema = None
             return schema
-        token_id = {"type": "integer", "minimum": 0, "maximum": engine.vocab_size - 1}
+        token_id = {"type": "integer", "minimum": 0, "maximum": max(e.vocab_size for e in engines) - 1}
         bodies = schema.get("components", {}).get("schemas", {})
         for model, field in TOKEN_ID_FIELDS:
             if field in bodies.get(model, {}).get("properties", {}):

@@ -1,5 +1,6 @@
-"""The app's routes, one ``APIRouter`` per endpoint family. Each route gets what the app shares
-(engine, served model, options) as the ``Context`` dependency (``frontend/app_context.py``).
+"""The app's routes, one ``APIRouter`` per endpoint family. Each route gets the app's models as the
+``Models`` dependency and the named model's ``AppContext`` (engine, names, options) from
+``models.resolve(req.model)`` (``frontend/served_models.py``).
 
 Route functions carry a comment, not a docstring: FastAPI would publish a docstring as the
 operation's description, and the OpenAPI schema is part of the contract the HTTP tests hold."""

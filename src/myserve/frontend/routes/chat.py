@@ -7,13 +7,14 @@ from collections.abc import Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from myserve.frontend.app_context import AppContext, Context
+from myserve.frontend.app_context import AppContext
 from myserve.frontend.chat_output import ChoiceParser
 from myserve.frontend.errors import APIError
 from myserve.frontend.generation import admit, grammar_param, respond, sampling_params
 from myserve.frontend.protocol import ChatCompletionRequest
 from myserve.frontend.reasoning import ReasoningParser, State
 from myserve.frontend.responses import ResponseContext
+from myserve.frontend.served_models import Models
 from myserve.frontend.structured import request_grammar
 from myserve.frontend.tools import ToolPlan, plan_tools
 from myserve.wire.params import MAX_TOP_LOGPROBS
@@ -23,7 +24,8 @@ router = APIRouter()
 
 # Validate, render the messages (and tools) with the chat template, submit; JSON or SSE.
 @router.post("/v1/chat/completions")
-async def chat_completions(req: ChatCompletionRequest, request: Request, context: Context) -> Response:
+async def chat_completions(req: ChatCompletionRequest, request: Request, models: Models) -> Response:
+    context = models.resolve(req.model)
     expires = admit(context, req)
     response, param = prepare_chat(context, req, expires)
     return await respond(context, request, response, req.stream, param)
@@ -72,7 +74,7 @@ def prepare_chat(
     )
     response = ResponseContext(
         kind=kind,
-        model=context.served_model_name,
+        model=req.model,  # the name the client used (an alias stays an alias)
         prompts=[context.encode_chat(text)],
         params=params,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),

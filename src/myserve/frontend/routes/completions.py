@@ -8,11 +8,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from myserve.frontend.app_context import Context
 from myserve.frontend.errors import APIError
 from myserve.frontend.generation import admit, grammar_param, respond, sampling_params
 from myserve.frontend.protocol import CompletionRequest
 from myserve.frontend.responses import ResponseContext
+from myserve.frontend.served_models import Models
 from myserve.frontend.structured import request_grammar
 
 router = APIRouter()
@@ -20,7 +20,8 @@ router = APIRouter()
 
 # Validate, tokenize the prompts, submit them; JSON or SSE.
 @router.post("/v1/completions")
-async def completions(req: CompletionRequest, request: Request, context: Context) -> Response:
+async def completions(req: CompletionRequest, request: Request, models: Models) -> Response:
+    context = models.resolve(req.model)
     expires = admit(context, req)
     tokenizer = context.tokenizer
     prompts = completion_prompts(req.prompt, tokenizer.encode, "prompt")
@@ -34,7 +35,7 @@ async def completions(req: CompletionRequest, request: Request, context: Context
     params = sampling_params(context, req, req.max_tokens, req.logprobs, prompt_logprobs, grammar=grammar)
     response = ResponseContext(
         kind="completion",
-        model=context.served_model_name,
+        model=req.model,
         prompts=prompts,
         params=params,
         echo_texts=[tokenizer.decode(p) for p in prompts] if req.echo else None,

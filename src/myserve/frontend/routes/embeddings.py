@@ -8,13 +8,13 @@ import functools
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from myserve.frontend.app_context import Context
 from myserve.frontend.embedding_output import EmbeddingResponse
 from myserve.frontend.errors import APIError
 from myserve.frontend.generation import admit, respond
 from myserve.frontend.protocol import MAX_EMBEDDING_INPUTS, EmbeddingRequest
 from myserve.frontend.responses import ResponseContext
 from myserve.frontend.routes.completions import completion_prompts
+from myserve.frontend.served_models import Models
 from myserve.wire.params import SamplingParams
 from myserve.wire.pooling import PoolingParams
 
@@ -23,7 +23,8 @@ router = APIRouter()
 
 # Validate, tokenize and truncate the inputs, submit them; the vectors in input order.
 @router.post("/v1/embeddings")
-async def embeddings(req: EmbeddingRequest, request: Request, context: Context) -> Response:
+async def embeddings(req: EmbeddingRequest, request: Request, models: Models) -> Response:
+    context = models.resolve(req.model)
     expires = admit(context, req)
     pooler = context.engine.pooler
     if pooler is None:
@@ -49,7 +50,7 @@ async def embeddings(req: EmbeddingRequest, request: Request, context: Context) 
         inputs = [ids[-keep:] if keep else ids for ids in inputs]
     params = SamplingParams(pooling=PoolingParams(dimensions=req.dimensions, normalize=req.normalize))
     response = ResponseContext(
-        kind="embedding", model=context.served_model_name, prompts=inputs, params=params, deadline=expires
+        kind="embedding", model=req.model or context.served_model_name, prompts=inputs, params=params, deadline=expires
     )
     answer = functools.partial(EmbeddingResponse, encoding_format=req.encoding_format)
     return await respond(context, request, response, False, None, answer)

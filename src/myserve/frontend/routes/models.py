@@ -1,24 +1,22 @@
-"""The model list: ``/v1/models`` and ``/v1/models/{model}`` (the one served model)."""
+"""The model list: ``/v1/models`` and ``/v1/models/{model}`` (every served model, aliases included)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 
-from myserve.frontend.app_context import Context, model_not_found
+from myserve.frontend.served_models import Models
 
 router = APIRouter()
 
 
-# The served model's card, as OpenAI's list.
+# One card per served name, as OpenAI's list.
 @router.get("/v1/models")
-async def models(context: Context) -> dict:
-    return {"object": "list", "data": [context.model_card()]}
+async def models(served: Models) -> dict:
+    return {"object": "list", "data": served.cards()}
 
 
-# The served model's card; 404 for any other name.
+# The card of the model served under that name; 404 for any other name.
 # ":path" because served names may contain "/" (e.g. "meta-llama/Llama-3.1-8B-Instruct").
 @router.get("/v1/models/{model:path}")
-async def model_by_id(model: str, context: Context) -> dict:
-    if model != context.served_model_name:
-        raise model_not_found(model)
-    return context.model_card()
+async def model_by_id(model: str, served: Models) -> dict:
+    return served.resolve(model).model_card(model)

@@ -10,19 +10,20 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from myserve.frontend.app_context import Context
 from myserve.frontend.errors import APIError
 from myserve.frontend.generation import admit, respond
 from myserve.frontend.responses_api_output import ResponsesAnswer
 from myserve.frontend.responses_protocol import ResponsesRequest, chat_request, responses_param
 from myserve.frontend.routes.chat import prepare_chat
+from myserve.frontend.served_models import Models
 
 router = APIRouter()
 
 
 # Translate into a chat request, prepare it as chat completions do, submit; a response object or its events.
 @router.post("/v1/responses")
-async def create_response(req: ResponsesRequest, request: Request, context: Context) -> Response:
+async def create_response(req: ResponsesRequest, request: Request, models: Models) -> Response:
+    context = models.resolve(req.model)
     expires = admit(context, req)
     echo = _echo(req)
     try:

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from myserve.frontend.app_context import Context
 from myserve.frontend.errors import APIError
 from myserve.frontend.protocol import DetokenizeRequest, TokenizeRequest
+from myserve.frontend.served_models import Models
 
 router = APIRouter()
 
 
 # The token ids of ``prompt`` or of the rendered ``messages``, with the context length.
 @router.post("/tokenize")
-async def tokenize(req: TokenizeRequest, context: Context) -> dict:
-    context.check_ready(req.model)
+async def tokenize(req: TokenizeRequest, models: Models) -> dict:
+    context = models.resolve(req.model)
+    context.check_ready()
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
     if req.messages is not None:
@@ -27,7 +28,8 @@ async def tokenize(req: TokenizeRequest, context: Context) -> dict:
 
 # The text of ``tokens`` (special tokens included).
 @router.post("/detokenize")
-async def detokenize(req: DetokenizeRequest, context: Context) -> dict:
-    context.check_ready(req.model)
+async def detokenize(req: DetokenizeRequest, models: Models) -> dict:
+    context = models.resolve(req.model)
+    context.check_ready()
     context.check_token_ids(req.tokens, "tokens")
     return {"prompt": context.tokenizer.decode(req.tokens, skip_special_tokens=False)}
