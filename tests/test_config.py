@@ -180,7 +180,7 @@ def test_request_timeout_is_off_by_default_and_takes_seconds() -> None:
         (
             "engine.batch_buckets=[1,8]",
             "overrides: 'engine.batch_buckets' was removed: a step is one ragged batch of tokens; set "
-            "engine.token_buckets (padded tokens per step) instead",
+            "engine.token_buckets instead",
         ),
         (
             "engine.token_buckets=[8,4]",
@@ -195,6 +195,8 @@ def test_request_timeout_is_off_by_default_and_takes_seconds() -> None:
             "model.dtype=fp32",
             "overrides: model.dtype must be one of auto, float32, bfloat16, float16, got 'fp32'",
         ),
+        ("model.task=rerank", "overrides: model.task must be one of generate, embed, generate+embed, got 'rerank'"),
+        ("model.pooling=max", "overrides: model.pooling must be one of auto, last, mean, cls, got 'max'"),
         (
             "engine.attention_backend=flash",
             "overrides: engine.attention_backend must be one of auto, reference, pallas, got 'flash'",

@@ -16,7 +16,18 @@ from typing import Any, TypeVar
 
 import yaml
 
-from myserve.config_fields import build, errors_from, inherit, parse_overrides, set_dotted, show, wrong_type
+from myserve.config_fields import (
+    build,
+    check,
+    check_choice,
+    check_names,
+    check_not_empty,
+    errors_from,
+    inherit,
+    parse_overrides,
+    set_dotted,
+    wrong_type,
+)
 from myserve.errors import ConfigError
 
 T = TypeVar("T")
@@ -25,35 +36,13 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-TASKS = ("generate", "embed", "generate+embed")
-POOLINGS = ("auto", "last", "mean", "cls")
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
+TASKS, POOLINGS = ("generate", "embed", "generate+embed"), ("auto", "last", "mean", "cls")
 
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 """``server.tool_call_parser`` values (``frontend/tool_parsers.py``)."""
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 """``server.reasoning_parser`` values (``frontend/reasoning.py``)."""
-
-
-def _check_choice(key: str, value: str, choices: Sequence[str]) -> None:
-    _check(value in choices, f"{key} must be one of {', '.join(choices)}, got {show(value)}")
-
-
-def _check_not_empty(key: str, value: str | None) -> None:
-    # An empty string is never a usable path, id or key; catching it here beats a confusing
-    # "file not found: ''" (or an API key that accepts an empty bearer token) later.
-    _check(value is None or value.strip() != "", f"{key} must not be empty (use null for the default)")
-
-
-def _check_names(key: str, names: str | tuple[str, ...] | None) -> None:
-    for name in (names,) if names is None or isinstance(names, str) else names:
-        _check_not_empty(key, name)
-    _check(names != (), f"{key} must name at least one model (use null for the default)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,32 +65,26 @@ class ModelConfig:
     """none, or int8: matmul weights and the LM head stored as int8 per output channel, activations
     quantized per token on the fly (W8A8); about 3x faster matmuls on CPUs with int8 dot products."""
     task: str = "generate"
-    """What the model serves: generate (chat, completions, responses), embed (/v1/embeddings only:
-    its steps have no LM head nor sampler) or generate+embed (both, in the same steps)."""
+    """generate (chat, completions, responses), embed (/v1/embeddings only: no LM head nor sampler in
+    its steps) or generate+embed (both, in the same steps)."""
     pooling: str = "auto"
-    """How an embedding is pooled from the prompt's final hidden states: last (the last token's),
-    mean or cls (the first token's); auto = the checkpoint's sentence-transformers pooling
-    (modules.json, 1_Pooling/config.json), else last."""
+    """Embeddings from the final hidden states: last (token), mean or cls (first token); auto = the
+    checkpoint's sentence-transformers pooling (1_Pooling/config.json), else last."""
     normalize: bool | None = None
-    """Unit-normalize embeddings; null = as the checkpoint's sentence-transformers modules say
-    (a Normalize module), else true."""
+    """Unit-normalize embeddings; null = true unless sentence-transformers modules lack Normalize."""
     matryoshka_dimensions: tuple[int, ...] = ()
-    """Widths an embedding request may truncate to (``dimensions``); empty = as the checkpoint's
-    config.json says (matryoshka_dimensions, or is_matryoshka: any width), else none."""
+    """Widths a request's ``dimensions`` may truncate to; empty = per config.json (matryoshka_dimensions,
+    is_matryoshka: any), else none."""
 
     def __post_init__(self) -> None:
         for name in ("checkpoint", "tokenizer", "chat_template"):
-            _check_not_empty(f"model.{name}", getattr(self, name))
-        _check_choice("model.dtype", self.dtype, DTYPES)
-        _check_choice("model.quantization", self.quantization, QUANTIZATIONS)
-        _check_choice("model.task", self.task, TASKS)
-        _check_choice("model.pooling", self.pooling, POOLINGS)
-        _check(
-            all(d >= 1 for d in self.matryoshka_dimensions),
-            f"model.matryoshka_dimensions must be positive widths, got {list(self.matryoshka_dimensions)}",
-        )
+            check_not_empty(f"model.{name}", getattr(self, name))
+        check_choice("model.dtype", self.dtype, DTYPES)
+        check_choice("model.quantization", self.quantization, QUANTIZATIONS)
+        check_choice("model.task", self.task, TASKS)
+        check_choice("model.pooling", self.pooling, POOLINGS)
         if self.max_model_len is not None:
-            _check(self.max_model_len >= 1, f"model.max_model_len must be >= 1, got {self.max_model_len}")
+            check(self.max_model_len >= 1, f"model.max_model_len must be >= 1, got {self.max_model_len}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -137,23 +120,23 @@ class EngineConfig:
     def __post_init__(self) -> None:
         # Power of two so that page/offset arithmetic is shifts and kernels tile evenly.
         page_ok = self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0
-        _check(page_ok, f"engine.page_size must be a power of two >= 1, got {self.page_size}")
-        _check(self.num_pages >= 2, f"engine.num_pages must be >= 2, got {self.num_pages}")
-        _check_choice("engine.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _check_not_empty("engine.compilation_cache_dir", self.compilation_cache_dir)
-        _check(self.max_num_seqs >= 1, f"engine.max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        _check(
+        check(page_ok, f"engine.page_size must be a power of two >= 1, got {self.page_size}")
+        check(self.num_pages >= 2, f"engine.num_pages must be >= 2, got {self.num_pages}")
+        check_choice("engine.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check_not_empty("engine.compilation_cache_dir", self.compilation_cache_dir)
+        check(self.max_num_seqs >= 1, f"engine.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        check(
             self.max_num_batched_tokens >= self.max_num_seqs,
             f"engine.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= engine.max_num_seqs "
             f"({self.max_num_seqs})",
         )
-        _check(self.max_waiting >= 1, f"engine.max_waiting must be >= 1, got {self.max_waiting}")
+        check(self.max_waiting >= 1, f"engine.max_waiting must be >= 1, got {self.max_waiting}")
         buckets = list(self.token_buckets)
-        _check(
+        check(
             all(b >= 1 for b in buckets) and buckets == sorted(set(buckets)),
             f"engine.token_buckets must be increasing positive integers, got {buckets}",
         )
-        _check(
+        check(
             not buckets or buckets[-1] <= self.max_num_batched_tokens,
             f"engine.token_buckets must not exceed max_num_batched_tokens ({self.max_num_batched_tokens}), "
             f"got {buckets}",
@@ -199,28 +182,28 @@ class ServerConfig:
     one needs engine_process). For hosts where tokenization and SSE are the bottleneck."""
 
     def __post_init__(self) -> None:
-        _check(self.drain_timeout_s >= 0, f"server.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
-        _check(self.api_server_count >= 1, f"server.api_server_count must be >= 1, got {self.api_server_count}")
-        _check(
+        check(self.drain_timeout_s >= 0, f"server.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        check(self.api_server_count >= 1, f"server.api_server_count must be >= 1, got {self.api_server_count}")
+        check(
             self.api_server_count == 1 or self.engine_process,
             "server.api_server_count > 1 needs server.engine_process: true (the front ends share one engine core)",
         )
-        _check(self.max_body_bytes >= 1024, f"server.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        check(self.max_body_bytes >= 1024, f"server.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         timeout = self.request_timeout_s
-        _check(timeout is None or timeout > 0, f"server.request_timeout_s must be > 0 or null, got {timeout}")
-        _check_not_empty("server.host", self.host)
-        _check(1 <= self.port <= 65535, f"server.port must be in 1..65535, got {self.port}")
-        _check_names("server.served_model_name", self.served_model_name)
-        _check_not_empty("server.api_key", self.api_key)
-        _check_choice("server.log_level", self.log_level, LOG_LEVELS)
+        check(timeout is None or timeout > 0, f"server.request_timeout_s must be > 0 or null, got {timeout}")
+        check_not_empty("server.host", self.host)
+        check(1 <= self.port <= 65535, f"server.port must be in 1..65535, got {self.port}")
+        check_names("server.served_model_name", self.served_model_name)
+        check_not_empty("server.api_key", self.api_key)
+        check_choice("server.log_level", self.log_level, LOG_LEVELS)
         if self.tool_call_parser is not None:
-            _check_choice("server.tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
-        _check(
+            check_choice("server.tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        check(
             not self.enable_auto_tool_choice or self.tool_call_parser is not None,
             "server.enable_auto_tool_choice needs server.tool_call_parser",
         )
         if self.reasoning_parser is not None:
-            _check_choice("server.reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
+            check_choice("server.reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -248,18 +231,18 @@ class MeshConfig:
     the only interface that socket binds; null = the coordinator address's host (multi-host)."""
 
     def __post_init__(self) -> None:
-        _check(self.data >= 1, f"mesh.data must be >= 1, got {self.data}")
-        _check(self.model >= 1, f"mesh.model must be >= 1, got {self.model}")
-        _check(self.expert >= 1, f"mesh.expert must be >= 1, got {self.expert}")
+        check(self.data >= 1, f"mesh.data must be >= 1, got {self.data}")
+        check(self.model >= 1, f"mesh.model must be >= 1, got {self.model}")
+        check(self.expert >= 1, f"mesh.expert must be >= 1, got {self.expert}")
         n = self.num_processes
-        _check(n is None or n >= 1, f"mesh.num_processes must be >= 1 or null, got {n}")
-        _check_not_empty("mesh.coordinator_address", self.coordinator_address)
+        check(n is None or n >= 1, f"mesh.num_processes must be >= 1 or null, got {n}")
+        check_not_empty("mesh.coordinator_address", self.coordinator_address)
         pid = self.process_id
-        _check(pid is None or pid >= 0, f"mesh.process_id must be >= 0, got {pid}")
+        check(pid is None or pid >= 0, f"mesh.process_id must be >= 0, got {pid}")
         if n is not None and pid is not None:
-            _check(pid < n, f"mesh.process_id ({pid}) must be < mesh.num_processes ({n})")
-        _check(self.heartbeat_timeout_s >= 1, f"mesh.heartbeat_timeout_s must be >= 1, got {self.heartbeat_timeout_s}")
-        _check_not_empty("mesh.step_channel_host", self.step_channel_host)
+            check(pid < n, f"mesh.process_id ({pid}) must be < mesh.num_processes ({n})")
+        check(self.heartbeat_timeout_s >= 1, f"mesh.heartbeat_timeout_s must be >= 1, got {self.heartbeat_timeout_s}")
+        check_not_empty("mesh.step_channel_host", self.step_channel_host)
 
     def from_env(self, key: str) -> Any:
         """``key``'s value, from its ``MYSERVE_*`` environment variable (``MESH_ENV``) when set."""
@@ -311,11 +294,11 @@ class ModelEntry:
     """Its reasoning parser; null = server.reasoning_parser."""
 
     def __post_init__(self) -> None:
-        _check_names("served_model_name", self.served_model_name)
+        check_names("served_model_name", self.served_model_name)
         if self.tool_call_parser is not None:
-            _check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+            check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
         if self.reasoning_parser is not None:
-            _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
+            check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -338,11 +321,11 @@ class Config:
         if not self.models:
             return
         # Each model's core is a process of this host, which the front end starts and supervises.
-        _check(self.server.engine_process, "models (several models) needs server.engine_process: true")
-        _check(self.server.api_server_count == 1, "models (several models) needs server.api_server_count: 1")
-        _check(self.server.served_model_name is None, "with models, set each entry's served_model_name instead")
+        check(self.server.engine_process, "models (several models) needs server.engine_process: true")
+        check(self.server.api_server_count == 1, "models (several models) needs server.api_server_count: 1")
+        check(self.server.served_model_name is None, "with models, set each entry's served_model_name instead")
         hosts = {e.mesh.num_processes for e in self.models}
-        _check(hosts == {1}, f"models: every entry's mesh.num_processes must be 1 (one host), got {hosts}")
+        check(hosts == {1}, f"models: every entry's mesh.num_processes must be 1 (one host), got {hosts}")
         self.per_model()  # each model's server options (parsers) validated as that model's
 
     def per_model(self) -> tuple["Config", ...]:
@@ -370,12 +353,9 @@ class Config:
 
 
 REMOVED_KEYS = {
-    "engine.batch_buckets": "removed: a step is one ragged batch of tokens; set engine.token_buckets "
-    "(padded tokens per step) instead",
-    "engine.prefill_row_tokens": "removed: prefill chunks join the decode tokens in one ragged step; set "
-    "engine.token_buckets (padded tokens per step) instead",
-    "engine.page_buckets": "removed: page tables are full width and the attention reads only the pages in use; "
-    "nothing replaces it",
+    "engine.batch_buckets": "removed: a step is one ragged batch of tokens; set engine.token_buckets instead",
+    "engine.prefill_row_tokens": "removed: prefill chunks join decodes in one step; set engine.token_buckets",
+    "engine.page_buckets": "removed: page tables are full width (the attention reads the pages in use only)",
     "engine.layers_per_call": "removed: every layer runs in the one step executable; nothing replaces it",
     "engine.decode_steps": "removed: one step per dispatch; nothing replaces it",
 }

@@ -58,6 +58,31 @@ def key_docs(cls: type, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def check(ok: bool, message: str) -> None:
+    """A section's own check: ``ConfigError(message)`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(message)
+
+
+def check_choice(key: str, value: str, choices: Sequence[str]) -> None:
+    """``key``'s value must be one of ``choices``."""
+    check(value in choices, f"{key} must be one of {', '.join(choices)}, got {show(value)}")
+
+
+def check_not_empty(key: str, value: str | None) -> None:
+    """A path, id or key given as a string must not be empty."""
+    # An empty string is never a usable path, id or key; catching it here beats a confusing
+    # "file not found: ''" (or an API key that accepts an empty bearer token) later.
+    check(value is None or value.strip() != "", f"{key} must not be empty (use null for the default)")
+
+
+def check_names(key: str, names: str | tuple[str, ...] | None) -> None:
+    """A model's name, or its list of names: none empty, the list not empty."""
+    for name in (names,) if names is None or isinstance(names, str) else names:
+        check_not_empty(key, name)
+    check(names != (), f"{key} must name at least one model (use null for the default)")
+
+
 def show(value: object) -> str:
     """A value as an error message quotes it: one line, at most 60 characters."""
     text = repr(value)  # repr escapes newlines, which keeps every message on one line
