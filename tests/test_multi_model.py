@@ -99,9 +99,9 @@ def _gone(pid: int, within: float) -> bool:
 @pytest.fixture(scope="module")
 def server(tiny_dir: Path):
     """SmolLM2 (the flags' model) and the tiny Llama (``--add-model``), both with SmolLM2's small
-    test engine (inherited), the tiny one with its own context length and an alias."""
+    test engine (inherited), the tiny one with its own context length, an alias, and embeddings."""
     sets = [arg for s in SMOL_TEST_ENGINE for arg in ("--set", s)]
-    spec = f"checkpoint={tiny_dir},served_model_name=[tiny,tiny-alias],max_model_len={TINY_LEN}"
+    spec = f"checkpoint={tiny_dir},served_model_name=[tiny,tiny-alias],max_model_len={TINY_LEN},task=generate+embed"
     s = Server([*sets, "--add-model", spec])
     yield s
     s.stop()
@@ -132,6 +132,12 @@ def test_both_models_answer_by_name_and_alias(server: Server) -> None:
     assert texts["tiny"] == texts["tiny-alias"] != texts[SMOL]  # the alias is the tiny model; SmolLM2 is another
     answer = client.responses.create(model="tiny", input="Hello", max_output_tokens=4, temperature=0)
     assert answer.model == "tiny" and answer.usage.output_tokens == 4
+    # The tiny model is also an embedding model (model.task generate+embed); SmolLM2 is not.
+    vectors = client.embeddings.create(model="tiny-alias", input=["Hello world", "Bonjour"])
+    assert vectors.model == "tiny-alias" and [len(d.embedding) for d in vectors.data] == [64, 64]
+    assert vectors.data[0].embedding != vectors.data[1].embedding
+    with pytest.raises(openai.BadRequestError, match="does not serve embeddings"):
+        client.embeddings.create(model=SMOL, input="Hello world")
     # /tokenize routes by model too: each reports its own context length.
     for name, length in ((SMOL, 512), ("tiny", TINY_LEN), (None, 512)):  # no model: the first
         body = {"prompt": "Hello world"} | ({"model": name} if name else {})

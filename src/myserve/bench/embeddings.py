@@ -8,8 +8,9 @@ bundled SmolLM2 with ``model.task=generate+embed``; or ``--url`` for a running o
    ``--embed-concurrency`` requests in flight; inputs/s.
 2. **Chat alone**: ``--chat-concurrency`` streamed chat requests (``--max-tokens`` each, EOS
    ignored); generated tokens/s.
-3. **Chat with an embedding load**: the same chat load while embedding requests keep
-   ``--embed-concurrency`` in flight until the chat requests are done; both rates.
+3. **Chat with an embedding load**: the same chat load while another process (another client, so
+   that one client's CPU does not throttle the other) keeps ``--embed-concurrency`` embedding
+   requests in flight until the chat requests are done; both rates.
 
 Inputs are random token ids (no prefix-cache hits between them). Prints one JSON object.
 """
@@ -20,7 +21,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import random
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -69,17 +72,33 @@ async def _embed_load(client: Any, url: str, bodies: list[dict[str, Any]], concu
     return sum(done), time.perf_counter() - t0
 
 
-async def _background_embeddings(client: Any, url: str, make: Any, concurrency: int, stop: asyncio.Event) -> int:
-    """Keep ``concurrency`` embedding requests in flight until ``stop``; the inputs embedded."""
-    count = 0
+def _embedding_load(url: str, model: str, tokens: int, vocab: int, concurrency: int, events: Any, out: Any) -> None:
+    """In a process of its own (its client's CPU is not the chat client's): keep ``concurrency``
+    embedding requests in flight; set ``events[0]`` (ready) once the first answered, count the
+    inputs embedded while ``events[1]`` (measure) is set, stop at ``events[2]`` (stop). Puts
+    (inputs, median latency s) on ``out``."""
+    ready, measure, stop = events
+    rng = random.Random(1)
 
-    async def worker() -> None:
-        nonlocal count
-        while not stop.is_set():
-            count += await _embed(client, url, make())
+    async def load() -> tuple[int, float]:
+        count, latencies = 0, []
 
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return count
+        async def worker() -> None:
+            nonlocal count
+            while not stop.is_set():
+                body = {"model": model, "input": [rng.randrange(3, vocab) for _ in range(tokens)]}
+                started, counting = time.perf_counter(), measure.is_set()
+                done = await _embed(client, url, body)
+                ready.set()
+                if counting and measure.is_set():  # sent and answered inside the measured window
+                    count += done
+                    latencies.append(time.perf_counter() - started)
+
+        async with make_client(concurrency, 600.0) as client:
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return count, statistics.median(latencies) if latencies else float("nan")
+
+    out.put(asyncio.run(load()))
 
 
 async def run(args: argparse.Namespace, base: str) -> dict[str, Any]:
@@ -122,13 +141,20 @@ async def run(args: argparse.Namespace, base: str) -> dict[str, Any]:
             "inputs_per_s": round(done / seconds, 1),
         }
         alone = summarize(await run_level(client, chat_target, chat_bodies(0), args.chat_concurrency))
-        stop = asyncio.Event()
-        load = asyncio.create_task(_background_embeddings(client, url, embed_body, args.embed_concurrency, stop))
+        spawn = multiprocessing.get_context("spawn")
+        events, out = (spawn.Event(), spawn.Event(), spawn.Event()), spawn.Queue()
+        load_args = (url, model, args.input_tokens, args.vocab, args.embed_concurrency, events, out)
+        loader = spawn.Process(target=_embedding_load, args=load_args, daemon=True)
+        loader.start()
+        await asyncio.to_thread(events[0].wait)  # the load is running before the chat starts
+        events[1].set()
         t0 = time.perf_counter()
         mixed_run = await run_level(client, chat_target, chat_bodies(n_chat), args.chat_concurrency)
-        stop.set()
-        embedded = await load
         elapsed = time.perf_counter() - t0
+        events[1].clear()
+        events[2].set()
+        embedded, latency = await asyncio.to_thread(out.get)
+        loader.join()
         mixed = summarize(mixed_run)
     for name, summary in (("chat_alone", alone), ("chat_with_embeddings", mixed)):
         results[name] = {
@@ -138,6 +164,7 @@ async def run(args: argparse.Namespace, base: str) -> dict[str, Any]:
             "tpot_ms_p50": round(summary.tpot_ms.p50, 2) if summary.tpot_ms.p50 is not None else None,
         }
     results["chat_with_embeddings"]["embedding_inputs_per_s"] = round(embedded / elapsed, 1)
+    results["chat_with_embeddings"]["embedding_latency_ms_p50"] = round(latency * 1000, 1)
     return results
 
 
