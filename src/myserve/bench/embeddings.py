@@ -39,7 +39,8 @@ DEFAULT_SERVE = ["--set", "model.task=generate+embed"]
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """Options, and the serve arguments after ``--``."""
-    ours, serve = (list(argv), []) if "--" not in argv else (argv[: argv.index("--")], argv[argv.index("--") + 1 :])
+    args = list(argv)
+    ours, serve = (args, []) if "--" not in args else (args[: args.index("--")], args[args.index("--") + 1 :])
     p = argparse.ArgumentParser(prog="python -m myserve.bench.embeddings", description=__doc__)
     p.add_argument("--url", help="a running server (else one is launched with the serve arguments after --)")
     p.add_argument("--model", help="the model name (default: the first /v1/models lists)")
@@ -81,7 +82,7 @@ def _embedding_load(url: str, model: str, tokens: int, vocab: int, concurrency: 
     rng = random.Random(1)
 
     async def load() -> tuple[int, float]:
-        count, latencies = 0, []
+        count, latencies = 0, list[float]()
 
         async def worker() -> None:
             nonlocal count

@@ -372,9 +372,9 @@ class EngineCore:
         for seq, start, lps, ids, tlps in results.prompt_scores:
             seq.record_prompt_scores(start, lps, ids, tlps)
         for seq, vector in finished_embeddings(results.pooled, self.pooler):
-            req = self._requests[seq.request_id]
-            self._emit(RequestOutput(req.request_id, 0, finish_reason="stop", embedding=vector))
-            self._finish_seq(req, seq, "stop")
+            owner = self._requests[seq.request_id]
+            self._emit(RequestOutput(owner.request_id, 0, finish_reason="stop", embedding=vector))
+            self._finish_seq(owner, seq, "stop")
         for seq, samples in results.sampled.items():
             seq.num_inflight -= len(samples)
             req = self._requests.get(seq.request_id)
