@@ -13,12 +13,12 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from test_server import LiveServer
 
 from myserve.frontend.app import create_app
 from myserve.testing import TINY_ENGINE, make_tiny_checkpoint, start_service
 from myserve.wire.params import SamplingParams
 from myserve.wire.pooling import PoolingParams
-from tests.test_server import LiveServer
 
 LENGTHS = (3, 40, 150)  # a decode-sized input, one step's worth, and one prefilled in chunks of 64
 
