@@ -14,7 +14,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from myserve.frontend.errors import APIError
 
 OPEN_PATHS = ("/health", "/healthz", "/metrics", "/docs", "/openapi.json", "/redoc")
-"""Paths served without the API key."""
+"""Paths (and what is under them) served without the API key."""
+OPEN_PAGES = ("/", "/chat")
+"""Exact paths served without the API key: the chat page, which asks for the key itself."""
 
 
 class RequestGuard:
@@ -39,7 +41,8 @@ class RequestGuard:
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_body_bytes:
             return APIError(413, f"request body exceeds {self.max_body_bytes} bytes", code="request_too_large")
-        if self.api_key is not None and not scope["path"].startswith(OPEN_PATHS):
+        path = scope["path"]
+        if self.api_key is not None and not path.startswith(OPEN_PATHS) and path not in OPEN_PAGES:
             given = headers.get(b"authorization", b"").decode("latin-1")
             token = given[7:] if given.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(token.encode(), self.api_key.encode()):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from myserve.frontend.routes import chat, completions, embeddings, health, models, responses_api, tokenize
+from myserve.frontend.routes import chat, completions, embeddings, health, models, page, responses_api, tokenize
 
 ROUTERS: tuple[APIRouter, ...] = (
     health.router,
@@ -19,5 +19,6 @@ ROUTERS: tuple[APIRouter, ...] = (
     chat.router,
     responses_api.router,
     embeddings.router,
+    page.router,
 )
 """In the order the app includes them (the order of the OpenAPI schema's paths)."""
