@@ -30,6 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "grammar": {"errors"},
     "validation": {"grammar", "wire", "errors"},
     "subprocesses": set(),
+    "client": {"client"},
 }
 """Which way the flow runs: frontend -> wire <- core -> runtime -> models -> ops. The tokenizer
 reads a GGUF file's metadata with ``models/gguf_file.py`` (plain numpy). Packages not listed
