@@ -123,6 +123,7 @@ def test_flags_map_to_config_keys(monkeypatch: pytest.MonkeyPatch) -> None:
             "--max-num-seqs", "8", "--dtype", "bfloat16", "--tensor-parallel-size", "2",
             "--log-level", "debug", "--set", "engine.page_size=32", "--set", "server.drain_timeout_s=5",
             "--api-server-count", "3", "--expert-parallel-size", "4",
+            "--otlp-traces-endpoint", "http://collector:4317",
         ]
     )  # fmt: skip
     c = serve.config_from_args(args)
@@ -132,7 +133,7 @@ def test_flags_map_to_config_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (c.engine.max_num_seqs, c.engine.page_size, c.mesh.model, c.mesh.expert) == (8, 32, 2, 4)
     assert (c.server.host, c.server.port, c.server.served_model_name) == ("0.0.0.0", 9001, "m")
     assert (c.server.api_key, c.server.log_level, c.server.drain_timeout_s) == ("sk-env", "debug", 5.0)
-    assert c.server.api_server_count == 3
+    assert (c.server.api_server_count, c.server.otlp_traces_endpoint) == (3, "http://collector:4317")
     # An explicit flag wins over the environment; no flags at all is the default deployment.
     assert serve.config_from_args(serve.parse_args(["--api-key", "sk-flag"])).server.api_key == "sk-flag"
     monkeypatch.delenv("MYSERVE_API_KEY")

@@ -38,7 +38,6 @@ ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 TASKS, POOLINGS = ("generate", "embed", "generate+embed"), ("auto", "last", "mean", "cls")
 
-
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 """``server.tool_call_parser`` values (``frontend/tool_parsers.py``)."""
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
@@ -180,6 +179,8 @@ class ServerConfig:
     api_server_count: int = 1
     """HTTP front-end processes sharing the port and feeding the one engine core (>= 1; more than
     one needs engine_process). For hosts where tokenization and SSE are the bottleneck."""
+    otlp_traces_endpoint: str | None = None
+    """OTLP collector for a span per request (needs myserve[otel]); null = no tracing, SDK never loaded."""
 
     def __post_init__(self) -> None:
         check(self.drain_timeout_s >= 0, f"server.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
@@ -191,10 +192,10 @@ class ServerConfig:
         check(self.max_body_bytes >= 1024, f"server.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         timeout = self.request_timeout_s
         check(timeout is None or timeout > 0, f"server.request_timeout_s must be > 0 or null, got {timeout}")
-        check_not_empty("server.host", self.host)
         check(1 <= self.port <= 65535, f"server.port must be in 1..65535, got {self.port}")
         check_names("server.served_model_name", self.served_model_name)
-        check_not_empty("server.api_key", self.api_key)
+        for name in ("host", "api_key", "otlp_traces_endpoint"):
+            check_not_empty(f"server.{name}", getattr(self, name))
         check_choice("server.log_level", self.log_level, LOG_LEVELS)
         if self.tool_call_parser is not None:
             check_choice("server.tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)

@@ -59,6 +59,7 @@ _FLAGS = {
     "enable_auto_tool_choice": "server.enable_auto_tool_choice",
     "reasoning_parser": "server.reasoning_parser",
     "api_server_count": "server.api_server_count",
+    "otlp_traces_endpoint": "server.otlp_traces_endpoint",
 }
 
 
@@ -71,6 +72,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get("MYSERVE_API_KEY"), help="or MYSERVE_API_KEY")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--api-server-count", type=int, help="HTTP front-end processes sharing the port (default 1)")
+    p.add_argument("--otlp-traces-endpoint", help="OTLP collector receiving a span per request (needs myserve[otel])")
     p.add_argument(
         "--add-model",
         action="append",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -30,6 +31,9 @@ from myserve.frontend.reasoning import FORMATS
 from myserve.frontend.routes import ROUTERS
 from myserve.frontend.served_models import ServedModels
 from myserve.frontend.tool_parsers import PARSERS
+
+if TYPE_CHECKING:
+    from myserve.frontend.tracing import RequestTracer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,9 +79,11 @@ def create_app(
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
     reasoning_parser: str | None = None,
+    tracer: RequestTracer | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app for one model, ``service`` (which the caller starts and stops),
-    answering to ``served_model_name`` (a name, or names: aliases); the options as ``ServedModel``'s."""
+    answering to ``served_model_name`` (a name, or names: aliases); the options as ``ServedModel``'s
+    and ``create_models_app``'s."""
     names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
     model = ServedModel(
         engine=service,
@@ -88,15 +94,20 @@ def create_app(
         enable_auto_tool_choice=enable_auto_tool_choice,
         reasoning_parser=reasoning_parser,
     )
-    return create_models_app([model], api_key=api_key, max_body_bytes=max_body_bytes)
+    return create_models_app([model], api_key=api_key, max_body_bytes=max_body_bytes, tracer=tracer)
 
 
 def create_models_app(
-    served: Sequence[ServedModel], *, api_key: str | None = None, max_body_bytes: int = 4 * 1024 * 1024
+    served: Sequence[ServedModel],
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = 4 * 1024 * 1024,
+    tracer: RequestTracer | None = None,
 ) -> FastAPI:
     """The app for several models (or one): a request goes to the model its ``model`` names, the
-    first model where it names none; they share the API key, the body limit, the drain and the
-    metrics registry (every series labelled with its model)."""
+    first model where it names none; they share the API key, the body limit, the drain, the
+    metrics registry (every series labelled with its model) and ``tracer`` (``frontend/tracing.py``:
+    a span per generation or embeddings request; None: no tracing)."""
     state, metrics = ServerState(), Metrics()
     contexts = [
         AppContext(
@@ -108,6 +119,7 @@ def create_models_app(
             auto_parser=PARSERS[m.tool_call_parser] if m.enable_auto_tool_choice and m.tool_call_parser else None,
             reasoning=FORMATS[m.reasoning_parser] if m.reasoning_parser else None,
             state=state,
+            tracer=tracer,
             app_metrics=metrics,
         )
         for m in served

@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from myserve.frontend.engine import Engine
 from myserve.frontend.errors import APIError
@@ -21,6 +21,9 @@ from myserve.frontend.reasoning import ReasoningFormat
 from myserve.frontend.tool_parsers import ToolParser
 from myserve.frontend.tools import template_messages
 from myserve.tokenizer import ChatTemplateError, Tokenizer
+
+if TYPE_CHECKING:
+    from myserve.frontend.tracing import RequestTracer
 
 
 class ServerState:
@@ -52,6 +55,8 @@ class AppContext:
     """Splits ``reasoning_content`` off chat outputs (None: no reasoning parser)."""
     state: ServerState = dataclasses.field(default_factory=ServerState)
     """Draining and requests in flight (``serve_http`` drains on a signal)."""
+    tracer: RequestTracer | None = None
+    """Makes each request's OpenTelemetry span (None: tracing is off, and its module never imported)."""
     app_metrics: dataclasses.InitVar[Metrics | None] = None
     """The app's metric families, shared by its models (None: a registry of its own)."""
     metrics: ModelMetrics = dataclasses.field(init=False)

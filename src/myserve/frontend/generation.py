@@ -100,6 +100,8 @@ async def respond(
     ``grammar_field``: the request field named by errors about the grammar."""
     streams = _submit_all(context, response, grammar_field)
     answer = answer_class(response, streams, context)
+    if context.tracer is not None:
+        answer.span = context.tracer.start(request.headers, response)
     if not stream:
         return await answer.json(request)
     return StreamingResponse(answer.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

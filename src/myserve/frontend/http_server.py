@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 from fastapi import FastAPI
 
+from myserve.errors import ConfigError
 from myserve.frontend.app import ServedModel, create_models_app
 from myserve.frontend.core_client import EngineClient
 from myserve.frontend.engine import Engine
@@ -30,6 +31,7 @@ from myserve.frontend.served_models import ServedModels
 
 if TYPE_CHECKING:
     from myserve.config import Config
+    from myserve.frontend.tracing import RequestTracer
 
 logger = logging.getLogger("myserve.serve")
 
@@ -58,7 +60,19 @@ def app_for(config: Config, service: Engine, name: str | Sequence[str]) -> FastA
 
 def app_for_models(config: Config, served: Sequence[ServedModel]) -> FastAPI:
     """The app serving ``served`` with ``config``'s server-wide options: what ``serve_http`` serves."""
-    return create_models_app(served, api_key=config.server.api_key, max_body_bytes=config.server.max_body_bytes)
+    server = config.server
+    tracer = otlp_tracer(server.otlp_traces_endpoint) if server.otlp_traces_endpoint else None
+    return create_models_app(served, api_key=server.api_key, max_body_bytes=server.max_body_bytes, tracer=tracer)
+
+
+def otlp_tracer(endpoint: str) -> RequestTracer:
+    """The tracer sending each request's span to ``endpoint``; ``ConfigError`` without the SDK."""
+    try:  # only here: a server that does not trace never loads OpenTelemetry's SDK
+        from myserve.frontend import tracing
+
+        return tracing.otlp_tracer(endpoint)
+    except (ImportError, ValueError) as e:
+        raise ConfigError(f"server.otlp_traces_endpoint: {e} (pip install 'myserve[otel]')") from None
 
 
 def serve_http(

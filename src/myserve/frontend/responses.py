@@ -14,7 +14,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -29,6 +29,9 @@ from myserve.frontend.sse import sse_event
 from myserve.frontend.stream import RequestStream
 from myserve.wire.outputs import RequestOutput, Usage
 from myserve.wire.params import SamplingParams
+
+if TYPE_CHECKING:
+    from myserve.frontend.tracing import RequestSpan
 
 SYSTEM_FINGERPRINT = "myserve-0.1.0"
 
@@ -80,6 +83,8 @@ class CompletionResponse:
         self.log = RequestLog(ctx.request_id, sum(len(p) for p in ctx.prompts), ctx.t0)
         self._offsets: dict[int, int] = {}
         """Streamed completions: the text offset of each choice, for logprobs."""
+        self.span: RequestSpan | None = None
+        """The request's trace span, which ``respond`` starts when the server traces."""
         self._chunk_base = self._envelope("chat.completion.chunk" if ctx.kind == "chat" else "text_completion")
         """The fields every streamed chunk shares."""
         server.state.in_flight += 1
@@ -108,6 +113,8 @@ class CompletionResponse:
         self.server.metrics.prompt_tokens.inc(usage.prompt_tokens)
         self.server.metrics.generation_tokens.inc(usage.completion_tokens)
         self.log.done(status, usage)
+        if self.span is not None:
+            self.span.end(status, usage, self.log)
 
     def _parser(self, index: int) -> ChoiceParser | None:
         """Choice ``index``'s parser, made when its first output comes."""
