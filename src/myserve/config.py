@@ -163,6 +163,14 @@ class ServerConfig:
     """On SIGTERM/SIGINT, how long in-flight requests may take to finish before the server exits."""
     max_body_bytes: int = 4194304
     """Largest request body accepted; larger ones get HTTP 413."""
+    allowed_origins: tuple[str, ...] = ("*",)
+    """CORS: origins (scheme://host[:port]) whose pages may call the API; "*" = any."""
+    allowed_methods: tuple[str, ...] = ("*",)
+    """CORS: HTTP methods a browser's preflight may ask for; "*" = any."""
+    allowed_headers: tuple[str, ...] = ("*",)
+    """CORS: request headers a browser's preflight may ask for; "*" = any."""
+    allow_credentials: bool = False
+    """CORS: let pages send cookies and HTTP authentication with their requests."""
     request_timeout_s: float | None = None
     """Seconds a generation request may take from its arrival (queueing included) before it is aborted
     with HTTP 504 (or an error event, when streaming), > 0; null = no limit."""
@@ -195,6 +203,8 @@ class ServerConfig:
         check(1 <= self.port <= 65535, f"server.port must be in 1..65535, got {self.port}")
         check_names("server.served_model_name", self.served_model_name)
         check_not_empty("server.api_key", self.api_key)
+        for key in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            check(all(v.strip() for v in getattr(self, key)), f"server.{key} must not hold an empty string")
         check_choice("server.log_level", self.log_level, LOG_LEVELS)
         if self.tool_call_parser is not None:
             check_choice("server.tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
