@@ -200,6 +200,7 @@ class EngineCore:
             step_gap_seconds=self.timer.mean_gap,
             grammar_matchers=matchers_alive(),
             penalty_slots_used=sum(r.scheduler.slots.num_used for r in self.replicas),
+            prefix_cache_queries=queries,
         )
 
     # -- engine thread ------------------------------------------------------------------------
