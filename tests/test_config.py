@@ -235,7 +235,8 @@ def test_several_front_ends_need_the_core_process() -> None:
             "server:\n  prot: 1\n",
             "{path}: unknown key 'server.prot' (did you mean 'server.port'?); "
             "known keys: host, port, served_model_name, api_key, log_level, drain_timeout_s, max_body_bytes, "
-            "request_timeout_s, tool_call_parser, enable_auto_tool_choice, reasoning_parser, engine_process, "
+            "allowed_origins, allowed_methods, allowed_headers, allow_credentials, request_timeout_s, "
+            "tool_call_parser, enable_auto_tool_choice, reasoning_parser, engine_process, "
             "api_server_count, otlp_traces_endpoint",
         ),
         ("engine: [1, 2]\n", "{path}: engine: expected a mapping of keys, got [1, 2] (list)"),

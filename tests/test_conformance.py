@@ -243,8 +243,8 @@ def usage_counted(before: dict[str, float], after: dict[str, float], status: str
     """The (prompt, generated) token counters' increase; checks the request was counted with ``status``."""
     requests = f'myserve_requests_total{{endpoint="{kind}",status="{status}"}}'
     assert after[requests] == before.get(requests, 0.0) + 1
-    prompt = after["myserve_prompt_tokens_total"] - before["myserve_prompt_tokens_total"]
-    generated = after["myserve_generation_tokens_total"] - before["myserve_generation_tokens_total"]
+    prompt = after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     return int(prompt), int(generated)
 
 

@@ -211,6 +211,8 @@ def test_two_front_ends_share_the_port_and_the_core_and_merge_their_metrics(two_
     assert total == sent == sum(by_process.values())
     steps = next(line for line in metrics.splitlines() if line.startswith("myserve_engine_steps{"))
     assert float(steps.split()[1]) > 0  # the core's counters, through the front ends
+    queries = [line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_queries_total{")]
+    assert len(queries) == 1 and float(queries[0].split()[-1]) > 0  # the core's count, once: not summed
 
     # SIGTERM: each front end finishes its streams (the core stays up until they are done), all exit 0.
     results: list[list[list[dict]]] = []

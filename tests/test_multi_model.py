@@ -171,13 +171,13 @@ def test_every_metrics_series_carries_its_model(server: Server) -> None:
     for name in (SMOL, "tiny-alias"):
         client.completions.create(model=name, prompt="Hi", max_tokens=3, temperature=0)
     text = httpx.get(f"{server.url}/metrics").text
-    samples = [line for line in text.splitlines() if line.startswith("myserve_")]
-    assert samples and all(re.match(r'myserve_\w+\{(.*,)?model_name="', line) for line in samples), samples
+    samples = [line for line in text.splitlines() if line.startswith(("myserve_", "vllm:"))]
+    assert samples and all(re.match(r'(myserve_|vllm:)\w+\{(.*,)?model_name="', line) for line in samples), samples
     for name in (SMOL, "tiny"):  # an alias counts under its model's name
         ok = re.search(rf'myserve_requests_total{{endpoint="completion",model_name="{name}",status="ok"}} (\S+)', text)
         assert ok and float(ok[1]) >= 1, name
         assert f'myserve_kv_pages_total{{model_name="{name}"}} 256.0' in text
-        generated = re.search(rf'myserve_generation_tokens_total{{model_name="{name}"}} (\S+)', text)
+        generated = re.search(rf'vllm:generation_tokens_total{{model_name="{name}"}} (\S+)', text)
         assert generated and float(generated[1]) >= 3
     assert 'model_name="tiny-alias"' not in text
 
@@ -198,7 +198,7 @@ def test_sigterm_drains_a_request_on_each_model_then_exits_0(server: Server) -> 
     deadline = time.monotonic() + 60
     while True:  # both running in their engines
         text = httpx.get(f"{server.url}/metrics").text
-        if all(f'myserve_num_requests_running{{model_name="{n}"}} 1.0' in text for n in lengths):
+        if all(f'vllm:num_requests_running{{model_name="{n}"}} 1.0' in text for n in lengths):
             break
         assert time.monotonic() < deadline and not results, (results, text[-2000:])
         time.sleep(0.02)

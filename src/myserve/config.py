@@ -28,6 +28,7 @@ from myserve.config_fields import (
     set_dotted,
     wrong_type,
 )
+from myserve.config_server import REASONING_PARSERS, TOOL_CALL_PARSERS, ServerConfig
 from myserve.errors import ConfigError
 
 T = TypeVar("T")
@@ -35,13 +36,7 @@ T = TypeVar("T")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
-LOG_LEVELS = ("debug", "info", "warning", "error")
 TASKS, POOLINGS = ("generate", "embed", "generate+embed"), ("auto", "last", "mean", "cls")
-
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
-"""``server.tool_call_parser`` values (``frontend/tool_parsers.py``)."""
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
-"""``server.reasoning_parser`` values (``frontend/reasoning.py``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -140,71 +135,6 @@ class EngineConfig:
             f"engine.token_buckets must not exceed max_num_batched_tokens ({self.max_num_batched_tokens}), "
             f"got {buckets}",
         )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ServerConfig:
-    """The HTTP front end."""
-
-    host: str = "127.0.0.1"
-    """Address to listen on; 0.0.0.0 listens on all interfaces."""
-    port: int = 8000
-    """TCP port to listen on, 1..65535."""
-    served_model_name: str | tuple[str, ...] | None = None
-    """Model name reported by /v1/models and accepted in requests, or a list of names (aliases; the
-    first is the one responses report); null = derived from the checkpoint. One model only: with
-    ``models`` each entry names its own."""
-    api_key: str | None = None
-    """If set, requests must send 'Authorization: Bearer <api_key>'; null = no authentication."""
-    log_level: str = "info"
-    """Logging verbosity: debug, info, warning or error."""
-    drain_timeout_s: float = 30.0
-    """On SIGTERM/SIGINT, how long in-flight requests may take to finish before the server exits."""
-    max_body_bytes: int = 4194304
-    """Largest request body accepted; larger ones get HTTP 413."""
-    request_timeout_s: float | None = None
-    """Seconds a generation request may take from its arrival (queueing included) before it is aborted
-    with HTTP 504 (or an error event, when streaming), > 0; null = no limit."""
-    tool_call_parser: str | None = None
-    """How tool calls are read out of the model's text: hermes, llama3_json or mistral; null = none."""
-    enable_auto_tool_choice: bool = False
-    """Serve tool_choice auto (the default with tools) by parsing calls with tool_call_parser."""
-    reasoning_parser: str | None = None
-    """Split a <think> block into reasoning_content: deepseek_r1 or qwen3; null = none."""
-    engine_process: bool = True
-    """Run the engine core in its own process (HTTP, tokenization and text never share its GIL);
-    false = one process. On a multi-host mesh the leader (mesh.process_id 0) runs its core in a process
-    of its own too; followers have no front end, and a process whose id JAX detects (process_id null)
-    runs in one process."""
-    api_server_count: int = 1
-    """HTTP front-end processes sharing the port and feeding the one engine core (>= 1; more than
-    one needs engine_process). For hosts where tokenization and SSE are the bottleneck."""
-    otlp_traces_endpoint: str | None = None
-    """OTLP collector for a span per request (needs myserve[otel]); null = no tracing, SDK never loaded."""
-
-    def __post_init__(self) -> None:
-        check(self.drain_timeout_s >= 0, f"server.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
-        check(self.api_server_count >= 1, f"server.api_server_count must be >= 1, got {self.api_server_count}")
-        check(
-            self.api_server_count == 1 or self.engine_process,
-            "server.api_server_count > 1 needs server.engine_process: true (the front ends share one engine core)",
-        )
-        check(self.max_body_bytes >= 1024, f"server.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        timeout = self.request_timeout_s
-        check(timeout is None or timeout > 0, f"server.request_timeout_s must be > 0 or null, got {timeout}")
-        check(1 <= self.port <= 65535, f"server.port must be in 1..65535, got {self.port}")
-        check_names("server.served_model_name", self.served_model_name)
-        for name in ("host", "api_key", "otlp_traces_endpoint"):
-            check_not_empty(f"server.{name}", getattr(self, name))
-        check_choice("server.log_level", self.log_level, LOG_LEVELS)
-        if self.tool_call_parser is not None:
-            check_choice("server.tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
-        check(
-            not self.enable_auto_tool_choice or self.tool_call_parser is not None,
-            "server.enable_auto_tool_choice needs server.tool_call_parser",
-        )
-        if self.reasoning_parser is not None:
-            check_choice("server.reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import logging
 import os
 import re
@@ -60,6 +61,10 @@ _FLAGS = {
     "reasoning_parser": "server.reasoning_parser",
     "api_server_count": "server.api_server_count",
     "otlp_traces_endpoint": "server.otlp_traces_endpoint",
+    "allowed_origins": "server.allowed_origins",
+    "allowed_methods": "server.allowed_methods",
+    "allowed_headers": "server.allowed_headers",
+    "allow_credentials": "server.allow_credentials",
 }
 
 
@@ -73,6 +78,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--api-server-count", type=int, help="HTTP front-end processes sharing the port (default 1)")
     p.add_argument("--otlp-traces-endpoint", help="OTLP collector receiving a span per request (needs myserve[otel])")
+    for what in ("origins", "methods", "headers"):  # JSON lists, as vLLM spells them
+        p.add_argument(f"--allowed-{what}", type=_json_list, help=f"CORS: allowed {what}, e.g. '[\"*\"]' (the default)")
+    p.add_argument("--allow-credentials", action="store_const", const=True, help="CORS: allow cookies and HTTP auth")
     p.add_argument(
         "--add-model",
         action="append",
@@ -83,6 +91,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "or a YAML file holding one entry",
     )
     return p.parse_args(argv)
+
+
+def _json_list(text: str) -> list[str]:
+    """A ``--allowed-*`` value: a JSON list of strings (``'["http://a.example"]'``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, e.g. '[\"*\"]', got {text!r}")
+    return value
 
 
 def add_config_flags(p: argparse.ArgumentParser) -> None:

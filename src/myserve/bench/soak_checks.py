@@ -18,8 +18,8 @@ output that breaks its grammar (or is not the API's shape), no answer in time, a
 OUTCOMES = (OK, DISCONNECTED, OVERLOADED, *FAILURES)
 
 IDLE_GAUGES = {
-    "myserve_num_requests_running": "requests running",
-    "myserve_num_requests_waiting": "requests waiting",
+    "vllm:num_requests_running": "requests running",
+    "vllm:num_requests_waiting": "requests waiting",
     "myserve_kv_pages_used": "KV pages held by a sequence",
     "myserve_grammar_matchers_active": "grammar matchers alive",
     "myserve_penalty_slots_used": "penalty slots owned",

@@ -178,8 +178,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         """Counters for metrics, summed over replicas (read without locking: each is a single int read)."""
         allocators = [r.allocator for r in self.replicas]
-        queries = sum(a.prefix_queries for a in allocators)
-        hits = sum(a.prefix_hits for a in allocators)
+        queries, hits = sum(a.prefix_queries for a in allocators), sum(a.prefix_hits for a in allocators)
         compiled, loaded = self._compile_counts()
         return EngineStats(
             waiting=self._num_waiting() + self._pending,
@@ -200,6 +199,7 @@ class EngineCore:
             step_gap_seconds=self.timer.mean_gap,
             grammar_matchers=matchers_alive(),
             penalty_slots_used=sum(r.scheduler.slots.num_used for r in self.replicas),
+            prefix_cache_queries=queries,
         )
 
     # -- engine thread ------------------------------------------------------------------------

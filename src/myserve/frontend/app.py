@@ -4,8 +4,8 @@
 ``create_models_app`` assembles it: one ``AppContext`` per served model (engine, names, options,
 metrics) in a ``ServedModels`` registry, ``app.state.models``, through which every route finds the
 model a request names (``create_app`` is the one-model form); the request guard (body size, API
-key), OpenAI-shaped errors, the routers of ``frontend/routes/`` and the schema of
-``frontend/openapi.py``. Each generation route validates (pydantic, the unsupported-field tables,
+key) inside CORS (``frontend/cors.py``), OpenAI-shaped errors, the routers of ``frontend/routes/``
+and the schema of ``frontend/openapi.py``. Each generation route validates (pydantic, the unsupported-field tables,
 then SamplingParams), renders chat templates, tokenizes, submits one engine request per prompt and
 either collects the outputs into one JSON response or streams them as server-sent events. A client
 that disconnects aborts its requests, and so does the per-request deadline (``request_timeout_s``).
@@ -22,6 +22,7 @@ from fastapi import FastAPI
 
 from myserve.frontend.app_context import AppContext, ServerState
 from myserve.frontend.core_client import EngineClient
+from myserve.frontend.cors import CORS, CORSPolicy
 from myserve.frontend.engine import Engine
 from myserve.frontend.errors import install_error_handlers
 from myserve.frontend.guard import RequestGuard
@@ -80,6 +81,7 @@ def create_app(
     enable_auto_tool_choice: bool = False,
     reasoning_parser: str | None = None,
     tracer: RequestTracer | None = None,
+    cors: CORSPolicy | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app for one model, ``service`` (which the caller starts and stops),
     answering to ``served_model_name`` (a name, or names: aliases); the options as ``ServedModel``'s
@@ -94,7 +96,7 @@ def create_app(
         enable_auto_tool_choice=enable_auto_tool_choice,
         reasoning_parser=reasoning_parser,
     )
-    return create_models_app([model], api_key=api_key, max_body_bytes=max_body_bytes, tracer=tracer)
+    return create_models_app([model], api_key=api_key, max_body_bytes=max_body_bytes, tracer=tracer, cors=cors)
 
 
 def create_models_app(
@@ -103,11 +105,13 @@ def create_models_app(
     api_key: str | None = None,
     max_body_bytes: int = 4 * 1024 * 1024,
     tracer: RequestTracer | None = None,
+    cors: CORSPolicy | None = None,
 ) -> FastAPI:
     """The app for several models (or one): a request goes to the model its ``model`` names, the
-    first model where it names none; they share the API key, the body limit, the drain, the
-    metrics registry (every series labelled with its model) and ``tracer`` (``frontend/tracing.py``:
-    a span per generation or embeddings request; None: no tracing)."""
+    first model where it names none; they share the API key, the body limit, the CORS policy (None =
+    vLLM's default: any origin), the drain, the metrics registry (every series labelled with its
+    model) and ``tracer`` (``frontend/tracing.py``: a span per generation or embeddings request; None:
+    no tracing)."""
     state, metrics = ServerState(), Metrics()
     contexts = [
         AppContext(
@@ -142,6 +146,8 @@ def create_models_app(
     app.state.models = models
     app.state.context = models.default  # the first model's (run_batch reads its engine)
     app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, api_key=api_key)
+    # Added last, so outermost: preflights are answered before the guard asks for the API key.
+    app.add_middleware(CORS, policy=cors or CORSPolicy())
     for router in ROUTERS:
         app.include_router(router)
     install_openapi(app, models.engines)

@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from myserve.errors import ConfigError
 from myserve.frontend.app import ServedModel, create_models_app
 from myserve.frontend.core_client import EngineClient
+from myserve.frontend.cors import CORSPolicy
 from myserve.frontend.engine import Engine
 from myserve.frontend.served_models import ServedModels
 
@@ -60,9 +61,15 @@ def app_for(config: Config, service: Engine, name: str | Sequence[str]) -> FastA
 
 def app_for_models(config: Config, served: Sequence[ServedModel]) -> FastAPI:
     """The app serving ``served`` with ``config``'s server-wide options: what ``serve_http`` serves."""
-    server = config.server
-    tracer = otlp_tracer(server.otlp_traces_endpoint) if server.otlp_traces_endpoint else None
-    return create_models_app(served, api_key=server.api_key, max_body_bytes=server.max_body_bytes, tracer=tracer)
+    s = config.server
+    tracer = otlp_tracer(s.otlp_traces_endpoint) if s.otlp_traces_endpoint else None
+    cors = CORSPolicy(
+        allowed_origins=s.allowed_origins,
+        allowed_methods=s.allowed_methods,
+        allowed_headers=s.allowed_headers,
+        allow_credentials=s.allow_credentials,
+    )
+    return create_models_app(served, api_key=s.api_key, max_body_bytes=s.max_body_bytes, tracer=tracer, cors=cors)
 
 
 def otlp_tracer(endpoint: str) -> RequestTracer:

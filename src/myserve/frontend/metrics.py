@@ -5,7 +5,8 @@ families, ``ModelMetrics`` one served model's series of them, which its requests
 With several front-end processes (``--api-server-count``) ``serve`` turns on prometheus_client's
 multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``): each process writes its figures to files there,
 and a scrape of any front end merges them: counters and histograms add up over the front ends, and
-the engine gauges (the core's counters, which every front end receives) take the latest value set.
+the engine gauges (the core's counters, which every front end receives) take the latest value set;
+the core's cumulative counts (``EngineCounters``) are read from the scraped front end's engine.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import Gauge as _Gauge
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from myserve.frontend.engine import Engine
@@ -30,32 +33,56 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 
 class Metrics:
     """The app's metric families (request counters, latency histograms, engine gauges), each
-    labelled with ``model_name`` first; ``for_model`` gives one model's series."""
+    labelled with ``model_name`` first; ``for_model`` gives one model's series.
+
+    vLLM's names and types (``vllm:*``) for what vLLM also measures, so that its Grafana dashboard
+    and autoscaling rules work unchanged; ``myserve_*`` only where vLLM has no equivalent."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r, m = self.registry, ["model_name"]
         self.models: list[ModelMetrics] = []
+        self.engine_counters = EngineCounters(self.models)
+        r.register(self.engine_counters)
         self.requests = Counter(
             "myserve_requests", "Finished requests by endpoint and status", [*m, "endpoint", "status"], registry=r
         )
-        self.prompt_tokens = Counter("myserve_prompt_tokens", "Prompt tokens of finished requests", m, registry=r)
-        self.generation_tokens = Counter("myserve_generation_tokens", "Generated tokens", m, registry=r)
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Count of finished requests (one per choice) by finish reason: stop, length, abort or error",
+            [*m, "finished_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", m, registry=r)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", m, registry=r
+        )
         self.ttft = Histogram(
-            "myserve_time_to_first_token_seconds", "Time to first token", m, buckets=_LATENCY_BUCKETS, registry=r
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            m,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
-            "myserve_inter_token_latency_seconds",
-            "Time between streamed tokens",
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
             m,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
-            "myserve_e2e_request_latency_seconds", "Request latency", m, buckets=_LATENCY_BUCKETS, registry=r
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            m,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
-        self.waiting = Gauge("myserve_num_requests_waiting", "Sequences waiting for admission", m, registry=r)
-        self.running = Gauge("myserve_num_requests_running", "Sequences running", m, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", m, registry=r)
+        self.running = Gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", m, registry=r
+        )
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m, registry=r)
         self.pages_used = Gauge("myserve_kv_pages_used", "KV cache pages referenced", m, registry=r)
         self.pages_total = Gauge("myserve_kv_pages_total", "KV cache pages", m, registry=r)
         self.grammar_matchers = Gauge(
@@ -67,16 +94,12 @@ class Metrics:
         self.penalty_slots = Gauge(
             "myserve_penalty_slots_used", "Penalty slots owned by running sequences", m, registry=r
         )
-        self.hit_rate = Gauge(
-            "myserve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", m, registry=r
-        )
         self.compiles = Gauge(
             "myserve_compile_count", "XLA executables built in this process (compiled or loaded)", m, registry=r
         )
         self.cache_loads = Gauge(
             "myserve_compile_cache_loads", "Of those, loaded from the persistent compilation cache", m, registry=r
         )
-        self.preemptions = Gauge("myserve_num_preemptions", "Sequences preempted so far", m, registry=r)
         self.host_seconds = Gauge(
             "myserve_engine_host_seconds",
             "Engine-thread seconds so far by phase (plan, dispatch, read, postprocess)",
@@ -104,14 +127,48 @@ class Metrics:
         return model
 
     def render(self) -> bytes:
-        """The exposition text, with every model's engine gauges read now."""
+        """The exposition text, with every model's engine gauges and counters read now."""
         for model in self.models:
             model.refresh()
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # every front end's files, merged
             merged = CollectorRegistry()
             MultiProcessCollector(merged)
+            # The core's counters are no front end's to add up: each front end receives the one
+            # core's totals, so the scraped one reports them as they are.
+            merged.register(self.engine_counters)
             return generate_latest(merged)
         return generate_latest(self.registry)
+
+
+class EngineCounters(Collector):
+    """The engine's cumulative counts as Prometheus counters, read from each model's engine at a
+    scrape: they are the core's totals (set, never incremented here), which a ``Counter`` cannot
+    hold, and which must not be added up over front ends in multiprocess mode."""
+
+    FAMILIES = (
+        ("vllm:num_preemptions", "Cumulative number of preemption from the engine."),
+        ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
+        ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+    )
+
+    def __init__(self, models: list[ModelMetrics]):
+        self.models = models
+
+    def describe(self) -> list[Metric]:
+        """The families, without samples (for the registry's name check)."""
+        return [CounterMetricFamily(name, doc, labels=["model_name"]) for name, doc in self.FAMILIES]
+
+    def collect(self) -> list[Metric]:
+        """Every model's counts now."""
+        families = self.describe()
+        for model in self.models:
+            s = model.engine.stats()
+            for family, value in zip(
+                families, (s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hit_tokens), strict=True
+            ):
+                assert isinstance(family, CounterMetricFamily)
+                family.add_metric([model.name], value)
+        return families
 
 
 class _Labelled:
@@ -137,6 +194,7 @@ class ModelMetrics:
         self.ttft = f.ttft.labels(name)
         self.itl = f.itl.labels(name)
         self.e2e = f.e2e.labels(name)
+        self.success = _Labelled(f.request_success, name)
         self.frontend_seconds = f.frontend_seconds.labels(name)
 
     def refresh(self) -> None:
@@ -144,14 +202,13 @@ class ModelMetrics:
         f, name, s = self.families, self.name, self.engine.stats()
         f.waiting.labels(name).set(s.waiting)
         f.running.labels(name).set(s.running)
+        f.kv_usage.labels(name).set(s.pages_used / s.pages_total if s.pages_total else 0.0)
         f.pages_used.labels(name).set(s.pages_used)
         f.pages_total.labels(name).set(s.pages_total)
         f.grammar_matchers.labels(name).set(s.grammar_matchers)
         f.penalty_slots.labels(name).set(s.penalty_slots_used)
-        f.hit_rate.labels(name).set(s.prefix_cache_hit_rate)
         f.compiles.labels(name).set(s.compile_count)
         f.cache_loads.labels(name).set(s.cache_load_count)
-        f.preemptions.labels(name).set(s.num_preemptions)
         for phase, seconds in s.host_seconds.items():
             f.host_seconds.labels(name, phase).set(seconds)
         f.step_gap.labels(name).set(s.step_gap_seconds)

@@ -109,6 +109,12 @@ class CompletionResponse:
         usage = usage or self.log.usage()
         self.server.state.in_flight -= 1
         self.server.metrics.requests.labels(self.ctx.kind, status).inc()
+        # vLLM counts each engine request (a choice of a prompt) by why it finished; a choice cut
+        # short has no reason of its own: the request was aborted (client gone, deadline) or failed.
+        reasons = self.log.finish_reasons
+        unfinished = len(self.ctx.prompts) * self.ctx.n - len(reasons)
+        for reason in [*reasons, *["error" if status == "error" else "abort"] * unfinished]:
+            self.server.metrics.success.labels(reason).inc()
         self.server.metrics.e2e.observe(time.perf_counter() - self.ctx.t0)
         self.server.metrics.prompt_tokens.inc(usage.prompt_tokens)
         self.server.metrics.generation_tokens.inc(usage.completion_tokens)

@@ -103,3 +103,5 @@ class EngineStats:
     """Grammar matchers alive in the engine (one per unfinished constrained sequence)."""
     penalty_slots_used: int = 0
     """Penalty slots owned by running sequences."""
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache so far (``prefix_cache_hit_tokens`` of them found)."""
