@@ -1,7 +1,8 @@
 """The chat page in headless Chromium (Debian's ``chromium``, driven by playwright): it loads with
 no console errors, lists the models, streams an answer equal to the API's own, shows TTFT and
 tokens/s, and its Stop button aborts the request in the engine. Plus the API-key flow and that the
-page fetches nothing from outside the server."""
+page fetches nothing from outside the server; a page of another origin calls the API where CORS allows it (a
+real browser preflight) and is blocked where it does not."""
 
 from __future__ import annotations
 
@@ -132,3 +133,60 @@ def test_the_page_loads_nothing_from_outside_the_server() -> None:
     assert "<script>" in html and 'fetch("/v1/chat/completions"' in html
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html), "an external resource"
     assert not re.search(r"""fetch\(\s*["'`](https?:)?//""", html), "a fetch to another origin"
+
+
+FETCH_FROM_ELSEWHERE = """async (url) => {
+  try {
+    const r = await fetch(url + "/v1/chat/completions", {
+      method: "POST",
+      headers: {"Content-Type": "application/json"},  // not a simple request: the browser preflights it
+      body: JSON.stringify({model: "smol", messages: [{role: "user", content: "Hi"}], max_tokens: 4}),
+    });
+    const body = await r.json();
+    return {status: r.status, tokens: body.usage.completion_tokens};
+  } catch (e) {
+    return {blocked: String(e)};
+  }
+}"""
+
+
+@pytest.fixture(scope="module")
+def other_origin():
+    """A page served from another origin (another port): the browser applies CORS to its calls."""
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the handler API's name
+            body = b"<!doctype html><title>elsewhere</title>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_a_page_of_another_origin_calls_the_api_only_where_cors_allows_it(browser, live, smol_service, other_origin):
+    from myserve.frontend.cors import CORSPolicy
+
+    page, _ = open_page(browser, other_origin + "/")
+    # The default policy (any origin, as vLLM's): the preflight and the request go through.
+    assert page.evaluate(FETCH_FROM_ELSEWHERE, live.url) == {"status": 200, "tokens": 4}
+    # A server that allows only http://a.example: the browser blocks the call from this origin.
+    strict = LiveServer(
+        create_app(smol_service, served_model_name=MODEL, cors=CORSPolicy(allowed_origins=("http://a.example",)))
+    )
+    try:
+        result = page.evaluate(FETCH_FROM_ELSEWHERE, strict.url)
+        assert "blocked" in result and "Failed to fetch" in result["blocked"]
+    finally:
+        strict.stop()
+    page.close()
