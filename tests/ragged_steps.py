@@ -20,7 +20,7 @@ cached context, chunks cut into several 4-token blocks and one not a multiple of
 
 def device_batch(spans: Sequence[Span], shape: StepShape, page_size: int) -> Any:
     """The device's unpacked ``RaggedBatch`` of ``spans`` laid out in ``shape``."""
-    _, batch, _, _, _ = unpack_step(jnp.asarray(layout(spans, shape, page_size).pack()), shape)
+    _, batch, *_ = unpack_step(jnp.asarray(layout(spans, shape, page_size).pack()), shape)
     return batch
 
 
