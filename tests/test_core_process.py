@@ -12,13 +12,14 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
 import pytest
+from serve_process import alive, gone
 from test_serve_supervision import EXIT_WITHIN_S, Served
 
 
@@ -37,33 +38,10 @@ class Server(Served):
         self.fronts = [pid for pid in spawned if pid != self.core]
 
     def exit_code(self, within: float = EXIT_WITHIN_S) -> int | None:
-        try:
-            return self.proc.wait(timeout=within)
-        except subprocess.TimeoutExpired:
-            return None
+        return super().exit_code(within)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        for pid in (self.core, *self.fronts):
-            _gone(pid, 10)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
-def _gone(pid: int, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while _alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    def stop(self, children: Iterable[int] = ()) -> None:
+        super().stop((self.core, *self.fronts, *children))
 
 
 @pytest.fixture
@@ -79,7 +57,7 @@ def _body(**kw) -> dict:
 
 @pytest.mark.slow
 def test_requests_go_through_the_core_process_and_stop_strings_end_one_choice(server) -> None:
-    assert _alive(server.core)
+    assert alive(server.core)
     # The front end never loads JAX (nor touches a device): only the core does.
     assert "jaxlib" not in Path(f"/proc/{server.proc.pid}/maps").read_text()
     assert "jaxlib" in Path(f"/proc/{server.core}/maps").read_text()
@@ -134,14 +112,14 @@ def test_a_dead_core_errors_open_requests_and_the_server_exits_non_zero(server) 
 @pytest.mark.slow
 def test_a_dead_front_end_takes_the_core_down(server) -> None:
     server.proc.kill()
-    assert _gone(server.core, EXIT_WITHIN_S), "the engine core outlived its front end"
+    assert gone(server.core, EXIT_WITHIN_S), "the engine core outlived its front end"
 
 
 @pytest.mark.slow
 def test_sigterm_stops_both_processes_with_status_zero(server) -> None:
     server.proc.send_signal(signal.SIGTERM)
     assert server.exit_code(30) == 0, server.log[-2000:]
-    assert _gone(server.core, EXIT_WITHIN_S)
+    assert gone(server.core, EXIT_WITHIN_S)
 
 
 # -- several front ends (--api-server-count) ---------------------------------------------------
@@ -193,7 +171,7 @@ def _stream_texts(url: str, bodies: list[dict]) -> list[list[dict]]:
 @pytest.mark.slow
 def test_two_front_ends_share_the_port_and_the_core_and_merge_their_metrics(two_fronts, tmp_path) -> None:
     server = two_fronts
-    assert len(server.fronts) == 1 and _alive(server.core)
+    assert len(server.fronts) == 1 and alive(server.core)
     expected = httpx.post(f"{server.url}/v1/completions", json=_body(), timeout=60).json()["choices"][0]["text"]
     sent = 1
     for _ in range(10):  # until both processes have served requests (the kernel picks who accepts)
@@ -226,7 +204,7 @@ def test_two_front_ends_share_the_port_and_the_core_and_merge_their_metrics(two_
     assert "Traceback" not in server.log, server.log[-3000:]  # every process stopped cleanly
     for events in results[0]:
         assert events[-1] == {"done": True} and events[-2]["choices"][0]["finish_reason"] == "length", events[-2:]
-    assert all(_gone(pid, EXIT_WITHIN_S) for pid in (server.core, *server.fronts))
+    assert all(gone(pid, EXIT_WITHIN_S) for pid in (server.core, *server.fronts))
 
 
 @pytest.mark.slow
@@ -241,7 +219,7 @@ def test_a_dead_core_ends_every_front_end(two_fronts) -> None:
     killed = time.monotonic()
     assert server.exit_code() == 1, server.log[-2000:]
     assert time.monotonic() - killed < EXIT_WITHIN_S
-    assert all(_gone(pid, EXIT_WITHIN_S) for pid in server.fronts)
+    assert all(gone(pid, EXIT_WITHIN_S) for pid in server.fronts)
     streamer.join(timeout=30)
     # Every stream ends with an event: an engine error, or [DONE] for one that finished before.
     ends = [events[-1].get("error", {}).get("code", "done") if events else "cut" for events in results[0]]
@@ -253,7 +231,7 @@ def test_a_dead_front_end_ends_the_server(two_fronts) -> None:
     server = two_fronts
     os.kill(server.fronts[0], signal.SIGKILL)
     assert server.exit_code() == 1, server.log[-2000:]
-    assert _gone(server.core, EXIT_WITHIN_S)
+    assert gone(server.core, EXIT_WITHIN_S)
 
 
 @pytest.mark.slow

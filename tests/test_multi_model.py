@@ -10,17 +10,16 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from conftest import SMOL_TEST_ENGINE
-from test_server import free_port
+from serve_process import ServeProcess, gone
 
 from myserve import serve
 from myserve.bundled import BUNDLED_MODEL_NAME
@@ -42,58 +41,16 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_random_llama("tiny-llama", tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
-class Server:
+class Server(ServeProcess):
     """``python -m myserve.serve`` with ``args`` as a subprocess, ready, with each model's core pid."""
 
     def __init__(self, args: list[str]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "myserve.serve", "--port", str(self.port), *args]
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")), daemon=True).start()
-        deadline = time.monotonic() + 600
-        while True:
-            assert self.proc.poll() is None, self.log[-4000:]
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server never became ready:\n" + self.log[-4000:]
-            time.sleep(0.3)
+        super().__init__(["-m", "myserve.serve"], args)
+        self.wait_ready(600)
         self.cores = {m[1]: int(m[2]) for m in re.finditer(r"model (\S+): engine core process (\d+)", self.log)}
 
-    @property
-    def log(self) -> str:
-        return "".join(self.lines)
-
-    def exit_code(self, within: float) -> int | None:
-        try:
-            return self.proc.wait(timeout=within)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        for pid in self.cores.values():
-            assert _gone(pid, 10), f"core {pid} outlived the server"
-
-
-def _gone(pid: int, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            if Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] == "Z":
-                return True
-        except (FileNotFoundError, IndexError):
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
+    def stop(self, children: Iterable[int] = ()) -> None:
+        super().stop((*self.cores.values(), *children))
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +168,7 @@ def test_sigterm_drains_a_request_on_each_model_then_exits_0(server: Server) -> 
     assert server.exit_code(120) == 0, server.log[-3000:]
     for name, r in results.items():
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == lengths[name], (name, r.text)
-    assert all(_gone(pid, 10) for pid in server.cores.values())
+    assert all(gone(pid, 10) for pid in server.cores.values())
 
 
 @pytest.mark.slow
@@ -240,7 +197,7 @@ def test_killing_either_core_exits_the_server_non_zero(tiny_dir: Path, victim: s
         assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error", r.text
         assert f"the engine of {victim} stopped" in s.log
         other = "b" if victim == "a" else "a"
-        assert _gone(s.cores[other], 10), "the other model's core outlived the server"
+        assert gone(s.cores[other], 10), "the other model's core outlived the server"
     finally:
         s.stop()
 

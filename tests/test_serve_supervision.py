@@ -5,16 +5,13 @@ or warmup fails. Faults are injected by a test-only launcher (``serve_with_fault
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from test_server import free_port
+from serve_process import ServeProcess
 
 from myserve.bundled import bundled_gguf_path
 from myserve.testing import TINY_ENGINE
@@ -23,49 +20,16 @@ LAUNCHER = Path(__file__).with_name("serve_with_fault.py")
 EXIT_WITHIN_S = 5.0
 
 
-class Served:
+class Served(ServeProcess):
     """``python -m myserve.serve`` on a tiny model as a subprocess (through the fault launcher when
     a fault is named), its log lines with the time each arrived."""
 
     def __init__(self, checkpoint: Path, fault: str | None = None, args: tuple[str, ...] = (), env: dict | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         sets = [f"model.tokenizer={bundled_gguf_path()}", "model.dtype=float32", *TINY_ENGINE, "engine.num_pages=256"]
         entry = ["-m", "myserve.serve"] if fault is None else [str(LAUNCHER)]
-        cmd = [sys.executable, *entry, "--hf-checkpoint", str(checkpoint), "--served-model-name", "tiny"]
-        cmd += ["--port", str(self.port), *args]
-        cmd += [arg for s in sets for arg in ("--set", s)]
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
-        if fault is not None:
-            env["MYSERVE_TEST_FAULT"] = fault
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.lines: list[tuple[float, str]] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in iter(self.proc.stdout.readline, ""):
-            self.lines.append((time.monotonic(), line))
-
-    @property
-    def log(self) -> str:
-        return "".join(line for _, line in self.lines)
-
-    def wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            assert self.proc.poll() is None, self.log
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server never became ready:\n" + self.log[-3000:]
-            time.sleep(0.2)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        argv = ["--hf-checkpoint", str(checkpoint), "--served-model-name", "tiny", *args]
+        argv += [arg for s in sets for arg in ("--set", s)]
+        super().__init__(entry, argv, {**(env or {}), **({"MYSERVE_TEST_FAULT": fault} if fault is not None else {})})
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from myserve.bench.soak_checks import parse_metrics
-from myserve.frontend.metrics import Metrics
+from myserve.frontend.metrics import Metrics, ModelMetrics
 from myserve.grammar import GrammarSpec
 from myserve.testing import TINY_ENGINE, collect, make_tiny_checkpoint, start_client
 from myserve.wire.params import SamplingParams
@@ -28,12 +28,12 @@ def client(tmp_path_factory: pytest.TempPathFactory):
     client.shutdown()
 
 
-def gauges(metrics: Metrics) -> dict[str, float]:
+def gauges(metrics: ModelMetrics) -> dict[str, float]:
     figures = parse_metrics(metrics.render().decode())
     return {name: figures[name] for name in GAUGES}
 
 
-def wait_for(metrics: Metrics, predicate, timeout_s: float = 10.0) -> dict[str, float]:
+def wait_for(metrics: ModelMetrics, predicate, timeout_s: float = 10.0) -> dict[str, float]:
     """The gauges once ``predicate`` holds for them (the core reports every 0.25 s)."""
     deadline = time.monotonic() + timeout_s
     while not predicate(seen := gauges(metrics)):
@@ -44,7 +44,7 @@ def wait_for(metrics: Metrics, predicate, timeout_s: float = 10.0) -> dict[str, 
 
 @pytest.mark.slow  # about 35 s on 2 cores: a tiny checkpoint with SmolLM2's vocabulary, warmup
 def test_matchers_and_penalty_slots_return_to_zero(client) -> None:
-    metrics = Metrics(client)
+    metrics = Metrics().for_model("tiny", client)  # one model's series, its engine's gauges read per scrape
     assert gauges(metrics) == dict.fromkeys(GAUGES, 0.0)
     digits = GrammarSpec("regex", "[0-9]{200}")
     long_ones = [
