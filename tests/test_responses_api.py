@@ -25,15 +25,16 @@ from myserve.frontend.reasoning import FORMATS, ReasoningParser
 from myserve.frontend.responses_api_output import OutputItems
 from myserve.frontend.responses_protocol import ResponsesRequest, chat_messages
 from myserve.frontend.tool_parsers import HermesParser
-from myserve.testing import NESTED_SCHEMA, TINY_ENGINE, make_tiny_checkpoint, start_client, start_service
+from myserve.testing import (
+    NESTED_SCHEMA,
+    TINY_ENGINE,
+    WEATHER_PARAMS,
+    make_tiny_checkpoint,
+    start_client,
+    start_service,
+)
 
 MODEL = "tiny"
-WEATHER_PARAMS = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 WEATHER = {
     "type": "function",
     "name": "get_weather",

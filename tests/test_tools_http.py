@@ -14,15 +14,9 @@ import pytest
 from test_server import HERMES_TEMPLATE, LiveServer, tools_server
 
 from myserve.frontend.app import create_app
-from myserve.testing import NESTED_SCHEMA, streamed_and_not
+from myserve.testing import NESTED_SCHEMA, WEATHER_PARAMS, streamed_and_not
 
 MODEL = "smol-tools"
-WEATHER_PARAMS = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 WEATHER = {
     "type": "function",
     "function": {"name": "get_weather", "description": "Current weather in a city", "parameters": WEATHER_PARAMS},

@@ -56,12 +56,7 @@ class Completion:
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> Completion:
         """From a ``chat.completion`` or ``text_completion`` body."""
-        choices = []
-        for c in body.get("choices", []):
-            message = c.get("message")
-            text = (message.get("content") if message is not None else c.get("text")) or ""
-            reasoning = message.get("reasoning_content") if message is not None else None
-            choices.append(Choice(int(c.get("index", 0)), text, c.get("finish_reason"), reasoning))
+        choices = [Choice(*_choice_fields(c, "message")) for c in body.get("choices", [])]
         return cls(body.get("id", ""), body.get("model", ""), tuple(choices), Usage.from_json(body.get("usage")), body)
 
 
@@ -99,12 +94,7 @@ class Chunk:
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> Chunk:
         """From a ``chat.completion.chunk`` or streamed ``text_completion`` event."""
-        choices = []
-        for c in body.get("choices", []):
-            delta = c.get("delta")
-            text = (delta.get("content") if delta is not None else c.get("text")) or ""
-            reasoning = delta.get("reasoning_content") if delta is not None else None
-            choices.append(ChunkChoice(int(c.get("index", 0)), text, c.get("finish_reason"), reasoning))
+        choices = [ChunkChoice(*_choice_fields(c, "delta")) for c in body.get("choices", [])]
         return cls(body.get("id", ""), body.get("model", ""), tuple(choices), Usage.from_json(body.get("usage")), body)
 
 
@@ -123,3 +113,12 @@ class Embeddings:
         data = sorted(body.get("data", []), key=lambda d: int(d.get("index", 0)))
         vectors = tuple(tuple(float(x) for x in d["embedding"]) for d in data)
         return cls(body.get("model", ""), vectors, Usage.from_json(body.get("usage")), body)
+
+
+def _choice_fields(choice: dict[str, Any], part: str) -> tuple[int, str, str | None, str | None]:
+    """(index, text, finish reason, reasoning) of one choice of a chat body (its ``message``) or
+    chunk (its ``delta``: ``part``), or of a completions one (``text``)."""
+    inner = choice.get(part)
+    text = (inner.get("content") if inner is not None else choice.get("text")) or ""
+    reasoning = inner.get("reasoning_content") if inner is not None else None
+    return int(choice.get("index", 0)), text, choice.get("finish_reason"), reasoning

@@ -7,6 +7,7 @@ from myserve.testing.checkpoints import (
     TINY_ARCHES,
     TINY_COMMON,
     TINY_ENGINE,
+    WEATHER_PARAMS,
     hf_greedy,
     hf_logits,
     make_tiny_checkpoint,
@@ -16,6 +17,7 @@ from myserve.testing.services import collect, start_client, start_service, strea
 
 __all__ = [
     "NESTED_SCHEMA",
+    "WEATHER_PARAMS",
     "TINY_ARCHES",
     "TINY_COMMON",
     "TINY_ENGINE",

@@ -87,6 +87,15 @@ TINY_ENGINE: tuple[str, ...] = (
 )
 
 
+WEATHER_PARAMS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+"""The parameters of the tool-calling tests' get_weather function (bounded, so a forced call ends)."""
+
+
 NESTED_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
