@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from myserve.bench.quality import PARITY_PROMPTS
 from myserve.bundled import bundled_gguf_path
 from myserve.generate import greedy_generate
 from myserve.tokenizer import Tokenizer
-
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain in one sentence why the sky is blue.",
-]
 
 
 @pytest.mark.slow
@@ -21,7 +16,7 @@ def test_greedy_32_tokens_match_transformers(smollm2, hf_gguf_model) -> None:
 
     model, mesh, mapping = smollm2
     tok = Tokenizer.load(bundled_gguf_path())
-    for prompt in PROMPTS:
+    for prompt in PARITY_PROMPTS:
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}])
         ours = greedy_generate(model, ids, 32, mesh=mesh, mapping=mapping, eos_ids=tok.eos_token_ids)
         with torch.no_grad():
