@@ -34,7 +34,7 @@ from myserve.errors import ConfigError
 T = TypeVar("T")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "w8a8")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 TASKS, POOLINGS = ("generate", "embed", "generate+embed"), ("auto", "last", "mean", "cls")
 
@@ -55,9 +55,12 @@ class ModelConfig:
     auto = float32 on CPU, bfloat16 on TPU/GPU."""
     max_model_len: int | None = None
     """Longest sequence (prompt + completion) in tokens, >= 1; null = the model's max_position_embeddings."""
-    quantization: str = "none"
-    """none, or int8: matmul weights and the LM head stored as int8 per output channel, activations
-    quantized per token on the fly (W8A8); about 3x faster matmuls on CPUs with int8 dot products."""
+    quantization: str = "auto"
+    """Weights kept narrow on device (weight-only, dequantized inside each matmul): int8 (per output
+    channel) or int4 (groups of 128 with offsets) for every matmul, the LM head and the embedding
+    table, a GGUF file's Q8_0 / Q6_K blocks as int8 and Q4_0 / Q4_1 / Q4_K as int4 as stored; w8a8:
+    int8 weights and per-token int8 activations on the dense matmuls; none: the model dtype. auto =
+    none on CPU (fastest there, docs/performance.md), and on TPU/GPU a GGUF file's blocks as stored."""
     task: str = "generate"
     """generate (chat, completions, responses), embed (/v1/embeddings only: no LM head nor sampler in
     its steps) or generate+embed (both, in the same steps)."""

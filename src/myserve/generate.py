@@ -48,7 +48,7 @@ def greedy_generate(
     total = len(prompt_ids) + max_new_tokens
     num_pages = math.ceil(total / page_size)
     pages = list(page_ids) if page_ids is not None else list(range(num_pages))
-    dtype = model.embed.array.dtype
+    dtype = model.dtype
     cache = init_kv_cache(spec, max(pages) + 1, page_size, dtype, mesh, mapping, model.attention_backend)
     forward = StepLogits.of(model, mesh, mapping, page_size)
     # Two step shapes: a prefill chunk's and a decode token's (a shorter chunk is padded to the first).

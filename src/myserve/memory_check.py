@@ -29,7 +29,7 @@ from pathlib import Path
 from myserve.config import Config
 from myserve.errors import CheckpointError, ConfigError
 from myserve.models.checkpoint import resolve_checkpoint
-from myserve.models.gguf import GGUFSource
+from myserve.models.gguf import GGUFSource, resolve_quantization
 from myserve.models.gguf_file import read_gguf
 from myserve.models.spec import ModelSpec, spec_from_hf_config
 
@@ -77,11 +77,23 @@ def footprint(config: Config, name: str, where: str) -> Footprint:
     spec, parameters = _spec_and_parameters(config.model.checkpoint)
     dtype = config.model.dtype
     itemsize = _DTYPE_BYTES["float32" if where == "cpu" else "bfloat16"] if dtype == "auto" else _DTYPE_BYTES[dtype]
-    weight_bytes = parameters * (1 if config.model.quantization == "int8" else itemsize)
+    weight_bytes = int(parameters * _PARAMETER_BYTES.get(_quantization(config, where), itemsize))
     engine = config.engine
     kv = engine.num_pages * engine.page_size * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * itemsize
     mesh = config.mesh
     return Footprint(name, weight_bytes * mesh.data, kv * mesh.data, mesh.data * mesh.expert * mesh.model)
+
+
+# Bytes per parameter of narrow weights, scales included (int8 per channel; int4 and GGUF's Q4_1 in
+# groups of 32 with float16 scale and offset: 20 bytes per 32; W8A8 per channel).
+_PARAMETER_BYTES = {"int8": 1.07, "int4": 0.63, "w8a8": 1.0}
+
+
+def _quantization(config: Config, where: str) -> str:
+    """``model.quantization`` as the deployment will resolve it."""
+    resolved = resolve_checkpoint(config.model.checkpoint)
+    source = GGUFSource(resolved.path) if resolved.kind == "gguf" else None
+    return resolve_quantization(config.model.quantization, source, where)
 
 
 def available_memory(where: str) -> tuple[int, str] | None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from myserve.config import REASONING_PARSERS, TOOL_CALL_PARSERS
+from myserve.config import QUANTIZATIONS, REASONING_PARSERS, TOOL_CALL_PARSERS
 from myserve.errors import ConfigError, MyserveError
 from myserve.frontend.front_end_process import GIL_SWITCH_INTERVAL_S
 
@@ -47,6 +47,7 @@ _FLAGS = {
     "chat_template": "model.chat_template",
     "max_model_len": "model.max_model_len",
     "dtype": "model.dtype",
+    "quantization": "model.quantization",
     "max_num_seqs": "engine.max_num_seqs",
     "tensor_parallel_size": "mesh.model",
     "data_parallel_size": "mesh.data",
@@ -115,6 +116,12 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--quantization",
+        "-q",
+        choices=QUANTIZATIONS,
+        help="weights kept narrow on device: int8, int4 (GGUF blocks as stored), w8a8; auto = fastest here",
+    )
     p.add_argument("--tensor-parallel-size", type=int)
     p.add_argument("--data-parallel-size", type=int, help="data-parallel replicas (mesh.data)")
     p.add_argument(

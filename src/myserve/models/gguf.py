@@ -21,7 +21,9 @@ from typing import Any
 import numpy as np
 
 from myserve.errors import CheckpointError
-from myserve.models.gguf_file import read_gguf
+from myserve.models.gguf_blocks import Blocks, read_blocks
+from myserve.models.gguf_file import GGUFTensorInfo, read_gguf
+from myserve.models.narrow_host import BlockLayout
 from myserve.models.spec import ModelSpec
 
 # GGUF general.architecture -> HF model_type. llama.cpp files Mistral under "llama", and Mixtral
@@ -65,6 +67,16 @@ _MOE_RE = re.compile(r"(?:mlp|block_sparse_moe)\.(.+)")
 # Mixtral GGUFs converted before llama.cpp stacked experts (early 2024): one 2-D tensor per expert.
 _LEGACY_EXPERT_RE = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
 _LEGACY_EXPERT = {"w1": "ffn_gate", "w2": "ffn_down", "w3": "ffn_up"}
+
+_F16, _F32 = np.dtype(np.float16), np.dtype(np.float32)
+# ggml types kept narrow (models/gguf_blocks.py), by type id: bits, group, offset, scale dtype.
+KEPT_LAYOUTS = {
+    8: BlockLayout(8, 32, False, _F16),  # Q8_0
+    2: BlockLayout(4, 32, True, _F16),  # Q4_0
+    3: BlockLayout(4, 32, True, _F16),  # Q4_1
+    12: BlockLayout(4, 32, True, _F32),  # Q4_K
+    14: BlockLayout(8, 16, False, _F32),  # Q6_K
+}
 
 
 def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -183,10 +195,63 @@ class GGUFSource:
         parts = [self._dequantize(name, hf_name) for name in self._gguf_names(hf_name)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
 
-    def _dequantize(self, name: str, hf_name: str) -> np.ndarray:
+    def narrowest(self) -> str:
+        """The quantization that keeps this file's matrices as stored: ``int4`` when any is a kept
+        4-bit block type, ``int8`` when some are kept 8-bit ones, else ``none`` (a float file)."""
+        kept = {KEPT_LAYOUTS[t.ggml_type].bits for t in self._tensors.values() if t.ggml_type in KEPT_LAYOUTS}
+        return "int4" if 4 in kept else "int8" if kept else "none"
+
+    def block_layout(self, hf_name: str) -> BlockLayout | None:
+        """The narrow layout of an HF name's tensor from the header alone: that of its GGUF
+        tensor(s) when they are one kept block type (``KEPT_LAYOUTS``), else None."""
+        types = {self._tensor(name, hf_name).ggml_type for name in self._gguf_names(hf_name)}
+        return KEPT_LAYOUTS.get(types.pop()) if len(types) == 1 else None
+
+    def read_blocks(self, hf_name: str) -> Blocks | None:
+        """An HF name's tensor as its quantized blocks, not widened, rows in HF order (Q/K
+        un-permuted and fused parts concatenated, like ``read``); None unless ``block_layout`` is one."""
+        if self.block_layout(hf_name) is None:
+            return None
+        parts: list[Blocks] = []
+        for name in self._gguf_names(hf_name):
+            t = self._tensor(name, hf_name)
+            b = read_blocks(t.data, t.ggml_type, t.shape)
+            assert b is not None, f"{name}: a kept type must repack"
+            heads = self._permuted_heads(name)
+            if heads:
+                offset = None if b.offset is None else _unpermute_rotary(b.offset, heads)
+                b = Blocks(
+                    _unpermute_rotary(b.codes, heads), _unpermute_rotary(b.scale, heads), offset, b.group, b.bits
+                )
+            parts.append(b)
+        if len(parts) == 1:
+            return parts[0]
+        # Gate and up of stacked experts (one ggml type): their rows concatenated, as read() does.
+        offsets = [p.offset for p in parts]
+        return Blocks(
+            np.concatenate([p.codes for p in parts], axis=1),
+            np.concatenate([p.scale for p in parts], axis=1),
+            None if offsets[0] is None else np.concatenate(offsets, axis=1),  # type: ignore[arg-type]
+            parts[0].group,
+            parts[0].bits,
+        )
+
+    def _permuted_heads(self, name: str) -> int:
+        """Heads whose rows llama.cpp's llama converter permuted in this tensor (0: none)."""
+        if self.spec.model_type not in ("llama", "mixtral"):
+            return 0
+        if name.endswith("attn_q.weight"):
+            return self.spec.num_heads
+        return self.spec.num_kv_heads if name.endswith("attn_k.weight") else 0
+
+    def _tensor(self, name: str, hf_name: str) -> GGUFTensorInfo:
         tensor = self._tensors.get(name)
         if tensor is None:
             raise CheckpointError(f"{self.path}: tensor {name} ({hf_name}) not found")
+        return tensor
+
+    def _dequantize(self, name: str, hf_name: str) -> np.ndarray:
+        tensor = self._tensor(name, hf_name)
         import gguf
 
         qtype = gguf.GGMLQuantizationType(tensor.ggml_type)
@@ -197,9 +262,17 @@ class GGUFSource:
                 f"{self.path}: tensor {name} has ggml type {qtype.name}, which gguf cannot dequantize"
             ) from None
         w = np.asarray(data, dtype=np.float32).reshape(tensor.shape)
-        if self.spec.model_type in ("llama", "mixtral"):  # only llama.cpp's llama converter permutes Q/K
-            if name.endswith("attn_q.weight"):
-                w = _unpermute_rotary(w, self.spec.num_heads)
-            elif name.endswith("attn_k.weight"):
-                w = _unpermute_rotary(w, self.spec.num_kv_heads)
-        return w
+        heads = self._permuted_heads(name)  # only llama.cpp's llama converter permutes Q/K
+        return _unpermute_rotary(w, heads) if heads else w
+
+
+def resolve_quantization(value: str, source: object, where: str) -> str:
+    """``model.quantization`` for a checkpoint (its tensor source) on platform ``where``: as
+    configured unless ``auto``, which is ``none`` on CPU (XLA:CPU widens a narrow weight in memory
+    on every step, several times slower than reading float32: docs/performance.md) and on TPU/GPU a
+    GGUF file's blocks as stored (``int4`` / ``int8``); a float checkpoint stays in the model dtype."""
+    if value != "auto":
+        return value
+    if where == "cpu" or not isinstance(source, GGUFSource):
+        return "none"
+    return source.narrowest()

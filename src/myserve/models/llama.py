@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding
 
 from myserve.models.axes import BATCH, POS, ModelAxes
 from myserve.models.moe import MoeBlock, moe_mlp
+from myserve.models.narrow import NarrowWeight
 from myserve.models.quant import QuantizedWeight, linear
 from myserve.models.rope import apply_rope, inverse_frequencies
 from myserve.models.spec import LayerKind, ModelSpec
@@ -61,8 +62,9 @@ def rms_norm(x: NamedArray, weight: NamedArray, axis: Axis, eps: float, scale_f3
     return normed * weight
 
 
-Weight: TypeAlias = NamedArray | QuantizedWeight
-"""A matmul weight: float, or int8 with scales (``model.quantization: int8``)."""
+Weight: TypeAlias = NamedArray | QuantizedWeight | NarrowWeight
+"""A matmul weight: float, W8A8 (``model.quantization: w8a8``), or narrow codes with group scales
+(``int8``, ``int4``: ``models/narrow.py``)."""
 
 
 class DecoderLayer(eqx.Module):
@@ -98,19 +100,34 @@ class LlamaModel(eqx.Module):
 
     spec: ModelSpec = eqx.field(static=True)
     attention_backend: str = eqx.field(static=True)
-    embed: NamedArray  # (vocab, embed)
+    embed: NamedArray | NarrowWeight  # (vocab, embed) float, or narrow (embed | vocab): also the tied head
     layers: tuple[DecoderLayer, ...]
     final_norm: NamedArray  # (embed)
-    lm_head: Weight | None  # (embed, vocab) float, or quantized (vocab, embed); None when tied to `embed`
+    lm_head: Weight | None  # (embed, vocab) float, or quantized; None when tied to `embed`
 
     @property
     def axes(self) -> ModelAxes:
         """Named axes of this model."""
         return ModelAxes.of(self.spec)
 
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The model dtype (of activations and float weights)."""
+        return self.embed.dtype if isinstance(self.embed, NarrowWeight) else jnp.dtype(self.embed.array.dtype)
+
+    @property
+    def is_abstract(self) -> bool:
+        """Whether the weights are shapes and shardings only (nothing read)."""
+        table = self.embed.codes if isinstance(self.embed, NarrowWeight) else self.embed
+        return isinstance(table.array, jax.ShapeDtypeStruct)
+
     def embed_tokens(self, tokens: jax.Array) -> NamedArray:
         """Embeddings (batch, position, embed) of int32 tokens [B, T], scaled by ``spec.embed_scale``."""
-        x = self.embed.take(self.axes.Vocab, hax.named(tokens, (BATCH, POS)))
+        ids = hax.named(tokens, (BATCH, POS))
+        if isinstance(self.embed, NarrowWeight):
+            x = self.embed.take(self.axes.Vocab, ids).rearrange((BATCH, POS, self.axes.Embed.name))
+        else:
+            x = self.embed.take(self.axes.Vocab, ids)
         if self.spec.embed_scale is None:
             return x
         # As transformers: the scale is a float32 tensor cast to the weights' dtype (55.4 -> 55.5 in bf16).
@@ -125,7 +142,9 @@ class LlamaModel(eqx.Module):
         ``spec.final_softcap`` when set."""
         ax = self.axes
         head = self.embed if self.lm_head is None else self.lm_head
-        if isinstance(head, QuantizedWeight):
+        if isinstance(head, NarrowWeight):
+            logits = head.matmul(hidden, ax.Embed, out_dtype=jnp.dtype(jnp.float32))
+        elif isinstance(head, QuantizedWeight):
             logits = head.matmul(hidden, ax.Embed)
         else:
             logits = hax.dot(hidden, head, axis=ax.Embed, preferred_element_type=jnp.float32)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -17,6 +17,7 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
+from haliax import Axis
 from jax.sharding import Mesh
 
 from myserve.errors import CheckpointError
@@ -25,6 +26,9 @@ from myserve.models.checkpoint import ResolvedCheckpoint
 from myserve.models.gguf import GGUFSource
 from myserve.models.llama import DecoderLayer, LlamaModel, Weight
 from myserve.models.moe import MoeBlock
+from myserve.models.narrow import GROUP_AXIS, NarrowWeight
+from myserve.models.narrow_host import INT4_GROUP, BlockLayout, HostNarrow, from_blocks, group_size, layout_of
+from myserve.models.narrow_host import quantize as quantize_narrow
 from myserve.models.quant import QuantizedWeight, quantize
 from myserve.models.sharding import MeshAxes, named_sharding
 from myserve.models.spec import ModelSpec, spec_from_hf_config
@@ -221,6 +225,10 @@ _CONTRACTED: dict[str, tuple[int, ...]] = {
 }
 
 
+# A MoE layer's matmul weights kept narrow under int8/int4 (the router and shared gate stay float).
+_EXPERT_MATMULS = frozenset({"gate_up", "down", "shared_gate_up", "shared_down"})
+
+
 class _Placer:
     """Reads, converts and shards tensors onto the mesh one (fused) weight at a time. ``abstract``:
     reads nothing and places nothing; every weight is a ``jax.ShapeDtypeStruct`` with its sharding."""
@@ -272,6 +280,88 @@ class _Placer:
         )
 
 
+def _axis_devices(mapping: Mapping[str, MeshAxes], mesh: Mesh, name: str) -> int:
+    """How many devices a logical axis is split over."""
+    axes = mapping.get(name)
+    names = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return int(np.prod([mesh.shape[a] for a in names], dtype=np.int64))
+
+
+class _NarrowPlacer(_Placer):
+    """Places matmul weights as ``NarrowWeight``s (``model.quantization: int8 | int4``): GGUF blocks
+    of a kept type as the file holds them, anything else quantized from float here."""
+
+    def __init__(self, *args: object, bits: int, **kwargs: object):
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.bits = bits
+
+    def plan(self, every_layer: Sequence[tuple[str, ...]]) -> BlockLayout | None:
+        """One layout for a field over all the layers it is read from (so every layer has the same
+        structure and shapes, as the per-layer step needs, even in files mixing block types such
+        as Q4_K_M's): None unless every tensor is a kept block type."""
+        layouts = [getattr(self.source, "block_layout", lambda _: None)(n) for names in every_layer for n in names]
+        if not layouts or any(layout is None for layout in layouts):
+            return None
+        return layout_of(layouts, self.bits)  # type: ignore[arg-type]
+
+    def narrow(
+        self,
+        hf_names: tuple[str, ...],
+        axes: tuple,
+        combine: Combine | None,
+        n_in: int,
+        n_lead: int = 0,
+        layout: BlockLayout | None = None,
+    ) -> NarrowWeight:
+        """Read, quantize or repack, and place one matmul weight whose axes are ``(*lead, *in, *out)``;
+        ``layout``: the blocks' layout (``plan``), None to quantize from float."""
+        lead, in_axes, out = axes[:n_lead], axes[n_lead : n_lead + n_in], axes[n_lead + n_in :]
+        k = int(np.prod([a.size for a in in_axes]))
+        read_blocks = getattr(self.source, "read_blocks", None)
+        if layout is not None:
+            bits, group, offset, scale_dtype = layout.bits, layout.group, layout.offset, layout.scale_dtype
+        else:
+            bits, offset, scale_dtype = self.bits, self.bits == 4, np.dtype(np.float32)
+            shards = _axis_devices(self.mapping, self.mesh, in_axes[0].name)
+            group = k // shards if bits == 8 else group_size(k, shards, INT4_GROUP)
+        if self.abstract:
+            host = HostNarrow(
+                np.broadcast_to(np.zeros((), np.int8 if bits == 8 else np.uint8), ()),
+                np.broadcast_to(np.zeros((), scale_dtype), ()),
+                np.broadcast_to(np.zeros((), scale_dtype), ()) if offset else None,
+                bits,
+                group,
+            )
+        elif layout is not None and read_blocks is not None:
+            parts = [read_blocks(n) for n in hf_names]
+            host = from_blocks(parts, combine, n_lead, k, tuple(a.size for a in out), layout)
+        else:
+            w = self.host(hf_names, axes, combine)
+            host = quantize_narrow(w.reshape(*w.shape[:n_lead], k, *w.shape[n_lead + n_in :]), n_lead, bits, group)
+        groups = Axis(in_axes[0].name, k // group)
+        code_axes = (*lead, groups, Axis(GROUP_AXIS, group // (8 // bits)), *out)
+        scale_axes = (*lead, groups, *out)
+        return NarrowWeight(
+            codes=self.put_exact(host.codes, code_axes),
+            scale=self.put_exact(host.scale, scale_axes),
+            offset=None if host.offset is None else self.put_exact(host.offset, scale_axes),
+            bits=bits,
+            in_axes=tuple(in_axes),
+            n_lead=n_lead,
+            dtype=self.dtype,
+        )
+
+    def put_exact(self, host: np.ndarray, axes: tuple) -> hax.NamedArray:
+        """Place a host array in its own dtype; a dimension its mesh axes do not divide is replicated."""
+        shape = tuple(a.size for a in axes)
+        names = [a.name if a.size % _axis_devices(self.mapping, self.mesh, a.name) == 0 else "" for a in axes]
+        sharding = named_sharding(names, self.mapping, self.mesh)
+        if self.abstract:
+            return hax.NamedArray(jax.ShapeDtypeStruct(shape, host.dtype, sharding=sharding), axes)
+        assert host.shape == shape, (host.shape, shape)
+        return hax.named(jax.device_put(np.ascontiguousarray(host), sharding), axes)
+
+
 def load_model(
     source: TensorSource,
     mesh: Mesh,
@@ -283,26 +373,25 @@ def load_model(
 ) -> LlamaModel:
     """Build a ``LlamaModel`` from a tensor source, every weight placed on ``mesh`` by ``mapping``.
 
-    ``quantization="int8"`` stores the matmul weights (and the LM head) as int8 with per-channel
-    scales (``models/quant.py``). ``abstract=True`` reads nothing: every weight is a
-    ``jax.ShapeDtypeStruct`` with the sharding it would have (enough to lower the steps early).
+    ``quantization``: ``int8`` / ``int4`` keep every matmul weight, the LM head and the embedding
+    table narrow (``models/narrow.py``; GGUF blocks as the file holds them), ``w8a8`` stores the
+    dense matmuls and the head as int8 with activations quantized per token (``models/quant.py``).
+    ``abstract=True`` reads nothing: every weight is a ``jax.ShapeDtypeStruct`` with the sharding it
+    would have (enough to lower the steps early).
     """
     spec = source.spec
     ax = ModelAxes.of(spec)
-    placer = _Placer(source, mesh, mapping, jnp.dtype(dtype), abstract)
-    int8 = quantization == "int8"
+    bits = {"int8": 8, "int4": 4}.get(quantization)
+    placer = (
+        _NarrowPlacer(source, mesh, mapping, jnp.dtype(dtype), abstract, bits=bits)
+        if bits
+        else _Placer(source, mesh, mapping, jnp.dtype(dtype), abstract)
+    )
+    w8a8 = quantization == "w8a8"
 
     def norm(host: np.ndarray, axes: tuple) -> hax.NamedArray:
         if spec.norm_unit_offset:
             return placer.put(_unit_offset(host), axes, jnp.dtype(jnp.float32))
-        return placer.put(host, axes)
-
-    def weight(field: str, hf_names: tuple[str, ...], axes: tuple, combine: Combine | None) -> Weight:
-        host = placer.host(hf_names, axes, combine)
-        if field in _NORMS:
-            return norm(host, axes)
-        if int8 and field in _CONTRACTED:
-            return placer.put_quantized(host, axes, _CONTRACTED[field])
         return placer.put(host, axes)
 
     table = _layer_table(spec, ax)
@@ -310,39 +399,69 @@ def load_model(
         f"model.layers.0.{'block_sparse_moe' if spec.model_type == 'mixtral' else 'mlp'}.experts.down_proj"
     )
     moe_table = _moe_table(spec, ax, fused) if spec.is_moe else {}
+    layouts: dict[str, BlockLayout | None] = {}
+    if isinstance(placer, _NarrowPlacer):
+        for field, (suffixes, _, _) in {**table, **moe_table}.items():
+            names = [tuple(f"model.layers.{i}.{s}" for s in suffixes) for i in range(spec.num_layers)]
+            layouts[field] = placer.plan(names)
+
+    def weight(field: str, hf_names: tuple[str, ...], axes: tuple, combine: Combine | None) -> Weight:
+        if isinstance(placer, _NarrowPlacer) and field in _CONTRACTED:
+            return placer.narrow(hf_names, axes, combine, n_in=len(_CONTRACTED[field]), layout=layouts[field])
+        host = placer.host(hf_names, axes, combine)
+        if field in _NORMS:
+            return norm(host, axes)
+        if w8a8 and field in _CONTRACTED:
+            return placer.put_quantized(host, axes, _CONTRACTED[field])
+        return placer.put(host, axes)
+
+    def expert_weight(field: str, hf_names: tuple[str, ...], axes: tuple, combine: Combine | None) -> Weight:
+        if isinstance(placer, _NarrowPlacer) and field in _EXPERT_MATMULS:
+            n_lead = 1 if axes[0].name == "experts" else 0
+            return placer.narrow(hf_names, axes, combine, n_in=1, n_lead=n_lead, layout=layouts[field])
+        return placer.put(placer.host(hf_names, axes, combine), axes)
 
     def layer(i: int) -> DecoderLayer:
         fields: dict[str, object] = {
             field: weight(field, tuple(f"model.layers.{i}.{s}" for s in suffixes), axes, combine)
             for field, (suffixes, axes, combine) in table.items()
         }
-        if moe_table:  # experts stay in the model dtype, whatever the quantization (docs/design/models.md)
+        if moe_table:  # under w8a8 the experts stay in the model dtype (docs/design/models.md)
             fields["moe"] = MoeBlock(
                 **{
-                    field: placer.put(
-                        placer.host(tuple(f"model.layers.{i}.{s}" for s in suffixes), axes, combine), axes
-                    )
+                    field: expert_weight(field, tuple(f"model.layers.{i}.{s}" for s in suffixes), axes, combine)
                     for field, (suffixes, axes, combine) in moe_table.items()
                 }
             )
         return DecoderLayer(**fields)  # type: ignore[arg-type]
 
     layers = tuple(layer(i) for i in range(spec.num_layers))
-    embed_host = placer.host(("model.embed_tokens.weight",), (ax.Vocab, ax.Embed))
+    embed: Weight
     lm_head: Weight | None = None
-    if not spec.tie_word_embeddings:
-        head_host = placer.host(("lm_head.weight",), (ax.Embed, ax.Vocab), np.transpose)
-        lm_head = (
-            placer.put_quantized(head_host, (ax.Embed, ax.Vocab), (0,))
-            if int8
-            else placer.put(head_host, (ax.Embed, ax.Vocab))
-        )
-    elif int8:  # tied: the lookup keeps the float table, the head gets an int8 copy
-        lm_head = placer.put_quantized(embed_host, (ax.Vocab, ax.Embed), (1,))
+    if isinstance(placer, _NarrowPlacer):
+        # One narrow table (embed | vocab) serves the lookup (rows dequantized) and, tied, the head.
+        def narrow_table(name: str) -> NarrowWeight:
+            layout = placer.plan([(name,)])
+            return placer.narrow((name,), (ax.Embed, ax.Vocab), np.transpose, n_in=1, layout=layout)
+
+        embed = narrow_table("model.embed_tokens.weight")
+        lm_head = None if spec.tie_word_embeddings else narrow_table("lm_head.weight")
+    else:
+        embed_host = placer.host(("model.embed_tokens.weight",), (ax.Vocab, ax.Embed))
+        if not spec.tie_word_embeddings:
+            head_host = placer.host(("lm_head.weight",), (ax.Embed, ax.Vocab), np.transpose)
+            lm_head = (
+                placer.put_quantized(head_host, (ax.Embed, ax.Vocab), (0,))
+                if w8a8
+                else placer.put(head_host, (ax.Embed, ax.Vocab))
+            )
+        elif w8a8:  # tied: the lookup keeps the float table, the head gets an int8 copy
+            lm_head = placer.put_quantized(embed_host, (ax.Vocab, ax.Embed), (1,))
+        embed = placer.put(embed_host, (ax.Vocab, ax.Embed))
     return LlamaModel(
         spec=spec,
         attention_backend=attention_backend,
-        embed=placer.put(embed_host, (ax.Vocab, ax.Embed)),
+        embed=embed,
         layers=layers,
         final_norm=norm(placer.host(("model.norm.weight",), (ax.Embed,)), (ax.Embed,)),
         lm_head=lm_head,

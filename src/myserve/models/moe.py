@@ -28,19 +28,24 @@ from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 from myserve.models.axes import BATCH, POS
+from myserve.models.narrow import NarrowWeight
 from myserve.models.sharding import axis_mapping
 from myserve.models.spec import ModelSpec
+from myserve.ops.dequant import StackedNarrow
 from myserve.ops.moe import expert_mlp, grouped_impl, route
+
+Experts = jax.Array | StackedNarrow
+"""A layer's stacked expert weights as the grouped matmul takes them: float, or narrow."""
 
 
 class MoeBlock(eqx.Module):
     """One layer's experts: the router, the routed experts' weights, and the optional shared expert."""
 
     router: NamedArray  # (embed, routes)
-    gate_up: NamedArray  # (experts, embed, gate_up, expert_mlp)
-    down: NamedArray  # (experts, expert_mlp, embed)
-    shared_gate_up: NamedArray | None = None  # (embed, gate_up, shared_mlp)
-    shared_down: NamedArray | None = None  # (shared_mlp, embed)
+    gate_up: NamedArray | NarrowWeight  # (experts, embed, gate_up, expert_mlp)
+    down: NamedArray | NarrowWeight  # (experts, expert_mlp, embed)
+    shared_gate_up: NamedArray | NarrowWeight | None = None  # (embed, gate_up, shared_mlp)
+    shared_down: NamedArray | NarrowWeight | None = None  # (shared_mlp, embed)
     shared_gate: NamedArray | None = None  # (embed,)
 
 
@@ -53,14 +58,38 @@ def moe_mlp(spec: ModelSpec, block: MoeBlock, h: NamedArray, mesh: Mesh | Abstra
     # transformers projects to router logits in the model dtype, then softmaxes in float32.
     logits = jnp.dot(x, block.router.rearrange(("embed", "routes")).array)
     weights, ids = route(logits, spec.experts_per_token, spec.norm_topk_prob)
-    gate_up = block.gate_up.rearrange(("experts", "embed", "gate_up", "expert_mlp")).array
-    down = block.down.rearrange(("experts", "expert_mlp", "embed")).array
+    gate_up = _experts(block.gate_up, ("experts", "embed", "gate_up", "expert_mlp"), x.dtype)
+    down = _experts(block.down, ("experts", "expert_mlp", "embed"), x.dtype)
     y = _routed_experts(spec, x, ids, weights, gate_up, down, mesh).astype(x.dtype)
     if block.shared_gate_up is not None and block.shared_down is not None and block.shared_gate is not None:
-        gu = jnp.einsum("th,hgi->tgi", x, block.shared_gate_up.rearrange(("embed", "gate_up", "shared_mlp")).array)
-        shared = jnp.dot(jax.nn.silu(gu[:, 0]) * gu[:, 1], block.shared_down.rearrange(("shared_mlp", "embed")).array)
+        gu = jnp.einsum("th,hgi->tgi", x, _dense(block.shared_gate_up, ("embed", "gate_up", "shared_mlp")))
+        shared = jnp.dot(jax.nn.silu(gu[:, 0]) * gu[:, 1], _dense(block.shared_down, ("shared_mlp", "embed")))
         y = y + jax.nn.sigmoid(jnp.dot(x, block.shared_gate.array))[:, None] * shared
     return hax.named(y.reshape(b, t, dim), hr.axes)
+
+
+def _experts(w: NamedArray | NarrowWeight, axes: tuple[str, ...], dtype: jnp.dtype) -> Experts:
+    """A stack of experts' weights as raw arrays in the order ``axes``; narrow ones stay narrow
+    (their codes are laid out experts, groups, group, then the output axes, as loaded)."""
+    if isinstance(w, NarrowWeight):
+        offset = None if w.offset is None else w.offset.array
+        return StackedNarrow(w.codes.array, w.scale.array, offset, w.bits, len(w.out_axes), dtype)
+    return w.rearrange(axes).array
+
+
+def _dense(w: NamedArray | NarrowWeight, axes: tuple[str, ...]) -> jax.Array:
+    """A shared expert's weight as a raw array in the order ``axes`` (narrow: dequantized)."""
+    return (w.dequantize() if isinstance(w, NarrowWeight) else w).rearrange(axes).array
+
+
+def _specs(w: Experts, spec: P, groups: str | None) -> Experts | P:
+    """``shard_map``'s in_spec of a stack of experts whose float form shards as ``spec``
+    (experts, contracted, *out): narrow codes and scales shard their groups like the contracted axis."""
+    if not isinstance(w, StackedNarrow):
+        return spec
+    scale = P(spec[0], groups, *spec[2:])
+    codes = P(spec[0], groups, None, *spec[2:])
+    return StackedNarrow(codes, scale, None if w.offset is None else scale, w.bits, w.n_out, w.dtype)  # type: ignore[arg-type]
 
 
 def _routed_experts(
@@ -68,8 +97,8 @@ def _routed_experts(
     x: jax.Array,
     ids: jax.Array,
     weights: jax.Array,
-    gate_up: jax.Array,
-    down: jax.Array,
+    gate_up: Experts,
+    down: Experts,
     mesh: Mesh | AbstractMesh | None,
 ) -> jax.Array:
     """The routed experts' float32 output [T, embed], per device under ``shard_map`` when the
@@ -86,7 +115,7 @@ def _routed_experts(
     local_experts = spec.num_experts // (mesh.shape[experts_axis] if experts_axis else 1)
     summed = tuple(a for a in (experts_axis, width_axis) if a is not None)
 
-    def per_device(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    def per_device(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: Experts, down: Experts) -> jax.Array:
         first = jax.lax.axis_index(experts_axis) * local_experts if experts_axis else 0
         part = expert_mlp(x, ids, weights, gate_up, down, jax.nn.silu, first_expert=first, impl=impl)
         return jax.lax.psum(part, summed)
@@ -94,7 +123,13 @@ def _routed_experts(
     return jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(P(), P(), P(), P(experts_axis, None, None, width_axis), P(experts_axis, width_axis, None)),
+        in_specs=(
+            P(),
+            P(),
+            P(),
+            _specs(gate_up, P(experts_axis, None, None, width_axis), None),
+            _specs(down, P(experts_axis, width_axis, None), width_axis),
+        ),
         out_specs=P(),
         check_vma=False,
     )(x, ids, weights, gate_up, down)

@@ -1,4 +1,4 @@
-"""int8 weight and activation quantization (W8A8) for the model's matmuls.
+"""int8 weight and activation quantization (W8A8, ``model.quantization: w8a8``) for the model's matmuls.
 
 Weights are quantized once at load time, symmetric per output channel: ``w = q * scale`` with
 ``q`` int8 and ``scale`` = max |w| over the contracted axes / 127. Activations are quantized on the
@@ -19,6 +19,8 @@ import haliax as hax
 import jax.numpy as jnp
 import numpy as np
 from haliax import Axis, NamedArray
+
+from myserve.models.narrow import NarrowWeight
 
 MIN_ROWS = 8
 """Smallest row count worth giving an int8 matmul (fewer rows take a much slower kernel)."""
@@ -50,8 +52,8 @@ def quantize(w: np.ndarray, contracted: tuple[int, ...]) -> tuple[np.ndarray, np
     return q, np.squeeze(scale, axis=contracted)
 
 
-def linear(x: NamedArray, w: NamedArray | QuantizedWeight, axis: Axis | tuple[Axis, ...]) -> NamedArray:
-    """``x`` contracted with a float or quantized weight over ``axis``."""
-    if isinstance(w, QuantizedWeight):
+def linear(x: NamedArray, w: NamedArray | QuantizedWeight | NarrowWeight, axis: Axis | tuple[Axis, ...]) -> NamedArray:
+    """``x`` contracted with a float, W8A8 or narrow (weight-only) weight over ``axis``."""
+    if isinstance(w, QuantizedWeight | NarrowWeight):
         return w.matmul(x, axis)
     return hax.dot(x, w, axis=axis)

@@ -34,6 +34,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from myserve.ops.dequant import StackedNarrow
+
 GroupedImpl = Literal["ragged_dot", "loop"]
 
 MAX_BLOCK_ROWS = 256
@@ -67,8 +69,8 @@ def expert_mlp(
     x: jax.Array,
     ids: jax.Array,
     weights: jax.Array,
-    gate_up: jax.Array,
-    down: jax.Array,
+    gate_up: jax.Array | StackedNarrow,
+    down: jax.Array | StackedNarrow,
     act: Callable[[jax.Array], jax.Array],
     *,
     first_expert: int | jax.Array = 0,
@@ -78,12 +80,12 @@ def expert_mlp(
     over the assignments whose expert is among ``gate_up``'s.
 
     ``x`` [T, H]; ``ids``, ``weights`` [T, k] from ``route``; ``gate_up`` [E, H, 2, I] (gate, up)
-    and ``down`` [E, I, H]: experts ``first_expert .. first_expert + E - 1``; ``act`` the gate's
-    activation. Returns float32 [T, H].
+    and ``down`` [E, I, H]: experts ``first_expert .. first_expert + E - 1``, float or narrow
+    (``StackedNarrow``: each expert dequantized when it runs); ``act`` the gate's activation.
+    Returns float32 [T, H].
     """
     t, k = ids.shape
-    e = gate_up.shape[0]
-    gate_up, down = jnp.asarray(gate_up), jnp.asarray(down)
+    e = _num_experts(gate_up)
     local = ids.reshape(-1) - first_expert
     # Assignments to other devices' experts form group ``e``, sorted after every local group.
     group = jnp.where((local >= 0) & (local < e), local, e)
@@ -102,19 +104,23 @@ def expert_mlp(
     return jnp.zeros((t + 1, x.shape[1]), jnp.float32).at[rows].add(y)[:t]
 
 
+def _num_experts(w: jax.Array | StackedNarrow) -> int:
+    return w.num if isinstance(w, StackedNarrow) else int(w.shape[0])
+
+
 def _expert_loop(
     x: jax.Array,
     token: jax.Array,
     sizes: jax.Array,
-    gate_up: jax.Array,
-    down: jax.Array,
+    gate_up: jax.Array | StackedNarrow,
+    down: jax.Array | StackedNarrow,
     act: Callable[[jax.Array], jax.Array],
 ) -> jax.Array:
     """Both matmuls expert by expert (a ``fori_loop``; experts without rows skipped), each expert's
     rows in blocks of ``B``: every used expert's weights are read once per step. Returns the sorted
     rows' outputs [n, H] float32 (rows past the local groups: zeros)."""
     t, hdim = x.shape
-    e = gate_up.shape[0]
+    e = _num_experts(gate_up)
     n = token.shape[0]
     b = block_rows(n, e)
     # The sorted rows, plus B zero rows so that a block starting near the end stays in bounds.
@@ -144,9 +150,17 @@ def _expert_loop(
 
 
 def _ragged(
-    xs: jax.Array, gate_up: jax.Array, down: jax.Array, sizes: jax.Array, act: Callable[[jax.Array], jax.Array]
+    xs: jax.Array,
+    gate_up: jax.Array | StackedNarrow,
+    down: jax.Array | StackedNarrow,
+    sizes: jax.Array,
+    act: Callable[[jax.Array], jax.Array],
 ) -> jax.Array:
-    """Both matmuls as ``lax.ragged_dot`` over rows sorted by expert (rows past the groups give 0)."""
+    """Both matmuls as ``lax.ragged_dot`` over rows sorted by expert (rows past the groups give 0).
+    Narrow experts are dequantized whole first: the stack widens inside the step (a grouped
+    matmul kernel reading narrow experts is future work)."""
+    gate_up = gate_up.full() if isinstance(gate_up, StackedNarrow) else gate_up
+    down = down.full() if isinstance(down, StackedNarrow) else down
     e, h, _, i = gate_up.shape
     gu = jax.lax.ragged_dot(xs, gate_up.reshape(e, h, 2 * i), sizes, preferred_element_type=jnp.float32)
     gu = gu.reshape(-1, 2, i)

@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from myserve.config import Config
 from myserve.errors import ConfigError
 from myserve.models.checkpoint import resolve_checkpoint
+from myserve.models.gguf import resolve_quantization
 from myserve.models.llama import LlamaModel
 from myserve.models.loading import TensorSource, load_model, open_source
 from myserve.models.quant import MIN_ROWS
@@ -112,6 +113,8 @@ class Deployment:
             )
         mapping = axis_mapping(spec, mesh)
         dtype = resolve_dtype(config.model.dtype)
+        quantization = resolve_quantization(config.model.quantization, source, jax.default_backend())
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, quantization=quantization))
         backend = resolve_backend(
             config.engine.attention_backend,  # type: ignore[arg-type]
             num_heads=spec.num_heads,
@@ -140,7 +143,7 @@ class Deployment:
             spec.model_type,
             spec.num_layers,
             dtype.name,
-            "" if config.model.quantization == "none" else f" with {config.model.quantization} matmuls",
+            "" if quantization == "none" else f" with {quantization} weights",
             dict(mesh.shape),
             backend,
             time.perf_counter() - t0,
@@ -202,6 +205,6 @@ def _prebuild(
 
 
 def step_buckets(config: Config, max_model_len: int) -> Buckets:
-    """A deployment's step shapes (``Buckets.from_config``); int8 steps are at least MIN_ROWS tokens."""
-    min_tokens = MIN_ROWS if config.model.quantization == "int8" else 1
+    """A deployment's step shapes (``Buckets.from_config``); w8a8 steps are at least MIN_ROWS tokens."""
+    min_tokens = MIN_ROWS if config.model.quantization == "w8a8" else 1
     return Buckets.from_config(config.engine, max_model_len, min_tokens)

@@ -117,8 +117,8 @@ class Executor:
         self.cache_sharding = kv_cache_sharding(mapping, mesh, backend)
         # Penalty state is small next to the cache: replicated, so every row's slot is local.
         self.replicated = replicated(mesh)
-        dtype, vocab = model.embed.array.dtype, model.spec.vocab_size
-        abstract = isinstance(model.embed.array, jax.ShapeDtypeStruct)  # shapes and shardings only
+        dtype, vocab = model.dtype, model.spec.vocab_size
+        abstract = model.is_abstract  # shapes and shardings only
 
         def place(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> Any:
             if abstract:
