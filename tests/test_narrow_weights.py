@@ -196,3 +196,14 @@ def test_one_billion_shaped_model_bytes() -> None:
     # int4 1/8 + a 4-byte scale and offset per group of 128 = 0.140625.
     assert 0.25 <= sizes["int8"] / sizes["none"] <= 0.25 * 1.05
     assert 0.140625 * 0.99 <= sizes["int4"] / sizes["none"] <= 0.140625 * 1.05
+
+
+def test_the_quantization_flag(capsys) -> None:
+    from myserve import serve
+
+    assert serve.config_from_args(serve.parse_args([])).model.quantization == "auto"
+    assert serve.config_from_args(serve.parse_args(["--quantization", "int4"])).model.quantization == "int4"
+    assert serve.config_from_args(serve.parse_args(["-q", "w8a8"])).model.quantization == "w8a8"
+    with pytest.raises(SystemExit) as e:
+        serve.parse_args(["--quantization", "int3"])
+    assert e.value.code == 2 and "invalid choice: 'int3'" in capsys.readouterr().err

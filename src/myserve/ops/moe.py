@@ -86,6 +86,8 @@ def expert_mlp(
     """
     t, k = ids.shape
     e = _num_experts(gate_up)
+    gate_up = gate_up if isinstance(gate_up, StackedNarrow) else jnp.asarray(gate_up)
+    down = down if isinstance(down, StackedNarrow) else jnp.asarray(down)
     local = ids.reshape(-1) - first_expert
     # Assignments to other devices' experts form group ``e``, sorted after every local group.
     group = jnp.where((local >= 0) & (local < e), local, e)
