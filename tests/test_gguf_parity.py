@@ -26,28 +26,19 @@ def _hf_greedy(hf_gguf_model, ids: list[int], tok: Tokenizer) -> list[int]:  # n
 
 
 @pytest.mark.slow
-def test_greedy_32_tokens_of_the_blocks_kept_4_bit_match_transformers(smollm2, hf_gguf_model) -> None:
-    """``model.quantization: int4`` keeps the file's Q4_1 blocks (and its Q8_0 table) narrow on
-    device; widened inside each matmul they are the very weights transformers dequantizes, so greedy
-    output is the same token for token."""
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_greedy_32_tokens_match_transformers(smollm2, hf_gguf_model, quantization: str) -> None:
+    """Float32, and ``int4``: the file's Q4_1 blocks (and its Q8_0 table) kept narrow on device;
+    widened inside each matmul they are the very weights transformers dequantizes, so greedy output
+    is the same token for token."""
     from myserve.models.checkpoint import resolve_checkpoint
     from myserve.models.loading import load_model, open_source
     from myserve.models.narrow import NarrowWeight
 
-    _, mesh, mapping = smollm2
-    model = load_model(open_source(resolve_checkpoint(None)), mesh, mapping, quantization="int4")
-    assert isinstance(model.layers[0].qkv_proj, NarrowWeight) and model.layers[0].qkv_proj.bits == 4
-    tok = Tokenizer.load(bundled_gguf_path())
-    for prompt in PARITY_PROMPTS:
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}])
-        ours = greedy_generate(model, ids, 32, mesh=mesh, mapping=mapping, eos_ids=tok.eos_token_ids)
-        theirs = _hf_greedy(hf_gguf_model, ids, tok)
-        assert ours == theirs, (prompt, tok.decode(ours), tok.decode(theirs))
-
-
-@pytest.mark.slow
-def test_greedy_32_tokens_match_transformers(smollm2, hf_gguf_model) -> None:
     model, mesh, mapping = smollm2
+    if quantization != "none":
+        model = load_model(open_source(resolve_checkpoint(None)), mesh, mapping, quantization=quantization)
+        assert isinstance(model.layers[0].qkv_proj, NarrowWeight) and model.layers[0].qkv_proj.bits == 4
     tok = Tokenizer.load(bundled_gguf_path())
     for prompt in PARITY_PROMPTS:
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}])

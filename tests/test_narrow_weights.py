@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from test_gguf_blocks import random_tensor
 
+from myserve.bench.random_checkpoint import SHAPES
 from myserve.models.checkpoint import resolve_checkpoint
 from myserve.models.gguf import KEPT_LAYOUTS, GGUFSource, resolve_quantization
 from myserve.models.gguf_blocks import read_blocks
@@ -171,19 +172,7 @@ def test_auto_is_float_on_cpu_and_the_files_blocks_elsewhere(tiny_checkpoints) -
 def test_one_billion_shaped_model_bytes() -> None:
     """Weights of a Llama-3.2-1B-shaped model, from shapes alone (abstract): int8 about 1/4 and
     int4 about 1/8 of float32 plus scales (the figures docs/performance.md reports)."""
-    cfg = dict(
-        model_type="llama",
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        head_dim=64,
-    )
+    cfg = dict(model_type="llama", **SHAPES["llama-3.2-1b"])
     source = SimpleNamespace(spec=spec_from_hf_config(cfg, "1b"), has=lambda name: False)
     mesh = make_mesh(1, 1)
     mapping = axis_mapping(source.spec, mesh)
