@@ -92,10 +92,30 @@ def _narrow_weights(model) -> list[NarrowWeight]:  # noqa: ANN001
     return [w for w in leaves if isinstance(w, NarrowWeight)]
 
 
+def _ideal(model, bits: int) -> int:  # noqa: ANN001
+    """Bytes the weights need: each narrow weight's codes at its width plus a float32 scale per group
+    (and an offset for 4-bit), every other leaf as it is. The table (and head) keep 8 bits per
+    output channel under int4."""
+    total = 0
+    for w in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, NarrowWeight)):
+        if not isinstance(w, NarrowWeight):
+            total += w.size * w.dtype.itemsize
+            continue
+        numel = int(np.prod([a.size for a in (*w.lead_axes, *w.in_axes, *w.out_axes)]))
+        k = int(np.prod([a.size for a in w.in_axes]))
+        table = "vocab" in {a.name for a in w.out_axes}
+        assert w.bits == (8 if table else bits)
+        group = k if w.bits == 8 else group_size(k, 1, 128)
+        ideal = ideal_bytes(numel, w.bits, group, 4, w.bits == 4)
+        assert w.nbytes == ideal
+        total += ideal
+    return total
+
+
 @pytest.mark.parametrize("quantization, bits", [("int8", 8), ("int4", 4)])
 def test_device_bytes_are_those_of_the_codes_and_scales(tiny_checkpoints, quantization, bits) -> None:
     """Every matmul weight, the head and the table narrow; the device holds within 5 % of the ideal
-    (codes at ``bits``, one float32 scale per group, an offset for int4) plus the float norms."""
+    (codes at their width, one float32 scale per group, an offset for int4) plus the float norms."""
     source = open_source(resolve_checkpoint(str(tiny_checkpoints["llama3"])))
     mesh = make_mesh(1, 1)
     mapping = axis_mapping(source.spec, mesh)
@@ -104,16 +124,9 @@ def test_device_bytes_are_those_of_the_codes_and_scales(tiny_checkpoints, quanti
     narrow = _narrow_weights(model)
     # qkv, o, gate_up, down per layer; the table, and the head unless tied
     assert len(narrow) == 4 * source.spec.num_layers + (1 if source.spec.tie_word_embeddings else 2)
-    ideal = 0
-    for w in narrow:
-        numel = int(np.prod([a.size for a in (*w.in_axes, *w.out_axes)]))
-        k = int(np.prod([a.size for a in w.in_axes]))
-        group = k if bits == 8 else group_size(k, 1, 128)
-        ideal += ideal_bytes(numel, bits, group, 4, bits == 4)
-        assert w.bits == bits and w.nbytes == ideal_bytes(numel, bits, group, 4, bits == 4)
-    floats = sum(_bytes(x) for x in jax.tree.leaves(model) if x.dtype == np.float32 and x.ndim == 1)
-    assert _bytes(model) <= 1.05 * (ideal + floats)
-    print(f"{quantization}: {_bytes(model)} bytes on device, {_bytes(full)} in float32, ideal {ideal + floats}")
+    ideal = _ideal(model, bits)
+    assert _bytes(model) <= 1.05 * ideal
+    print(f"{quantization}: {_bytes(model)} bytes on device, {_bytes(full)} in float32, ideal {ideal}")
 
 
 def test_bundled_gguf_keeps_its_blocks_as_stored() -> None:
@@ -176,15 +189,14 @@ def test_one_billion_shaped_model_bytes() -> None:
     source = SimpleNamespace(spec=spec_from_hf_config(cfg, "1b"), has=lambda name: False)
     mesh = make_mesh(1, 1)
     mapping = axis_mapping(source.spec, mesh)
-    sizes = {
-        q: _bytes(load_model(source, mesh, mapping, quantization=q, abstract=True))  # type: ignore[arg-type]
-        for q in ("none", "int8", "int4")
-    }
+    models = {q: load_model(source, mesh, mapping, quantization=q, abstract=True) for q in ("none", "int8", "int4")}  # type: ignore[arg-type]
+    sizes = {q: _bytes(m) for q, m in models.items()}
     print({q: f"{b / 2**20:.0f} MiB ({b / sizes['none']:.4f} of float32)" for q, b in sizes.items()})
-    # Ideal per float32 byte: int8 1/4 + a 4-byte scale per output channel (K = 2048 or 8192);
-    # int4 1/8 + a 4-byte scale and offset per group of 128 = 0.140625.
+    # int8: 1/4 + a scale per output channel. int4: 1/8 + a scale and offset per 128 for the layers,
+    # the 128256 x 2048 table (a fifth of the parameters) int8 per channel.
     assert 0.25 <= sizes["int8"] / sizes["none"] <= 0.25 * 1.05
-    assert 0.140625 * 0.99 <= sizes["int4"] / sizes["none"] <= 0.140625 * 1.05
+    for q, bits in (("int8", 8), ("int4", 4)):
+        assert sizes[q] <= 1.05 * _ideal(models[q], bits)
 
 
 def test_the_quantization_flag(capsys) -> None:
@@ -196,3 +208,22 @@ def test_the_quantization_flag(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         serve.parse_args(["--quantization", "int3"])
     assert e.value.code == 2 and "invalid choice: 'int3'" in capsys.readouterr().err
+
+
+def test_the_group_size_of_weights_quantized_at_load(tiny_checkpoints) -> None:
+    from myserve.config import load_config
+    from myserve.errors import ConfigError
+
+    source = open_source(resolve_checkpoint(str(tiny_checkpoints["llama3"])))
+    mesh = make_mesh(1, 1)
+    mapping = axis_mapping(source.spec, mesh)
+    for bits, group, groups in (("int8", None, 1), ("int8", 32, 2), ("int4", None, 1), ("int4", 16, 4)):
+        model = load_model(source, mesh, mapping, quantization=bits, group_size=group)
+        down = model.layers[0].down_proj  # K = intermediate 128: int4's 128 is one group
+        qkv = model.layers[0].qkv_proj  # K = hidden 64
+        assert isinstance(qkv, NarrowWeight) and isinstance(down, NarrowWeight)
+        assert qkv.scale.array.shape[0] == groups, (bits, group)
+        assert down.scale.array.shape[0] == 128 // (group or 128)
+    assert load_config(None, ["model.quantization_group_size=32"]).model.quantization_group_size == 32
+    with pytest.raises(ConfigError, match="quantization_group_size 3"):
+        load_config(None, ["model.quantization_group_size=3"])

@@ -61,6 +61,9 @@ class ModelConfig:
     table, a GGUF file's Q8_0 / Q6_K blocks as int8 and Q4_0 / Q4_1 / Q4_K as int4 as stored; w8a8:
     int8 weights and per-token int8 activations on the dense matmuls; none: the model dtype. auto =
     none on CPU (fastest there, docs/performance.md), and on TPU/GPU a GGUF file's blocks as stored."""
+    quantization_group_size: int | None = None
+    """Elements per scale of int8/int4 weights quantized at load (an even number; GGUF blocks keep
+    their own); null = one per output channel for int8, 128 for int4."""
     task: str = "generate"
     """generate (chat, completions, responses), embed (/v1/embeddings only: no LM head nor sampler in
     its steps) or generate+embed (both, in the same steps)."""
@@ -78,6 +81,11 @@ class ModelConfig:
             check_not_empty(f"model.{name}", getattr(self, name))
         check_choice("model.dtype", self.dtype, DTYPES)
         check_choice("model.quantization", self.quantization, QUANTIZATIONS)
+        group = self.quantization_group_size
+        check(
+            group is None or (group >= 2 and group % 2 == 0),
+            f"model.quantization_group_size {group}: need an even number >= 2",
+        )
         check_choice("model.task", self.task, TASKS)
         check_choice("model.pooling", self.pooling, POOLINGS)
         if self.max_model_len is not None:

@@ -19,7 +19,14 @@ from jax.sharding import Mesh
 
 from myserve.errors import CheckpointError
 from myserve.models.narrow import GROUP_AXIS, NarrowWeight
-from myserve.models.narrow_host import INT4_GROUP, BlockLayout, HostNarrow, from_blocks, group_size, layout_of
+from myserve.models.narrow_host import (
+    INT4_GROUP,
+    BlockLayout,
+    HostNarrow,
+    from_blocks,
+    group_size,
+    layout_of,
+)
 from myserve.models.narrow_host import quantize as quantize_narrow
 from myserve.models.quant import QuantizedWeight, quantize
 from myserve.models.sharding import MeshAxes, named_sharding
@@ -103,9 +110,9 @@ class NarrowPlacer(Placer):
     """Places matmul weights as ``NarrowWeight``s (``model.quantization: int8 | int4``): GGUF blocks
     of a kept type as the file holds them, anything else quantized from float here."""
 
-    def __init__(self, *args: object, bits: int, **kwargs: object):
+    def __init__(self, *args: object, bits: int, group: int | None = None, **kwargs: object):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.bits = bits
+        self.bits, self.group = bits, group
 
     def plan(self, every_layer: Sequence[tuple[str, ...]]) -> BlockLayout | None:
         """One layout for a field over all the layers it is read from (so every layer has the same
@@ -124,18 +131,21 @@ class NarrowPlacer(Placer):
         n_in: int,
         n_lead: int = 0,
         layout: BlockLayout | None = None,
+        min_bits: int = 4,
     ) -> NarrowWeight:
         """Read, quantize or repack, and place one matmul weight whose axes are ``(*lead, *in, *out)``;
-        ``layout``: the blocks' layout (``plan``), None to quantize from float."""
+        ``layout``: the blocks' layout (``plan``), None to quantize from float, to at least
+        ``min_bits``."""
         lead, in_axes, out = axes[:n_lead], axes[n_lead : n_lead + n_in], axes[n_lead + n_in :]
         k = int(np.prod([a.size for a in in_axes]))
         read_blocks = getattr(self.source, "read_blocks", None)
         if layout is not None:
             bits, group, offset, scale_dtype = layout.bits, layout.group, layout.offset, layout.scale_dtype
         else:
-            bits, offset, scale_dtype = self.bits, self.bits == 4, np.dtype(np.float32)
+            bits = max(self.bits, min_bits)
+            offset, scale_dtype = bits == 4, np.dtype(np.float32)
             shards = _axis_devices(self.mapping, self.mesh, in_axes[0].name)
-            group = k // shards if bits == 8 else group_size(k, shards, INT4_GROUP)
+            group = group_size(k, shards, self.group or (k if bits == 8 else INT4_GROUP))  # int8: per channel
         if self.abstract:
             host = HostNarrow(
                 np.broadcast_to(np.zeros((), np.int8 if bits == 8 else np.uint8), ()),

@@ -134,7 +134,10 @@ class Deployment:
             )
             # Each data-parallel replica reads its own copy onto its devices (per tensor, never whole).
             models = tuple(
-                load_model(source, m, mapping, dtype, backend, config.model.quantization) for m in replica_meshes(mesh)
+                load_model(
+                    source, m, mapping, dtype, backend, quantization, group_size=config.model.quantization_group_size
+                )
+                for m in replica_meshes(mesh)
             )
             tokenizer = tokenizer_future.result()
         logger.info(
@@ -198,7 +201,16 @@ def _prebuild(
     pool = ThreadPoolExecutor(1, thread_name_prefix="prebuild")
     futures = []
     for replica_mesh in replica_meshes(mesh):
-        model = load_model(source, replica_mesh, mapping, dtype, backend, config.model.quantization, abstract=True)
+        model = load_model(
+            source,
+            replica_mesh,
+            mapping,
+            dtype,
+            backend,
+            config.model.quantization,
+            abstract=True,
+            group_size=config.model.quantization_group_size,
+        )
         futures.append(pool.submit(executor_for(config, model, replica_mesh, mapping).build_all, shapes))
     pool.shutdown(wait=False)  # the thread ends when its builds are done
     return tuple(futures)
