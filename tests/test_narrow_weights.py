@@ -94,8 +94,8 @@ def _narrow_weights(model) -> list[NarrowWeight]:  # noqa: ANN001
 
 def _ideal(model, bits: int) -> int:  # noqa: ANN001
     """Bytes the weights need: each narrow weight's codes at its width plus a float32 scale per group
-    (and an offset for 4-bit), every other leaf as it is. The table (and head) keep 8 bits per
-    output channel under int4."""
+    of 128 (and an offset for 4-bit), every other leaf as it is. The table (and head) keep 8 bits
+    under int4."""
     total = 0
     for w in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, NarrowWeight)):
         if not isinstance(w, NarrowWeight):
@@ -105,7 +105,7 @@ def _ideal(model, bits: int) -> int:  # noqa: ANN001
         k = int(np.prod([a.size for a in w.in_axes]))
         table = "vocab" in {a.name for a in w.out_axes}
         assert w.bits == (8 if table else bits)
-        group = k if w.bits == 8 else group_size(k, 1, 128)
+        group = group_size(k, 1, 128)
         ideal = ideal_bytes(numel, w.bits, group, 4, w.bits == 4)
         assert w.nbytes == ideal
         total += ideal
@@ -192,8 +192,8 @@ def test_one_billion_shaped_model_bytes() -> None:
     models = {q: load_model(source, mesh, mapping, quantization=q, abstract=True) for q in ("none", "int8", "int4")}  # type: ignore[arg-type]
     sizes = {q: _bytes(m) for q, m in models.items()}
     print({q: f"{b / 2**20:.0f} MiB ({b / sizes['none']:.4f} of float32)" for q, b in sizes.items()})
-    # int8: 1/4 + a scale per output channel. int4: 1/8 + a scale and offset per 128 for the layers,
-    # the 128256 x 2048 table (a fifth of the parameters) int8 per channel.
+    # int8: 1/4 + a scale per 128. int4: 1/8 + a scale and offset per 128 for the layers, the
+    # 128256 x 2048 table (a fifth of the parameters) int8.
     assert 0.25 <= sizes["int8"] / sizes["none"] <= 0.25 * 1.05
     for q, bits in (("int8", 8), ("int4", 4)):
         assert sizes[q] <= 1.05 * _ideal(models[q], bits)
@@ -217,13 +217,14 @@ def test_the_group_size_of_weights_quantized_at_load(tiny_checkpoints) -> None:
     source = open_source(resolve_checkpoint(str(tiny_checkpoints["llama3"])))
     mesh = make_mesh(1, 1)
     mapping = axis_mapping(source.spec, mesh)
-    for bits, group, groups in (("int8", None, 1), ("int8", 32, 2), ("int4", None, 1), ("int4", 16, 4)):
+    for bits, group, groups in (("int8", 0, 1), ("int8", 32, 2), ("int4", 128, 1), ("int4", 16, 4)):
         model = load_model(source, mesh, mapping, quantization=bits, group_size=group)
-        down = model.layers[0].down_proj  # K = intermediate 128: int4's 128 is one group
+        down = model.layers[0].down_proj  # K = intermediate 128: the default 128 is one group
         qkv = model.layers[0].qkv_proj  # K = hidden 64
         assert isinstance(qkv, NarrowWeight) and isinstance(down, NarrowWeight)
         assert qkv.scale.array.shape[0] == groups, (bits, group)
         assert down.scale.array.shape[0] == 128 // (group or 128)
+    assert load_config(None, []).model.quantization_group_size == 128
     assert load_config(None, ["model.quantization_group_size=32"]).model.quantization_group_size == 32
     with pytest.raises(ConfigError, match="quantization_group_size 3"):
         load_config(None, ["model.quantization_group_size=3"])

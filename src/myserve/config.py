@@ -56,14 +56,14 @@ class ModelConfig:
     max_model_len: int | None = None
     """Longest sequence (prompt + completion) in tokens, >= 1; null = the model's max_position_embeddings."""
     quantization: str = "auto"
-    """Weights kept narrow on device (weight-only, dequantized inside each matmul): int8 (per output
-    channel) or int4 (groups of 128 with offsets) for every matmul, the LM head and the embedding
+    """Weights kept narrow on device (weight-only, dequantized inside each matmul): int8 (symmetric)
+    or int4 (with offsets), in groups of quantization_group_size, for every matmul, the LM head and the embedding
     table, a GGUF file's Q8_0 / Q6_K blocks as int8 and Q4_0 / Q4_1 / Q4_K as int4 as stored; w8a8:
     int8 weights and per-token int8 activations on the dense matmuls; none: the model dtype. auto =
     none on CPU (fastest there, docs/performance.md), and on TPU/GPU a GGUF file's blocks as stored."""
-    quantization_group_size: int | None = None
+    quantization_group_size: int = 128
     """Elements per scale of int8/int4 weights quantized at load (an even number; GGUF blocks keep
-    their own); null = one per output channel for int8, 128 for int4."""
+    their own), or 0: one scale per output channel."""
     task: str = "generate"
     """generate (chat, completions, responses), embed (/v1/embeddings only: no LM head nor sampler in
     its steps) or generate+embed (both, in the same steps)."""

@@ -220,7 +220,7 @@ def load_model(
     attention_backend: str = "reference",
     quantization: str = "none",
     abstract: bool = False,
-    group_size: int | None = None,
+    group_size: int = 128,
 ) -> LlamaModel:
     """Build a ``LlamaModel`` from a tensor source, every weight placed on ``mesh`` by ``mapping``.
 
@@ -229,7 +229,7 @@ def load_model(
     dense matmuls and the head as int8 with activations quantized per token (``models/quant.py``).
     ``abstract=True`` reads nothing: every weight is a ``jax.ShapeDtypeStruct`` with the sharding it
     would have (enough to lower the steps early). ``group_size``: elements per scale of weights
-    quantized here (None: per output channel for int8, 128 for int4).
+    quantized here (0: one per output channel).
     """
     spec = source.spec
     ax = ModelAxes.of(spec)

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from myserve.errors import CheckpointError
 from myserve.models.narrow import GROUP_AXIS, NarrowWeight
 from myserve.models.narrow_host import (
-    INT4_GROUP,
+    QUANT_GROUP,
     BlockLayout,
     HostNarrow,
     from_blocks,
@@ -110,7 +110,7 @@ class NarrowPlacer(Placer):
     """Places matmul weights as ``NarrowWeight``s (``model.quantization: int8 | int4``): GGUF blocks
     of a kept type as the file holds them, anything else quantized from float here."""
 
-    def __init__(self, *args: object, bits: int, group: int | None = None, **kwargs: object):
+    def __init__(self, *args: object, bits: int, group: int = QUANT_GROUP, **kwargs: object):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.bits, self.group = bits, group
 
@@ -145,7 +145,7 @@ class NarrowPlacer(Placer):
             bits = max(self.bits, min_bits)
             offset, scale_dtype = bits == 4, np.dtype(np.float32)
             shards = _axis_devices(self.mapping, self.mesh, in_axes[0].name)
-            group = group_size(k, shards, self.group or (k if bits == 8 else INT4_GROUP))  # int8: per channel
+            group = group_size(k, shards, self.group or k)  # 0: one group per output channel
         if self.abstract:
             host = HostNarrow(
                 np.broadcast_to(np.zeros((), np.int8 if bits == 8 else np.uint8), ()),
