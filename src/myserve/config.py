@@ -116,6 +116,11 @@ class EngineConfig:
     """Padded token counts of a step compiled at warmup (one executable each, per sampler
     variant): a step of decode tokens and prefill chunks runs in the smallest that holds it; the
     largest is always max_num_batched_tokens; empty = powers of two up to it."""
+    context_buckets: tuple[int, ...] = ()
+    """Context lengths (tokens) the attention's loop is compiled for, per token bucket: a step runs
+    the smallest that holds its longest context (the loop has a static length, so that no device
+    waits for its host). The smallest is built before ready, the others in the background right
+    after; empty = 512, then x4 up to max_model_len (which is always the last)."""
     enable_prefix_caching: bool = True
     """Reuse KV pages of identical prompt prefixes across requests."""
     async_scheduling: bool = True
@@ -140,6 +145,11 @@ class EngineConfig:
         check(
             all(b >= 1 for b in buckets) and buckets == sorted(set(buckets)),
             f"engine.token_buckets must be increasing positive integers, got {buckets}",
+        )
+        contexts = list(self.context_buckets)
+        check(
+            all(c >= 1 for c in contexts) and contexts == sorted(set(contexts)),
+            f"engine.context_buckets must be increasing positive integers, got {contexts}",
         )
         check(
             not buckets or buckets[-1] <= self.max_num_batched_tokens,
@@ -297,7 +307,7 @@ class Config:
 REMOVED_KEYS = {
     "engine.batch_buckets": "removed: a step is one ragged batch of tokens; set engine.token_buckets instead",
     "engine.prefill_row_tokens": "removed: prefill chunks join decodes in one step; set engine.token_buckets",
-    "engine.page_buckets": "removed: page tables are full width (the attention reads the pages in use only)",
+    "engine.page_buckets": "removed: set engine.context_buckets (context lengths the attention is compiled for)",
     "engine.layers_per_call": "removed: every layer runs in the one step executable; nothing replaces it",
     "engine.decode_steps": "removed: one step per dispatch; nothing replaces it",
 }

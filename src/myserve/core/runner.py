@@ -24,9 +24,9 @@ from myserve.core.sequence import Sequence as Seq
 from myserve.grammar import allocate_bitmask, fill_bitmask
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.device import Device
-from myserve.runtime.sampling_rows import CONSTRAINED, MAX_TOP_LOGPROBS, SLOT, SamplingRows
+from myserve.runtime.sampling_rows import CONSTRAINED, MAX_TOP_LOGPROBS, SLOT, SamplingRows, head_mode
 from myserve.runtime.step_layout import HostStep, Span, StepShape, layout
-from myserve.runtime.step_ops import SLOT_CHUNK, ClearSlot, CompileSteps, CopyPage, Op, StepCall, WriteSlot
+from myserve.runtime.step_ops import SLOT_CHUNK, ClearSlot, CopyPage, Op, StepCall, WriteSlot
 from myserve.wire import params as wire_params
 
 logger = logging.getLogger(__name__)
@@ -167,7 +167,8 @@ class ModelRunner:
             bitmask = allocate_bitmask(len(constrained), constrained[0][0].vocab_size)
             fill_bitmask([(m, k) for k, (m, _) in enumerate(constrained)], bitmask)
             packed.ints[rows, CONSTRAINED] = 1
-        return StepCall(host.pack(), shape, packed.ints, packed.floats, bitmask, rows)
+        mode = head_mode(packed.ints, packed.floats, len(sampling))
+        return StepCall(host.pack(), shape, packed.ints, packed.floats, bitmask, rows, mode, host.scored)
 
     def dispatch(self, planned: PlannedStep) -> PlannedStep:
         """Hand a planned step to the device (not awaited)."""
@@ -202,8 +203,11 @@ class ModelRunner:
         """Build the executable of every step shape (``CompileSteps``: compiled, or loaded from the
         persistent compilation cache), then the page copy and penalty-slot writers. The service
         counts what was compiled and what was loaded (``compile_counter``)."""
-        self.device.run([CompileSteps(tuple(self.buckets.shapes()))], progress)
+        now, later = self.buckets.compile_ops()
+        self.device.run([now], progress)
         zeros = np.zeros(SLOT_CHUNK, np.int32)
         slot = self.scratch_slot
         self.device.run([CopyPage(0, 0), ClearSlot(slot), WriteSlot(slot, zeros, 0, True)])
+        if later.shapes:  # the wider context buckets: built while serving, waited for if needed first
+            self.device.run([later])
         self.warmed_up = True

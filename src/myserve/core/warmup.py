@@ -27,7 +27,7 @@ def warm_up(
     """Build every runner's step shapes. ``progress(done, total)`` is told of each shape built; by
     default a tqdm bar shows it. ``since``: (perf_counter, compiled, loaded) when the builds began."""
     t0 = time.perf_counter()
-    per_runner = len(runners[0].buckets.shapes())
+    per_runner = runners[0].buckets.compile_ops()[0].count
     total = per_runner * len(runners)
     bar = None
     if progress is None:

@@ -7,18 +7,21 @@ decode rows on the GPU kernel when the batch is marked for it (``ops/gpu_attenti
 ``resolve_backend`` picks the implementation once per deployment.
 
 The reference reads each view's rows (``ops/ragged_batch.py``) in chunks of ``chunk_pages`` pages
-of their context with an online softmax (as flash attention does), in a ``fori_loop`` that stops
-after the step's longest context: page tables are full width (``max_model_len`` pages) and no
-page-width bucket is compiled. Rows are computed together, so a chunk costs the same for every row
-of a view; padding rows have ``kv_lens == 0``.
+of their context with an online softmax (as flash attention does), in a loop of static length: the
+page tables' width, which is the step's context bucket (``runtime/buckets.py``), divided by the
+chunk. The host picks the smallest context bucket holding the step's longest context, so the loop
+follows the context without a data-dependent trip count (on a GPU, that is one host round trip per
+iteration). Rows are computed together, so a chunk costs the same for every row of a view; padding
+rows have ``kv_lens == 0``.
 
 Causality is by absolute position: a query at position ``p`` sees cache slots ``<= p`` of its row
 (the cache already holds this step's keys), and ``< kv_lens``.
 
 Sliding windows (a layer's static ``window``): a query at position ``p`` sees only positions
-``k > p - window``, as transformers masks them. The context loop then starts at the first chunk
-any row of the view still sees, so pages wholly behind every row's window are not read (the
-loop's cost follows the window, not the context). Those pages are **not freed**: a model's full
+``k > p - window``, as transformers masks them. Each row then reads only the chunks its own window
+touches: the loop is as long as a window of a row's queries can span (static), and each row starts
+at its own first chunk, so pages behind a row's window are not read (the loop's cost follows the
+window, not the context). Those pages are **not freed**: a model's full
 layers (Gemma alternates them) and the prefix cache read the same page table, and a page holds
 every layer's K/V, so one page cannot be freed for some layers only. ``soft_cap``: scores
 (already scaled) become ``cap * tanh(s / cap)`` before masking (Gemma 2).
@@ -124,8 +127,10 @@ def _view_attention(
 ) -> jax.Array:
     """Attention of one view's rows. q: [T + 1, heads, D] (last row zeros) -> [N, Q, heads, D] float32.
 
-    With a ``window`` the loop starts at the chunk holding the oldest position any real row's first
-    query still sees (a row's queries are consecutive from ``positions[:, 0]``)."""
+    The loop reads ``width / chunk_pages`` chunks of each row's page table (static). With a
+    ``window``, each row starts at the chunk holding the oldest position its first query still
+    sees (a row's queries are consecutive from ``positions[:, 0]``), and the loop is only as long
+    as a window plus the row's queries can span."""
     _, h, d = q.shape
     n, qn = view.idx.shape
     kvh = cache.k.shape[1]
@@ -135,25 +140,31 @@ def _view_attention(
     qm = q[view.idx].reshape(n, qn, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(n, kvh, m_rows, d)
     q_pos = jnp.repeat(view.positions, g, axis=1)  # [N, Q * g]
     span = chunk_pages * cache.page_size
-    num_chunks = (jnp.max(view.kv_lens, initial=0) + span - 1) // span
-    first_chunk = jnp.zeros_like(num_chunks)
+    num_chunks = view.pages.shape[1] // chunk_pages
+    steps, first = num_chunks, jnp.zeros((n,), jnp.int32)
     if window is not None:
-        # The oldest position any real row still sees (padding rows, kv_lens 0, see nothing).
-        never = jnp.iinfo(jnp.int32).max
-        seen = jnp.where(view.kv_lens > 0, view.positions[:, 0] - (window - 1), never)
-        oldest = jnp.maximum(jnp.min(seen, initial=never), 0)
-        first_chunk = jnp.minimum(oldest // span, num_chunks).astype(num_chunks.dtype)
+        # A row's queries see positions positions[:, 0] - window + 1 .. positions[:, 0] + qn - 1.
+        steps = min(num_chunks, (window + qn - 2) // span + 2)
+        oldest = jnp.maximum(view.positions[:, 0] - (window - 1), 0)
+        first = jnp.clip(oldest // span, 0, num_chunks - steps).astype(jnp.int32)
 
-    def body(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def body(
+        i: int | jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         m, denom, acc = carry
-        pages = lax.dynamic_slice_in_dim(view.pages, i * chunk_pages, chunk_pages, axis=1)
+        if window is None:  # every row reads chunk i
+            pages = lax.dynamic_slice_in_dim(view.pages, i * chunk_pages, chunk_pages, axis=1)
+            kv_pos = jnp.broadcast_to(i * span + jnp.arange(span), (n, span))
+        else:  # each row its own chunk
+            chunk = first + jnp.asarray(i, jnp.int32)
+            pages = jnp.take_along_axis(view.pages, chunk[:, None] * chunk_pages + jnp.arange(chunk_pages), axis=1)
+            kv_pos = chunk[:, None] * span + jnp.arange(span)  # [N, span]
         keys, values = (
             _gather_pages(x, layer, pages, heads_sharded).reshape(kvh, n, span, d) for x in (cache.k, cache.v)
         )
-        kv_pos = i * span + jnp.arange(span)
-        mask = (kv_pos[None, :, None] <= q_pos[:, None, :]) & (kv_pos[None, :, None] < view.kv_lens[:, None, None])
+        mask = (kv_pos[:, :, None] <= q_pos[:, None, :]) & (kv_pos[:, :, None] < view.kv_lens[:, None, None])
         if window is not None:
-            mask &= kv_pos[None, :, None] > q_pos[:, None, :] - window
+            mask &= kv_pos[:, :, None] > q_pos[:, None, :] - window
         s = jnp.einsum("knsd,nkmd->knsm", keys, qm, preferred_element_type=jnp.float32) * sm_scale
         if soft_cap is not None:  # as transformers: on the scaled scores, before the mask
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -171,7 +182,7 @@ def _view_attention(
         jnp.zeros((kvh, n, m_rows), jnp.float32),
         jnp.zeros((n, kvh, m_rows, d), jnp.float32),
     )
-    _, denom, acc = lax.fori_loop(first_chunk, num_chunks, body, init)
+    _, denom, acc = lax.fori_loop(0, steps, body, init)
     out = acc / jnp.maximum(denom, 1e-30).transpose(1, 0, 2)[..., None]
     return out.reshape(n, kvh, qn, g, d).transpose(0, 2, 1, 3, 4).reshape(n, qn, h, d)
 

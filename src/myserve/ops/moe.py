@@ -12,14 +12,17 @@ Two implementations of the grouped matmul, the same numbers (``tests/test_moe_op
 - ``ragged_dot``: ``jax.lax.ragged_dot`` over the sorted rows, for TPU, where XLA runs it as a
   grouped matmul. XLA:CPU instead expands it into a dense matmul over *every* expert (measured:
   8 rows on 64 experts of 1024x512, 71 ms against 2 ms for the loop below), so it is not used there.
-- ``loop`` (CPU and GPU): a ``lax.fori_loop`` over the experts, skipping those without rows; each
-  takes its weights once and runs its group in blocks of ``B`` rows (``B`` the next power of two of
-  the mean rows per expert: 1 for a one-token step). A step reads the weights of the experts it
-  uses once each, so a decode step costs its *active* parameters, not the total. XLA:CPU copies a
-  dynamically indexed weight before its dot reads it, so each used expert's weights are copied
-  once; gathering every block's expert weights in one go instead copied them once per block and
-  was 2-9x slower (one MoE layer of 32 experts of 1024 x 576, top-4: 3.4 against 1.8 ms for one
-  token, 80 against 8.7 ms for 8; docs/performance.md).
+- ``loop`` (CPU and GPU): a loop of static length over *tiles*: each tile is ``B`` consecutive
+  rows of one expert's group (``B`` the next power of two of the mean rows per expert: 1 for a
+  one-token step), with that expert's weights. Each expert's group takes ``ceil(rows / B)`` tiles,
+  so a step has at most ``(n + (B - 1) * min(E, n)) / B`` of them (``n`` routed rows): the loop's
+  length is that bound, fixed by the shapes, and tiles past the step's real ones compute nothing
+  that is kept. No conditional and no data-dependent trip count: on a GPU either is a host round
+  trip (``docs/design/runtime.md``). A decode step (``B = 1``) has one tile per routed row, so it
+  reads the weights of the experts it uses, its *active* parameters, not the total. XLA:CPU
+  copies a dynamically indexed weight before its dot reads it, so a prefill step whose experts
+  take several tiles copies an expert's weights once per tile (about twice the used experts'
+  bytes at the mean group size).
 
 With experts sharded over the mesh's ``expert`` axis each device passes its own slice of the
 weights and ``first_expert``: assignments to other devices' experts go to a last, dropped group,
@@ -110,6 +113,12 @@ def _num_experts(w: jax.Array | StackedNarrow) -> int:
     return w.num if isinstance(w, StackedNarrow) else int(w.shape[0])
 
 
+def num_tiles(assignments: int, experts: int, block: int) -> int:
+    """Most tiles of ``block`` rows that ``assignments`` rows grouped over ``experts`` can need: each
+    non-empty group rounds up once (static: a function of shapes)."""
+    return (assignments + (block - 1) * min(experts, assignments)) // block
+
+
 def _expert_loop(
     x: jax.Array,
     token: jax.Array,
@@ -118,37 +127,37 @@ def _expert_loop(
     down: jax.Array | StackedNarrow,
     act: Callable[[jax.Array], jax.Array],
 ) -> jax.Array:
-    """Both matmuls expert by expert (a ``fori_loop``; experts without rows skipped), each expert's
-    rows in blocks of ``B``: every used expert's weights are read once per step. Returns the sorted
-    rows' outputs [n, H] float32 (rows past the local groups: zeros)."""
+    """Both matmuls tile by tile (a loop of static length): tile ``j`` is ``B`` rows of one expert's
+    group with that expert's weights. Returns the sorted rows' outputs [n, H] float32 (rows past
+    the local groups: zeros)."""
     t, hdim = x.shape
     e = _num_experts(gate_up)
     n = token.shape[0]
     b = block_rows(n, e)
-    # The sorted rows, plus B zero rows so that a block starting near the end stays in bounds.
+    # The sorted rows, plus B zero rows so that a tile starting near the end stays in bounds.
     xs = jnp.concatenate([x, jnp.zeros((1, hdim), x.dtype)])[jnp.concatenate([token, jnp.full(b, t, jnp.int32)])]
     start = jnp.cumsum(sizes) - sizes
+    tiles = (sizes + b - 1) // b  # [E] tiles of each expert's group
+    tiles_end = jnp.cumsum(tiles)
 
-    def expert(i: jax.Array, y: jax.Array) -> jax.Array:
-        def run(y: jax.Array) -> jax.Array:
-            gu_w, dn_w = gate_up[i], down[i]  # this expert's weights, once for all its blocks
+    def tile(j: int | jax.Array, y: jax.Array) -> jax.Array:
+        # The expert whose tiles hold tile j (E past the step's last tile: nothing is kept).
+        i = jnp.searchsorted(tiles_end, j, side="right")
+        real = i < e
+        i = jnp.minimum(i, e - 1)
+        local = j - (tiles_end[i] - tiles[i])
+        at = jnp.where(real, start[i] + local * b, n)  # a tile past the last writes the spare rows
+        gu = jnp.einsum(
+            "bh,hgi->bgi", jax.lax.dynamic_slice_in_dim(xs, at, b), gate_up[i], preferred_element_type=jnp.float32
+        )
+        dn_w = down[i]
+        out = jnp.dot((act(gu[:, 0]) * gu[:, 1]).astype(dn_w.dtype), dn_w, preferred_element_type=jnp.float32)
+        # Rows past this expert's group belong to the next one: keep what is there.
+        valid = real & ((local * b + jnp.arange(b)) < sizes[i])
+        kept = jnp.where(valid[:, None], out, jax.lax.dynamic_slice_in_dim(y, at, b))
+        return jax.lax.dynamic_update_slice_in_dim(y, kept, at, 0)
 
-            def block(j: jax.Array, y: jax.Array) -> jax.Array:
-                at = start[i] + j * b
-                gu = jnp.einsum(
-                    "bh,hgi->bgi", jax.lax.dynamic_slice_in_dim(xs, at, b), gu_w, preferred_element_type=jnp.float32
-                )
-                out = jnp.dot((act(gu[:, 0]) * gu[:, 1]).astype(dn_w.dtype), dn_w, preferred_element_type=jnp.float32)
-                # Rows past this expert's group belong to the next one: keep what is there.
-                valid = (j * b + jnp.arange(b)) < sizes[i]
-                kept = jnp.where(valid[:, None], out, jax.lax.dynamic_slice_in_dim(y, at, b))
-                return jax.lax.dynamic_update_slice_in_dim(y, kept, at, 0)
-
-            return jax.lax.fori_loop(0, (sizes[i] + b - 1) // b, block, y)
-
-        return jax.lax.cond(sizes[i] > 0, run, lambda y: y, y)
-
-    return jax.lax.fori_loop(0, e, expert, jnp.zeros((n + b, hdim), jnp.float32))[:n]
+    return jax.lax.fori_loop(0, num_tiles(n, e, b), tile, jnp.zeros((n + b, hdim), jnp.float32))[:n]
 
 
 def _ragged(

@@ -1,10 +1,11 @@
-"""Static step shapes: the token buckets, and the fixed parts of every step's layout.
+"""Static step shapes: the token buckets, the context buckets, and the fixed parts of every step's layout.
 
 A step runs the executable of the smallest token bucket that holds its tokens (and its one-token
-rows and prefill blocks: ``StepShape.fits``), whatever its mix of prefill and decode, so warmup
-compiles one executable per bucket and sampler variant. Page tables are full width
-(``max_model_len`` pages): the attention's context loop stops at the step's longest context, so
-no page-width bucket exists.
+rows and prefill blocks: ``StepShape.fits``), whatever its mix of prefill and decode, and of the
+smallest context bucket that holds its longest page table: the attention's context loop has the
+static length of the page tables' width (no data-dependent trip count: on a GPU each iteration
+of such a loop is a host round trip). So each (token, context) pair is one executable of the
+model; the sampler's are separate (``runtime/model_step.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import math
 from collections.abc import Sequence
 
 from myserve.config import EngineConfig
+from myserve.runtime.sampling_rows import HEAD_MODES
 from myserve.runtime.step_layout import Span, StepShape, count
+from myserve.runtime.step_ops import CompileSteps
 
 BLOCK_TOKENS = 32
 """Query tokens per block of a prefill chunk in the attention (``ops/ragged_batch.py``): a
@@ -22,6 +25,18 @@ block's tokens share one gathered context, so larger blocks gather less but pad 
 
 CHUNK_TOKENS = 128
 """Context tokens the attention reads per loop iteration (rounded to whole pages)."""
+
+
+DEFAULT_FIRST_CONTEXT = 512
+"""The narrowest default context bucket (tokens): what most chat steps need, built before ready."""
+
+
+def _powers_of_four(start: int, stop: int) -> tuple[int, ...]:
+    values, v = [], start
+    while v < stop:
+        values.append(v)
+        v *= 4
+    return tuple(sorted({*values, stop}))
 
 
 def _powers(start: int, stop: int) -> tuple[int, ...]:
@@ -44,10 +59,14 @@ class Buckets:
     """Pages of the longest sequence (``max_model_len``)."""
     block_tokens: int = BLOCK_TOKENS
     chunk_pages: int = 1
+    widths: tuple[int, ...] = ()
+    """Page-table widths (pages, multiples of ``chunk_pages``, ascending): the context buckets. The
+    last holds ``max_pages``; empty: that one only."""
 
     @staticmethod
     def from_config(cfg: EngineConfig, max_model_len: int, min_tokens: int = 1) -> Buckets:
-        """Buckets from the config: ``engine.token_buckets``, or powers of two up to the step budget.
+        """Buckets from the config: ``engine.token_buckets``, or powers of two up to the step budget;
+        ``engine.context_buckets``, or 512 tokens then x4 up to ``max_model_len``.
 
         ``min_tokens``: steps are padded to at least this many tokens (int8 matmuls are slow below 8 rows).
         """
@@ -55,28 +74,51 @@ class Buckets:
         chosen = set(cfg.token_buckets) if cfg.token_buckets else set(_powers(1, top))
         floor = min(min_tokens, top)
         tokens = tuple(sorted({max(t, floor) for t in chosen if t < top} | {top}))
+        chunk_pages = max(1, CHUNK_TOKENS // cfg.page_size)
+        max_pages = math.ceil(max_model_len / cfg.page_size)
+        full = -(-max_pages // chunk_pages) * chunk_pages
+        contexts = cfg.context_buckets or _powers_of_four(DEFAULT_FIRST_CONTEXT, max_model_len)
+        widths = {min(full, -(-math.ceil(c / cfg.page_size) // chunk_pages) * chunk_pages) for c in contexts}
         return Buckets(
             tokens=tokens,
             max_num_seqs=cfg.max_num_seqs,
             page_size=cfg.page_size,
-            max_pages=math.ceil(max_model_len / cfg.page_size),
+            max_pages=max_pages,
             block_tokens=min(BLOCK_TOKENS, top),
-            chunk_pages=max(1, CHUNK_TOKENS // cfg.page_size),
+            chunk_pages=chunk_pages,
+            widths=tuple(sorted(widths | {full})),
         )
 
-    def shape(self, tokens: int) -> StepShape:
-        """The shape of one token bucket."""
+    def _widths(self) -> tuple[int, ...]:
+        return self.widths or (-(-self.max_pages // self.chunk_pages) * self.chunk_pages,)
+
+    def shape(self, tokens: int, width: int | None = None) -> StepShape:
+        """The shape of one token bucket at one page-table width (None: the widest)."""
         return StepShape.of(
             tokens,
             max_num_seqs=self.max_num_seqs,
             block_tokens=self.block_tokens,
-            max_pages=self.max_pages,
+            max_pages=self._widths()[-1] if width is None else width,
             chunk_pages=self.chunk_pages,
         )
 
     def shapes(self) -> list[StepShape]:
-        """Every step shape: the warmup list."""
-        return [self.shape(t) for t in self.tokens]
+        """Every step shape: every token bucket at every context bucket, the narrowest first."""
+        return [self.shape(t, w) for w in self._widths() for t in self.tokens]
+
+    def first_shapes(self) -> list[StepShape]:
+        """The shapes built before serving: every token bucket at the narrowest context bucket."""
+        return [self.shape(t, self._widths()[0]) for t in self.tokens]
+
+    def compile_ops(self) -> tuple[CompileSteps, CompileSteps]:
+        """Warmup's two builds: before serving, the forward of every token bucket at the narrowest
+        context bucket, every sampler mode for each bucket's sampling rows, and the prompt scorer of
+        each token bucket; then, in the background, the forwards of the wider context buckets."""
+        first = self.first_shapes()
+        rows = sorted({shape.singles for shape in first})
+        now = CompileSteps(tuple(first), tuple((r, mode) for r in rows for mode in HEAD_MODES), tuple(self.tokens))
+        later = CompileSteps(tuple(s for s in self.shapes() if s not in first), background=True)
+        return now, later
 
     @property
     def max_prefill_chunks(self) -> int:
@@ -86,10 +128,14 @@ class Buckets:
         return top.blocks - top.tokens // top.block_tokens
 
     def fit(self, spans: Sequence[Span]) -> StepShape:
-        """The smallest shape that holds ``spans``."""
+        """The smallest shape that holds ``spans``: token bucket, then context bucket."""
         need = count(spans, self.block_tokens)
+        pages = max((len(s.pages) for s in spans), default=0)
+        width = next((w for w in self._widths() if w >= pages), None)
+        if width is None:
+            raise ValueError(f"a step of {pages} pages per row exceeds the widest context bucket")
         for t in self.tokens:
-            shape = self.shape(t)
+            shape = self.shape(t, width)
             if shape.fits(*need):
                 return shape
         raise ValueError(f"a step of {need} (tokens, one-token rows, blocks) exceeds the largest bucket")

@@ -184,6 +184,7 @@ def executor_for(
         prebuilt=prebuilt,
         step_cache=StepCache.for_process(cfg.compilation_cache_dir),
         sampler=config.model.task != "embed",
+        pool=config.model.task != "generate",
     )
 
 
@@ -197,7 +198,7 @@ def _prebuild(
     max_len: int,
 ) -> tuple[Future[Prebuilt], ...]:
     """Start building each replica's step executables from abstract weights (nothing read)."""
-    shapes = step_buckets(config, max_len).shapes()
+    now, _ = step_buckets(config, max_len).compile_ops()
     pool = ThreadPoolExecutor(1, thread_name_prefix="prebuild")
     futures = []
     for replica_mesh in replica_meshes(mesh):
@@ -211,7 +212,7 @@ def _prebuild(
             abstract=True,
             group_size=config.model.quantization_group_size,
         )
-        futures.append(pool.submit(executor_for(config, model, replica_mesh, mapping).build_all, shapes))
+        futures.append(pool.submit(executor_for(config, model, replica_mesh, mapping).build_all, now))
     pool.shutdown(wait=False)  # the thread ends when its builds are done
     return tuple(futures)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -32,9 +33,9 @@ from myserve.runtime.compile_counter import count_loaded, thread_cache_hits
 from myserve.runtime.device import StepRead
 from myserve.runtime.kv_cache import Cache, cache_arrays, constrain_cache, init_kv_cache, kv_cache_shape, make_cache
 from myserve.runtime.mesh import replicated
-from myserve.runtime.model_step import StepOutput, model_step, split_model
+from myserve.runtime.model_step import ForwardOutput, StepOutput, forward_step, head_step, score_step, split_model
 from myserve.runtime.sampler import SampleOutput
-from myserve.runtime.sampling_rows import SamplingRows
+from myserve.runtime.sampling_rows import MAX_TOP_LOGPROBS, SamplingRows
 from myserve.runtime.step_cache import StepCache
 from myserve.runtime.step_layout import StepShape, layout
 from myserve.runtime.step_ops import ClearSlot, CompileSteps, CopyPage, Op, Progress, StepCall
@@ -96,22 +97,28 @@ class Executor:
         prebuilt: Future[Prebuilt] | None = None,
         step_cache: StepCache | None = None,
         sampler: bool = True,
+        pool: bool = False,
     ):
         """``model`` may be abstract (``load_model(abstract=True)``): the executor then holds no
         arrays, only their shapes and shardings, and serves to build step executables early.
         ``prebuilt``: such an executor's builds, taken by ``CompileSteps`` when they match.
         ``step_cache``: where step executables are loaded from without tracing, and stored.
-        ``sampler`` False: an embedding-only deployment, whose steps have no LM head nor sampler."""
+        ``sampler`` False: an embedding-only deployment, whose steps have no LM head nor sampler.
+        ``pool``: the deployment embeds, so its steps compute the pooled sums (always when not ``sampler``)."""
         self.model = model
         self.sampler = sampler
+        self.pool = pool or not sampler
         self._prebuilt = prebuilt
         self._step_cache = step_cache
         self.mesh = mesh
         self.page_size = page_size
         self.scratch_slot = num_slots - 1
         """The penalty slot of rows without penalties (the last)."""
-        self._steps: dict[StepShape, Step] = {}
-        """The compiled step of each shape built so far (``CompileSteps``, or on first use)."""
+        self._built: dict[BuildKey, Step] = {}
+        """Each executable built so far (``CompileSteps``, or on first use), by ``BuildKey``."""
+        self._pending: dict[BuildKey, Future[Step]] = {}
+        """Executables being built in the background (``CompileSteps(background=True)``)."""
+        self._background: ThreadPoolExecutor | None = None
         self.outer, self.treedef, self.layers = split_model(model)
         backend = model.attention_backend  # picks the cache's layout (the kernel reads its own)
         self.cache_sharding = kv_cache_sharding(mapping, mesh, backend)
@@ -131,7 +138,9 @@ class Executor:
             self.kv_cache = make_cache(arrays, backend)
         else:
             self.kv_cache = init_kv_cache(model.spec, num_pages, page_size, dtype, mesh, mapping, backend)
-        self._out_tree = _step_out_tree(self.kv_cache)
+        self._out_trees = _out_trees(self.kv_cache)
+        # The dtype of the hidden states the forward hands the head (that of the embeddings).
+        self._hidden_dtype = jax.eval_shape(lambda o: o.embed_tokens(jnp.zeros((1, 1), jnp.int32)), self.outer).dtype
         self.counts = place((num_slots, vocab), np.int32, self.replicated)
         self.prompt_mask = place((num_slots, vocab), np.bool_, self.replicated)
         # The last step's sampled tokens, on the device: the next step takes a token still in
@@ -140,27 +149,24 @@ class Executor:
         self.mask_words = -(-vocab // 32)
         """Words per row of a grammar bitmask."""
         self._no_masks: dict[int, Any] = {}
+        self._no_samples: dict[int, SampleOutput] = {}
 
     def run(self, ops: Sequence[Op], progress: Progress | None = None) -> list[StepOutput]:
         """Apply ``ops`` in order (dispatched, not awaited); the outputs of its steps, in order."""
         outputs: list[StepOutput] = []
         for op in ops:
             if isinstance(op, StepCall):
-                step = self._steps.get(op.shape)
-                if step is None:  # not warmed up (tests, tools): built on first use
-                    step = self._steps[op.shape] = self._build([op.shape])[op.shape]
-                if op.bitmask is None:
-                    bitmask = self._no_mask(op.shape.singles)
-                else:  # placed as the all-ones one is: the executable takes one sharding
-                    bitmask = jax.device_put(_full_mask(op, self.mask_words), self.replicated)
-                out, self.kv_cache, self.counts, self.fed = step(*self._state(), op.batch, op.ints, op.floats, bitmask)
-                outputs.append(out)
+                outputs.append(self._step(op))
             elif isinstance(op, CompileSteps):
-                self._steps.update(self._take_prebuilt())
-                missing = [shape for shape in op.shapes if shape not in self._steps]
-                self._steps.update(self._build(missing, progress))
+                keys = self._keys(op)
+                if op.background:
+                    self._build_in_background(keys)
+                    continue
+                self._built.update(self._take_prebuilt())
+                missing = [key for key in keys if key not in self._built]
+                self._built.update(self._build(missing, progress))
                 if progress is not None and not missing:
-                    progress(len(op.shapes), len(op.shapes))
+                    progress(len(keys), len(keys))
             elif isinstance(op, CopyPage):
                 self.kv_cache = _copy_page(self.kv_cache, np.int32(op.src), np.int32(op.dst), self.cache_sharding)
             elif isinstance(op, ClearSlot):
@@ -171,6 +177,74 @@ class Executor:
                 )
         return outputs
 
+    def _step(self, op: StepCall) -> StepOutput:
+        """One step: the forward, the head in the host's mode, the prompt scorer when asked; each
+        dispatched, none awaited."""
+        n1 = op.shape.singles
+        fwd: ForwardOutput
+        forward = self._get(("forward", op.shape))
+        fwd, self.kv_cache = forward(self.outer, self.layers, self.kv_cache, self.fed, op.batch)
+        if self.sampler:
+            if op.bitmask is None:
+                bitmask = self._no_mask(n1)
+            else:  # placed as the all-ones one is: the executable takes one sharding
+                bitmask = jax.device_put(_full_mask(op, self.mask_words), self.replicated)
+            head = self._get(("head", n1, op.mode))
+            sampled, self.counts, self.fed = head(
+                self.outer, fwd.last, self.counts, self.prompt_mask, self.fed, op.ints, op.floats, bitmask
+            )
+        else:
+            sampled = self._zero_samples(n1)
+        scores = self._get(("score", op.shape.tokens))(self.outer, fwd.hidden, fwd.following) if op.score else None
+        return StepOutput(sampled, scores, fwd.pooled)
+
+    def _keys(self, op: CompileSteps) -> list[BuildKey]:
+        """What a ``CompileSteps`` builds here (an embedding-only deployment has no head nor scorer)."""
+        keys: list[BuildKey] = [("forward", shape) for shape in op.shapes]
+        if self.sampler:
+            keys += [("head", rows, mode) for rows, mode in op.heads]
+            keys += [("score", tokens) for tokens in op.scores]
+        return keys
+
+    def _get(self, key: BuildKey) -> Step:
+        """The executable of ``key``: built, being built in the background (waited for), or built now."""
+        step = self._built.get(key)
+        if step is not None:
+            return step
+        pending = self._pending.pop(key, None)
+        if pending is not None:
+            t0 = time.perf_counter()
+            step = self._built[key] = pending.result()
+            logger.info("waited %.1fs for %s, built in the background", time.perf_counter() - t0, _describe(key))
+            return step
+        # Not warmed up (tests, tools, a variant no warmup listed): built on first use.
+        logger.info("building %s on first use", _describe(key))
+        step = self._built[key] = self._build([key])[key]
+        return step
+
+    def _build_in_background(self, keys: Sequence[BuildKey]) -> None:
+        """Start building ``keys`` on a background thread, one at a time (the serving thread keeps
+        the other core); a step that needs one first waits for it (``_get``)."""
+        if self._background is None:
+            self._background = ThreadPoolExecutor(1, thread_name_prefix="build-later")
+        for key in keys:
+            if key not in self._built and key not in self._pending:
+                self._pending[key] = self._background.submit(self._build_one, key)
+
+    def executables(self) -> dict[BuildKey, Step]:
+        """Every executable built so far, by ``BuildKey`` (tests read their compiled HLO)."""
+        return dict(self._built)
+
+    def background_builds_done(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the background builds; whether they are all done."""
+        for key, future in list(self._pending.items()):
+            try:
+                self._built[key] = future.result(timeout)
+            except TimeoutError:
+                return False
+            self._pending.pop(key, None)
+        return True
+
     def read(self, output: StepOutput, *, tops: bool, scored: bool, pooled: bool = False) -> StepRead:
         """A step's results on the host, fetched in one transfer (``Device.read``)."""
         sampled = output.sampled
@@ -178,6 +252,7 @@ class Executor:
         if tops:
             arrays += [sampled.top_ids, sampled.top_logprobs]
         if scored:
+            assert output.scores is not None, "a step read for its scores ran the scorer"
             arrays += list(output.scores)
         if pooled:
             arrays.append(output.pooled)
@@ -193,17 +268,41 @@ class Executor:
         )
 
     def lower_step(self, shape: StepShape) -> jax.stages.Lowered:
-        """The step of ``shape`` traced and lowered for this executor's arrays (not compiled)."""
-        static, args = self._step_args(shape)
-        return model_step.lower(*static, *args)
+        """The forward executable of ``shape`` traced and lowered for this executor's arrays (not compiled)."""
+        return self._lower(("forward", shape))
 
-    def _step_args(self, shape: StepShape) -> tuple[tuple[object, ...], tuple[object, ...]]:
-        """(static, dynamic) arguments of ``model_step`` for a step of ``shape`` on this executor."""
-        host = layout([], shape, self.page_size)
-        rows = SamplingRows.empty(shape.singles, self.scratch_slot)
-        static = (shape, self.treedef, self.cache_sharding, self.replicated, self.sampler)
-        bitmask = jax.ShapeDtypeStruct((shape.singles, self.mask_words), np.int32, sharding=self.replicated)
-        return static, (*self._state(), host.pack(), rows.ints, rows.floats, bitmask)
+    def lower(self, key: BuildKey) -> jax.stages.Lowered:
+        """Any executable of this executor (``BuildKey``) traced and lowered, not compiled."""
+        return self._lower(key)
+
+    def _lower(self, key: BuildKey) -> jax.stages.Lowered:
+        fn, static, args = self._call_args(key)
+        return fn.lower(*static, *args)
+
+    def _call_args(self, key: BuildKey) -> tuple[Any, tuple[object, ...], tuple[object, ...]]:
+        """(jitted function, static arguments, dynamic arguments) of the executable of ``key``; the
+        dynamic ones are this executor's arrays, or stand-ins of their shapes and shardings."""
+        rep = self.replicated
+        embed = self.model.spec.hidden_size
+        if key[0] == "forward":
+            shape = key[1]
+            assert isinstance(shape, StepShape)
+            host = layout([], shape, self.page_size)
+            static: tuple[object, ...] = (shape, self.treedef, self.cache_sharding, rep, self.pool)
+            return forward_step, static, (self.outer, self.layers, self.kv_cache, self.fed, host.pack())
+        if key[0] == "head":
+            _, rows, mode = key
+            assert isinstance(rows, int)
+            sampling = SamplingRows.empty(rows, self.scratch_slot)
+            last = jax.ShapeDtypeStruct((rows, embed), self._hidden_dtype, sharding=rep)
+            bitmask = jax.ShapeDtypeStruct((rows, self.mask_words), np.int32, sharding=rep)
+            args = (self.outer, last, self.counts, self.prompt_mask, self.fed, sampling.ints, sampling.floats, bitmask)
+            return head_step, (mode, rep), args
+        (_, tokens) = key
+        assert isinstance(tokens, int)
+        hidden = jax.ShapeDtypeStruct((tokens, embed), self._hidden_dtype, sharding=rep)
+        following = jax.ShapeDtypeStruct((tokens,), np.int32, sharding=rep)
+        return score_step, (), (self.outer, hidden, following)
 
     def _no_mask(self, rows: int) -> Any:
         """The all-ones bitmask of a step with ``rows`` sampling rows, kept on the device."""
@@ -214,12 +313,21 @@ class Executor:
             )
         return mask
 
-    def build_all(self, shapes: Sequence[StepShape]) -> Prebuilt:
-        """``_build`` for an abstract executor's early start: its builds, and the signature they
-        were built for (shapes, dtypes and shardings of every state array)."""
-        return self._build(shapes), _signature(self._state())
+    def build_all(self, op: CompileSteps) -> Prebuilt:
+        """``_build`` for an abstract executor's early start: its builds of ``op``'s executables,
+        and the signature they were built for (shapes, dtypes and shardings of every state array)."""
+        return self._build(self._keys(op)), _signature(self._state())
 
-    def _take_prebuilt(self) -> dict[StepShape, Step]:
+    def _zero_samples(self, rows: int) -> SampleOutput:
+        """What an embedding-only deployment's steps return for samples (nothing samples), kept on the device."""
+        out = self._no_samples.get(rows)
+        if out is None:
+            k = MAX_TOP_LOGPROBS
+            ints, floats = jnp.zeros((rows, k), jnp.int32), jnp.zeros((rows, k), jnp.float32)
+            out = self._no_samples[rows] = SampleOutput(ints[:, 0], floats[:, 0], ints, floats)
+        return out
+
+    def _take_prebuilt(self) -> dict[BuildKey, Step]:
         """The early builds if they were made for exactly this executor's arrays (else none)."""
         if self._prebuilt is None:
             return {}
@@ -235,64 +343,86 @@ class Executor:
         penalty tables and the last step's samples."""
         return self.outer, self.layers, self.kv_cache, self.counts, self.prompt_mask, self.fed
 
-    def _build(self, shapes: Sequence[StepShape], progress: Progress | None = None) -> dict[StepShape, Step]:
-        """The executables of ``shapes``. A step in the step cache is loaded on a worker thread
-        without tracing. Otherwise tracing and lowering hold the GIL and run here, while compiling
-        (or loading from JAX's persistent cache) runs on worker threads meanwhile, so a warm start
+    def _build(self, keys: Sequence[BuildKey], progress: Progress | None = None) -> dict[BuildKey, Step]:
+        """The executables of ``keys``. One in the step cache is loaded on a worker thread without
+        tracing. Otherwise tracing and lowering hold the GIL and run here, while compiling (or
+        loading from JAX's persistent cache) runs on worker threads meanwhile, so a warm start
         takes about the loads' time rather than the sum of both."""
-        built: dict[StepShape, Step] = {}
+        built: dict[BuildKey, Step] = {}
         cache = self._step_cache
         with ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="compile") as pool:
             futures = []
-            for shape in shapes:
-                static, args = self._step_args(shape)
-                key = StepCache.key(static, args) if cache is not None else ""
-                if cache is not None and cache.has(key):
-                    future = pool.submit(self._load_step, key, args)
+            for key in keys:
+                fn, static, args = self._call_args(key)
+                entry = StepCache.key((key[0], *static), args) if cache is not None else ""
+                if cache is not None and cache.has(entry):
+                    future = pool.submit(self._load_step, key, entry, args)
                 else:
-                    future = pool.submit(self._compile_step, model_step.lower(*static, *args), key, args)
-                futures.append((shape, future, key))
-            for i, (shape, future, key) in enumerate(futures):
+                    future = pool.submit(self._compile_step, key, fn.lower(*static, *args), entry, args)
+                futures.append((key, future, entry))
+            for i, (key, future, entry) in enumerate(futures):
                 step = future.result()
                 if step is None:  # an entry that did not load: built as on a miss
-                    static, args = self._step_args(shape)
-                    step = self._compile_step(model_step.lower(*static, *args), key, args)
-                built[shape] = step
+                    fn, static, args = self._call_args(key)
+                    step = self._compile_step(key, fn.lower(*static, *args), entry, args)
+                built[key] = step
                 if progress is not None:
                     progress(i + 1, len(futures))
         return built
 
-    def _load_step(self, key: str, args: tuple[object, ...]) -> Step | None:
+    def _build_one(self, key: BuildKey) -> Step:
+        return self._build([key])[key]
+
+    def _load_step(self, key: BuildKey, entry: str, args: tuple[object, ...]) -> Step | None:
         assert self._step_cache is not None
-        step = self._step_cache.load(key, args, self._out_tree, tuple(self.mesh.devices.flat))
+        step = self._step_cache.load(entry, args, self._out_trees[key[0]], tuple(self.mesh.devices.flat))
         if step is not None:
             count_loaded()
         return step
 
-    def _compile_step(self, lowered: jax.stages.Lowered, key: str, args: tuple[object, ...]) -> Step:
+    def _compile_step(self, key: BuildKey, lowered: jax.stages.Lowered, entry: str, args: tuple[object, ...]) -> Step:
         hits = thread_cache_hits()
         compiled = lowered.compile()
         if self._step_cache is not None:
             if thread_cache_hits() == hits:
-                self._step_cache.store(key, compiled, args, self._out_tree)
+                self._step_cache.store(entry, compiled, args, self._out_trees[key[0]])
             else:  # XLA:CPU serializes an executable it loaded without its code: never store one
                 logger.info("a step came from JAX's persistent cache: not stored in the step cache")
         return compiled
 
 
-Step = Callable[..., tuple[StepOutput, Cache, jax.Array, jax.Array]]
-"""A compiled ``model_step`` of one shape, called with the executor's state and a ``StepCall``'s arrays."""
+BuildKey = tuple[Any, ...]
+"""One executable of a step: ``("forward", shape)``, ``("head", sampling rows, mode)`` or
+``("score", tokens)`` (``runtime/model_step.py``)."""
 
 
-def _step_out_tree(cache: Cache) -> jax.tree_util.PyTreeDef:
-    """What ``model_step`` returns with a cache like ``cache``, as a treedef: a step loaded from
-    the step cache unflattens its outputs with it (the stored executable's own treedef does not
-    survive pickling)."""
+def _describe(key: BuildKey) -> str:
+    if key[0] == "forward":
+        shape = key[1]
+        assert isinstance(shape, StepShape)
+        return f"the forward step of {shape.tokens} tokens x {shape.width} pages"
+    if key[0] == "head":
+        return f"the {key[2]} head of {key[1]} rows"
+    return f"the prompt scorer of {key[1]} tokens"
+
+
+Step = Callable[..., Any]
+"""A compiled executable of a step (``BuildKey``), called with its dynamic arguments."""
+
+
+def _out_trees(cache: Cache) -> dict[str, jax.tree_util.PyTreeDef]:
+    """What each kind of executable returns with a cache like ``cache``, as treedefs: one loaded
+    from the step cache unflattens its outputs with it (the stored executable's own treedef does
+    not survive pickling)."""
     zeros = jax.tree.map(lambda _: 0, cache)
-    return jax.tree_util.tree_structure((StepOutput(SampleOutput(0, 0, 0, 0), (0, 0, 0), 0), zeros, 0, 0))  # type: ignore[arg-type]
+    return {
+        "forward": jax.tree_util.tree_structure((ForwardOutput(0, 0, 0, 0), zeros)),  # type: ignore[arg-type]
+        "head": jax.tree_util.tree_structure((SampleOutput(0, 0, 0, 0), 0, 0)),  # type: ignore[arg-type]
+        "score": jax.tree_util.tree_structure((0, 0, 0)),
+    }
 
 
-Prebuilt = tuple[dict[StepShape, Step], list[tuple[object, ...]]]
+Prebuilt = tuple[dict[BuildKey, Step], list[tuple[object, ...]]]
 """Step executables built before the weights were read, and the state signature they were built for."""
 
 

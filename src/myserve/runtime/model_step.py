@@ -1,29 +1,39 @@
-"""The engine's step: one jitted executable per token bucket, from packed host arrays to sampled tokens.
+"""The engine's step executables: the model over a ragged token batch, then the sampler.
 
-``model_step`` unpacks the step's layout (``runtime/step_layout.py``), embeds the flat tokens, runs
-every decoder layer over them (ragged paged attention), takes each sampling row's last hidden
-state through the final norm and the LM head, samples, and counts the samples in the penalty
-slots. The KV cache and the penalty counts are donated, so XLA updates them in place.
+A step is up to three jitted executables, each called once, dispatched back to back without the
+host waiting on any of them:
 
-Layers are unrolled in the one executable. A ``lax.scan`` over weights stacked along a layer axis
-compiles one layer instead of all of them, but XLA:CPU copies each layer's weights out of the
-stack on every step (its dot kernels do not read a dynamic slice in place): measured on SmolLM2
-(30 layers, 2-core CPU), one decode row 34.3 ms scanned against 22.4 ms unrolled, 64 rows 237
-against 212 ms; the scan compiled in 0.9 s against 3.7 s. The step count is small (one
-executable per token bucket), so the run-time cost decides. Each layer is traced as a nested
-``jax.jit`` (``_layer``) called once per layer with its weights and index: JAX traces and lowers
-the layer once per bucket instead of once per layer (0.15 s instead of 0.7-1.1 s per bucket for
-SmolLM2's 30 layers), and XLA inlines the calls, so the compiled program is the same instruction
-for instruction as a Python-unrolled one. The layer's kind (``LayerKind``: its sliding window and
+- ``forward_step``, one per (token bucket, context bucket) (``runtime/buckets.py``): unpacks the
+  step's layout (``runtime/step_layout.py``), embeds the flat tokens, runs every decoder layer over
+  them (ragged paged attention), and returns the sampling rows' last hidden states, every token's
+  hidden state, the scored positions' following tokens and (a deployment that embeds) the pooled
+  sums. The KV cache is donated, so XLA updates it in place.
+- ``head_step``, one per (sampling rows, mode): final norm, LM head, sampler, penalty counts. The
+  *mode* is the host's choice for the step's rows (``HEAD_MODES``): the greedy argmax of raw
+  logits, sampling with logit processing and logprobs, or the same with top-k/top-p thresholds.
+- ``score_step``, one per token bucket, only for a step that scores prompt positions (echo and
+  prompt logprobs): the LM head over every token and the logprob of each following token.
+
+Why not one executable with the sampler's cases inside: the cases were ``lax.cond``/``lax.switch``
+on the rows' parameters, and on a GPU XLA copies such a predicate to the host and waits for it,
+so the host could not plan step N+1 while the device ran step N (1.5 ms of host wait per step of a
+1B model on an H200, `../shared/gpu/`). The host already knows what the step's rows need, so it
+picks the executable instead; splitting the sampler from the layers keeps that choice cheap: the
+layers (most of the compile time) are compiled once per shape, the small heads once per mode.
+``tests/test_step_structure.py`` reads the compiled executables: no conditional, no loop whose
+trip count is not known.
+
+Layers are unrolled in the forward executable. A ``lax.scan`` over weights stacked along a layer
+axis compiles one layer instead of all of them, but XLA:CPU copies each layer's weights out of
+the stack on every step (its dot kernels do not read a dynamic slice in place): measured on
+SmolLM2 (30 layers, 2-core CPU), one decode row 34.3 ms scanned against 22.4 ms unrolled, 64 rows
+237 against 212 ms; the scan compiled in 0.9 s against 3.7 s. The step count is small, so the
+run-time cost decides. Each layer is traced as a nested ``jax.jit`` (``_layer``) called once per
+layer with its weights and index: JAX traces and lowers the layer once per bucket instead of once
+per layer, and XLA inlines the calls, so the compiled program is the same instruction for
+instruction as a Python-unrolled one. The layer's kind (``LayerKind``: its sliding window and
 rotary table) is a static argument, so a model whose layers differ (Gemma's sliding and global
 layers) traces one layer function per distinct kind, not one per layer.
-
-One executable per bucket serves every sampling mode: whether any row draws (temperature > 0),
-whether any row wants logprobs and the top ``MAX_TOP_LOGPROBS``, and whether any prompt position
-is scored are each a ``lax.cond`` on the rows' parameters, so a greedy batch without logprobs
-pays only the argmax. Two variants per bucket (an argmax-only one chosen by the host) would avoid
-the conditionals but double what warmup builds and a warm start loads (0.4-0.9 s per executable
-on the 2-core CPU, most of start-up).
 """
 
 from __future__ import annotations
@@ -58,12 +68,25 @@ class StepOutput(NamedTuple):
     pooling rows' summed hidden states."""
 
     sampled: SampleOutput
-    """tokens [N1], logprobs [N1], top ids and top logprobs [N1, K] (zeros when no row asked for logprobs)."""
-    scores: tuple[jax.Array, jax.Array, jax.Array]
-    """(logprob of the following token [T], top ids [T, K], top logprobs [T, K]); zeros when nothing is scored."""
+    """tokens [N1], logprobs [N1], top ids and top logprobs [N1, K] (no columns in ``argmax`` mode)."""
+    scores: tuple[jax.Array, jax.Array, jax.Array] | None
+    """(logprob of the following token [T], top ids [T, K], top logprobs [T, K]); None when nothing is scored."""
     pooled: jax.Array
     """float32 [N1, embed]: per pooling row (a span's index), the sum of its pooled tokens' final
-    hidden states (after the final norm); zeros when no span pools."""
+    hidden states (after the final norm); [N1, 0] in a deployment that does not embed."""
+
+
+class ForwardOutput(NamedTuple):
+    """What ``forward_step`` hands to the head and score executables (it stays on the device)."""
+
+    last: jax.Array
+    """[N1, embed] the last hidden state of each sampling row (before the final norm)."""
+    hidden: jax.Array
+    """[T, embed] every flat token's last hidden state (read by ``score_step`` only)."""
+    following: jax.Array
+    """int32 [T]: each scored position's following token, -1 elsewhere."""
+    pooled: jax.Array
+    """float32 [N1, embed] pooled sums, or [N1, 0] when ``pool`` is off."""
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 7))
@@ -84,69 +107,88 @@ def _layer(
     return decoder_block(spec, layer, x, batch, cache, index, cache_sharding, kind)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7, 8, 10))
-def model_step(
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7,))
+def forward_step(
     shape: StepShape,
     treedef: jax.tree_util.PyTreeDef,
     cache_sharding: NamedSharding | None,
     replicated: NamedSharding | None,
-    sampler: bool,
+    pool: bool,
     outer: LlamaModel,
     layers: tuple[tuple[jax.Array, ...], ...],
     cache: Cache,
-    counts: jax.Array,
-    prompt_mask: jax.Array,
     fed: jax.Array,
     flat: jax.Array,
-    ints: jax.Array,
-    floats: jax.Array,
-    bitmask: jax.Array,
-) -> tuple[StepOutput, Cache, jax.Array, jax.Array]:
-    """One engine step. ``outer`` is the model without its layers, ``layers`` each layer's leaves
-    (flattened once by the executor: a tuple of arrays flattens in C++, equinox modules in Python).
-    ``flat`` is ``HostStep.pack()``; ``ints``/``floats`` the sampling rows [N1, ...]; ``bitmask``
-    int32 [N1, ceil(V / 32)] the grammar masks of the constrained rows (all ones elsewhere). ``fed`` [F]
-    holds the previous step's sampled tokens (F = max_num_seqs + 1 rows, whatever its bucket):
-    tokens still in flight on the host are taken from it. Returns this step's, padded the same way.
-    ``sampler`` False (an embedding-only deployment): no LM head, no sampling; zeros stand for them.
-    """
+) -> tuple[ForwardOutput, Cache]:
+    """The model over one step. ``outer`` is the model without its layers, ``layers`` each layer's
+    leaves (flattened once by the executor: a tuple of arrays flattens in C++, equinox modules in
+    Python). ``flat`` is ``HostStep.pack()``. ``fed`` [F] holds the previous step's sampled tokens
+    (F = max_num_seqs + 1 rows, whatever its bucket): tokens still in flight on the host are taken
+    from it. ``pool`` (static): the deployment embeds, so the pooled sums are computed (a
+    ``segment_sum``: cheap beside the layers, so no step decides it on the device)."""
     if replicated is not None:
         flat = jax.lax.with_sharding_constraint(flat, replicated)
     tokens, batch, sample_idx, following, feed, pool_rows = unpack_step(flat, shape)
     tokens = jnp.where(feed >= 0, fed[jnp.maximum(feed, 0)], tokens)
     x, cache = _forward(shape, treedef, cache_sharding, outer, layers, cache, tokens, batch)
     n1 = shape.singles
-    pooled = jax.lax.cond(
-        jnp.any(pool_rows >= 0),
-        lambda: _pool(outer, x, pool_rows, n1),
-        lambda: jnp.zeros((n1, outer.spec.hidden_size), jnp.float32),
-    )
-    if not sampler:
-        k = MAX_TOP_LOGPROBS
-        ints, floats = jnp.zeros((n1, k), jnp.int32), jnp.zeros((n1, k), jnp.float32)
-        zeros = SampleOutput(ints[:, 0], floats[:, 0], ints, floats)
-        return StepOutput(zeros, _no_scores(tokens.shape[0]), pooled), cache, counts, fed
     hidden = x.rearrange((BATCH, POS, "embed")).array[0]  # [T, embed]
-    last = hax.named(hidden[sample_idx], (BATCH, "embed"))
-    logits = outer.logits(outer.norm(last)).array  # [N1, V]
-    sampling, slots, weight, wants_logprobs = unpack_rows(ints, floats)
+    if pool:
+        pooled = _pool(outer, x, pool_rows, n1)
+    else:
+        pooled = jnp.zeros((n1, 0), jnp.float32)
+    out = ForwardOutput(hidden[sample_idx], hidden, following, pooled)
+    if replicated is not None:  # the head and score executables were built for replicated inputs
+        out = ForwardOutput(*(jax.lax.with_sharding_constraint(a, replicated) for a in out))
+    return out, cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4, 6))
+def head_step(
+    mode: str,
+    replicated: NamedSharding | None,
+    outer: LlamaModel,
+    last: jax.Array,
+    counts: jax.Array,
+    prompt_mask: jax.Array,
+    fed: jax.Array,
+    ints: jax.Array,
+    floats: jax.Array,
+    bitmask: jax.Array,
+) -> tuple[SampleOutput, jax.Array, jax.Array]:
+    """The sampling rows of one step: ``last`` [N1, embed] through the final norm and the LM head,
+    then the sampler in ``mode`` (``sampling_rows.HEAD_MODES``, static). ``ints``/``floats`` are the sampling rows
+    [N1, ...]; ``bitmask`` int32 [N1, ceil(V / 32)] the grammar masks of the constrained rows (all
+    ones elsewhere). Each sampled token is counted in its row's penalty slot (``counts``, donated);
+    returns the samples, the counts, and ``fed`` [F] (donated) holding this step's tokens."""
+    if replicated is not None:
+        ints = jax.lax.with_sharding_constraint(ints, replicated)
+    logits = outer.logits(outer.norm(hax.named(last, (BATCH, "embed")))).array  # [N1, V]
+    sampling, slots, weight, _ = unpack_rows(ints, floats)
     out = sample(
         logits,
         sampling,
         counts,
         prompt_mask,
         num_top_logprobs=MAX_TOP_LOGPROBS,
-        all_greedy=jnp.all(sampling.temperature <= 0),
-        logprobs=jnp.any(wants_logprobs),
+        all_greedy=mode == "argmax",
+        logprobs=mode != "argmax",
+        processed=mode != "argmax",
+        filtered=mode == "filter",
         slots=slots,
-        bitmask=bitmask,
-    )
-    scores = jax.lax.cond(
-        jnp.any(following >= 0), lambda: _score(outer, x, following), lambda: _no_scores(tokens.shape[0])
+        bitmask=None if mode == "argmax" else bitmask,
     )
     counts = counts.at[slots, out.tokens].add(weight)
     next_fed = jnp.zeros_like(fed).at[: out.tokens.shape[0]].set(out.tokens)
-    return StepOutput(out, scores, pooled), cache, counts, next_fed
+    return out, counts, next_fed
+
+
+@jax.jit
+def score_step(outer: LlamaModel, hidden: jax.Array, following: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Prompt scores of one step: the logprob of each flat token's following token (``following``
+    [T], -1 where not scored) with the top K, from ``hidden`` [T, embed]."""
+    logits = outer.logits(outer.norm(hax.named(hidden[None], (BATCH, POS, "embed")))).array[0]  # [T, V]
+    return token_logprobs(logits, jnp.maximum(following, 0), MAX_TOP_LOGPROBS)
 
 
 def _pool(outer: LlamaModel, x: hax.NamedArray, pool_rows: jax.Array, rows: int) -> jax.Array:
@@ -184,16 +226,6 @@ def _forward(
 def _all_logits(outer: LlamaModel, x: hax.NamedArray) -> jax.Array:
     """Float32 logits [T, V] of every flat token of hidden states ``x`` [1, T, embed]."""
     return outer.logits(outer.norm(x)).array[0]
-
-
-def _score(outer: LlamaModel, x: hax.NamedArray, following: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Logprob of each flat token's following token (scored prompt positions), with the top K."""
-    return token_logprobs(_all_logits(outer, x), jnp.maximum(following, 0), MAX_TOP_LOGPROBS)
-
-
-def _no_scores(t: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    k = MAX_TOP_LOGPROBS
-    return jnp.zeros(t, jnp.float32), jnp.zeros((t, k), jnp.int32), jnp.zeros((t, k), jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=6)

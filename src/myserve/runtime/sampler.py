@@ -15,11 +15,18 @@ parameter is per row, so requests with different settings share one batch. Order
 Each filter keeps the tokens whose logit is at least a per-row threshold (ties at the boundary are
 kept, as in vLLM), so the three combine into one threshold: the highest of the three.
 
-Exact top-k/top-p without a full sort. The thresholds are computed from the ``CANDIDATES`` largest
-logits (``lax.top_k``); a row whose top-k boundary or nucleus does not provably lie inside them is
-recomputed from its fully sorted row, one row at a time (``lax.map`` + ``lax.cond``, so only those
-rows pay for a sort). A row that fits always uses the candidate result and a row that does not
-always uses the sorted one, so a row's threshold never depends on the other rows of the batch.
+Exact top-k/top-p without a sort. The thresholds are computed from the ``CANDIDATES`` largest
+logits (``lax.top_k``); for a row whose top-k boundary or nucleus does not provably lie inside them
+the threshold is the one found by bisection over the row's values (as int32 keys ordered like the
+floats: 32 halvings of a count or a probability mass, a loop of static length), computed for every
+row beside the candidate answer and selected per row. No conditional and no data-dependent loop:
+on a GPU either would make the host wait for the device (``docs/design/runtime.md``). A row that
+fits always uses the candidate result and a row that does not always uses the bisection, so a
+row's threshold never depends on the other rows of the batch.
+
+Which parts run is decided by the host, per step, as static arguments (``sample``'s ``processed``,
+``all_greedy``, ``filtered``, ``logprobs``): each combination the engine uses is its own small
+executable (``runtime/model_step.py``).
 
 Sampling is Gumbel-max, split in two levels so that it needs ~2*sqrt(V) random numbers per row
 instead of V (full-vocabulary threefry noise alone takes ~40 ms at [64, 49152]): pick a block
@@ -35,9 +42,9 @@ jitted, median ms per call over 7 runs of three invocations of ``tests/bench_sam
     temperature only (no top-k/top-p: no candidates)          18-24
     top_k=50, candidates path                                 34-44
     top_p=0.9, candidates path (every nucleus fits in 256)    39-45
-    top_p=0.9, one row of 64 falls back to its sorted row     ~39
-    top_p=0.9, every row falls back (64 row sorts)           280-316
     naive: jnp.sort of the whole batch, then top-k/top-p    1056-1158
+(figures of the candidate path with a per-row sorted fallback; the bisection fallback, computed
+for every row of a filtered batch, is measured in ``docs/performance.md``)
 """
 
 from __future__ import annotations
@@ -50,14 +57,11 @@ import jax.numpy as jnp
 from jax import lax
 
 CANDIDATES = 256
-"""Largest logits per row from which top-k/top-p thresholds are taken before falling back to a sort.
+"""Largest logits per row from which top-k/top-p thresholds are taken before falling back to bisection.
 ``lax.top_k`` costs ~15 ms at 256 and ~35 ms at 1024 for [64, 49152]."""
 
 BLOCK = 256
 """Tokens per block of the two-level Gumbel-max."""
-
-_Sampled = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
-"""tokens, logprobs, top ids, top logprobs."""
 
 
 class SamplingArrays(eqx.Module):
@@ -116,13 +120,18 @@ def process_logits(
     prompt_mask: jax.Array,
     slots: jax.Array | None = None,
     bitmask: jax.Array | None = None,
+    *,
+    penalties: bool = True,
 ) -> jax.Array:
-    """Steps 1-3 of the module docstring: bias, bans, penalties.
+    """Steps 1-3 of the module docstring: bias, bans, penalties, then the grammar mask.
 
     logits f32 [B, V], output_counts i32 [B, V], prompt_mask bool [B, V] -> f32 [B, V]. With
     ``slots`` i32 [B], ``output_counts`` and ``prompt_mask`` are tables [S, V] and row b reads
-    row ``slots[b]`` of them, only when some row has a penalty: a batch without penalties does not
-    copy them (4 ms of gathers at [64, 49152] on the 2-core CPU).
+    row ``slots[b]`` of them. ``penalties`` (static) False skips them, and their gathers (4 ms at
+    [64, 49152] on the 2-core CPU): the host passes it when no row of the step has a penalty.
+    Disabled penalties are an exact identity, so rows without one are unchanged either way.
+    ``bitmask`` int32 [B, ceil(V / 32)] masks the rows marked ``params.constrained`` (others are
+    all ones).
     """
     b, v = logits.shape
     rows = jnp.arange(b)[:, None]
@@ -131,28 +140,18 @@ def process_logits(
     logits = logits.at[rows, bias_ids].add(params.bias_values, mode="drop")
     banned_ids = jnp.where(params.banned_ids >= 0, params.banned_ids, v)
     logits = logits.at[rows, banned_ids].set(-jnp.inf, mode="drop")
-
-    def penalise(x: jax.Array) -> jax.Array:
+    if penalties:
         rows_counts = output_counts if slots is None else output_counts[slots]
         rows_prompt = prompt_mask if slots is None else prompt_mask[slots]
         rp = params.repetition_penalty[:, None]
         seen = rows_prompt | (rows_counts > 0)
-        x = jnp.where(seen, jnp.where(x > 0, x / rp, x * rp), x)
+        logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
         counts = rows_counts.astype(jnp.float32)
-        x = x - params.frequency_penalty[:, None] * counts
-        return x - params.presence_penalty[:, None] * (counts > 0)
-
-    # Disabled penalties are an exact identity, so skipping them changes no bits (batch-invariant).
-    penalties = (params.repetition_penalty != 1) | (params.frequency_penalty != 0) | (params.presence_penalty != 0)
-    if bitmask is None or params.constrained is None:
-        return lax.cond(jnp.any(penalties), penalise, lambda x: x, logits)
-    mask = bitmask
-
-    # Grammar masks ride in the same conditional: a step without constrained rows pays nothing.
-    def penalise_and_mask(x: jax.Array) -> jax.Array:
-        return apply_token_bitmask(lax.cond(jnp.any(penalties), penalise, lambda y: y, x), mask)
-
-    return lax.cond(jnp.any(penalties) | jnp.any(params.constrained), penalise_and_mask, lambda x: x, logits)
+        logits = logits - params.frequency_penalty[:, None] * counts
+        logits = logits - params.presence_penalty[:, None] * (counts > 0)
+    if bitmask is not None:
+        return apply_token_bitmask(logits, bitmask)
+    return logits
 
 
 def _thresholds(
@@ -199,44 +198,80 @@ def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return lax.optimization_barrier(values), lax.optimization_barrier(indices)
 
 
-def _sort_descending(row: jax.Array) -> jax.Array:
-    """f32 [V] sorted descending, via int32 keys: XLA:CPU sorts those ~5x faster than floats."""
-    bits = lax.bitcast_convert_type(row, jnp.int32)
-    keys = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotone map float order -> int order
-    keys = lax.sort(keys, is_stable=False)[::-1]
-    return lax.bitcast_convert_type(jnp.where(keys < 0, keys ^ 0x7FFFFFFF, keys), jnp.float32)
+_KEY_FLIP = 0x7FFFFFFF
 
 
-def keep_threshold(scaled: jax.Array, params: SamplingArrays, *, candidates: int = CANDIDATES) -> jax.Array:
+def _keys(x: jax.Array) -> jax.Array:
+    """float32 -> int32 keys in the same order (negative floats' bits reversed)."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ _KEY_FLIP, bits)
+
+
+def _from_keys(keys: jax.Array) -> jax.Array:
+    """The inverse of ``_keys``."""
+    return lax.bitcast_convert_type(jnp.where(keys < 0, keys ^ _KEY_FLIP, keys), jnp.float32)
+
+
+def _smallest_key_below(keys: jax.Array, measure: Callable[[jax.Array], jax.Array], target: jax.Array) -> jax.Array:
+    """Per row, the smallest key ``k`` with ``measure(k) < target``, by bisection.
+
+    ``keys`` i32 [B, V]; ``measure(k)`` [B] is what lies strictly above ``k`` [B] in each row (a
+    count or a mass: non-increasing in ``k``, zero at the row's largest key); ``target`` [B]. The
+    answer is a key of the row (``measure`` only steps at them). 32 halvings of the int32 range, a
+    loop of static length: no host round trip on any device.
+    """
+    lo = keys.min(axis=-1) - 1  # measure(lo) is everything: >= any target that can be reached
+    hi = keys.max(axis=-1)  # measure(hi) == 0 < target
+
+    def halve(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without int32 overflow
+        below = measure(mid) < target
+        return jnp.where(below, lo, mid), jnp.where(below, mid, hi)
+
+    return lax.fori_loop(0, 32, halve, (lo, hi))[1]
+
+
+def _bisected_thresholds(scaled: jax.Array, lse: jax.Array, row_max: jax.Array, params: SamplingArrays) -> jax.Array:
+    """The keep-threshold of every row of ``scaled`` [B, V] from all its values: what ``_thresholds``
+    gives from a full sort (top-k ties kept; the nucleus is the smallest prefix of the sorted top-k
+    distribution whose mass reaches top_p), found by bisection instead of sorting."""
+    vocab = scaled.shape[-1]
+    keys = _keys(scaled)
+    k_on = (params.top_k > 0) & (params.top_k < vocab)
+    count_above = lambda k: jnp.sum(keys > k[:, None], axis=-1, dtype=jnp.int32)  # noqa: E731
+    t_k = jnp.where(k_on, _from_keys(_smallest_key_below(keys, count_above, params.top_k)), -jnp.inf)
+    in_k = scaled >= t_k[:, None]
+    lse_k = jnp.where(k_on, jax.nn.logsumexp(jnp.where(in_k, scaled, -jnp.inf), axis=-1), lse)
+    probs = jnp.where(in_k, jnp.exp(scaled - lse_k[:, None]), 0.0)
+    # A token is kept while the mass sorted before it is < p: the threshold is the smallest value
+    # whose strictly-larger mass is below p.
+    mass_above = lambda k: jnp.sum(jnp.where(keys > k[:, None], probs, 0.0), axis=-1)  # noqa: E731
+    p_on = params.top_p < 1
+    t_p = jnp.where(p_on, _from_keys(_smallest_key_below(keys, mass_above, params.top_p)), -jnp.inf)
+    t_min = jnp.where(params.min_p > 0, row_max + jnp.log(params.min_p), -jnp.inf)
+    return jnp.maximum(jnp.maximum(t_k, t_p), t_min)
+
+
+def keep_threshold(
+    scaled: jax.Array, params: SamplingArrays, *, candidates: int = CANDIDATES, filtered: bool = True
+) -> jax.Array:
     """Smallest kept logit per row after top-k, top-p and min-p: f32 [B] from scaled logits [B, V].
 
-    Greedy rows (``temperature <= 0``) are ignored: their threshold is meaningless.
+    Greedy rows (``temperature <= 0``) are ignored: their threshold is meaningless. ``filtered``
+    (static) False: no row has top-k or top-p (the host knows), so only min-p applies and neither
+    the candidates nor the bisection are computed.
     """
     v = scaled.shape[-1]
     row_max = scaled.max(axis=-1)
-    sampled = params.temperature > 0
-    filtered = sampled & (((params.top_k > 0) & (params.top_k < v)) | (params.top_p < 1))
-
-    def with_candidates() -> jax.Array:
-        lse = jax.nn.logsumexp(scaled, axis=-1)
-        vals, _ = _top_k(scaled, min(candidates, v))
-        thr, exact = _thresholds(vals, row_max, lse, params, v)
-        exact = exact | ~sampled
-
-        def fix_rows() -> jax.Array:
-            def one(args: tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, SamplingArrays]) -> jax.Array:
-                row, fast, ok, rmax, rlse, row_params = args
-                full = lambda: _thresholds(_sort_descending(row), rmax, rlse, row_params, v)[0]  # noqa: E731
-                return lax.cond(ok, lambda: fast, full)
-
-            return lax.map(one, (scaled, thr, exact, row_max, lse, params))
-
-        return lax.cond(jnp.all(exact), lambda: thr, fix_rows)
-
-    def min_p_only() -> jax.Array:
+    if not filtered:
         return jnp.where(params.min_p > 0, row_max + jnp.log(params.min_p), -jnp.inf)
-
-    return lax.cond(jnp.any(filtered), with_candidates, min_p_only)
+    lse = jax.nn.logsumexp(scaled, axis=-1)
+    vals, _ = _top_k(scaled, min(candidates, v))
+    thr, exact = _thresholds(vals, row_max, lse, params, v)
+    # Both answers for every row, one selected per row: the bisection costs a few passes over
+    # [B, V], where a conditional would cost a host round trip per step on a GPU.
+    return jnp.where(exact, thr, _bisected_thresholds(scaled, lse, row_max, params))
 
 
 def argmax(x: jax.Array, block: int = BLOCK) -> jax.Array:
@@ -286,8 +321,11 @@ def sample(
     *,
     num_top_logprobs: int,
     candidates: int = CANDIDATES,
-    all_greedy: bool | jax.Array = False,
-    logprobs: bool | jax.Array = True,
+    all_greedy: bool = False,
+    logprobs: bool = True,
+    processed: bool = True,
+    penalties: bool = True,
+    filtered: bool = True,
     slots: jax.Array | None = None,
     bitmask: jax.Array | None = None,
 ) -> SampleOutput:
@@ -297,97 +335,38 @@ def sample(
     prompt_mask bool [B, V]: tokens in the prompt (or both tables [S, V] read at ``slots`` [B], see
     ``process_logits``); ``bitmask`` int32 [B, ceil(V / 32)]: the grammar masks of the rows marked
     ``params.constrained``. ``num_top_logprobs`` (static) sets K of ``top_ids``/``top_logprobs``;
-    ``candidates`` (static) is the top-k/top-p prefilter size. ``all_greedy``: every row has
-    ``temperature <= 0`` (argmax only, no noise); ``logprobs``: some row wants logprobs (otherwise
-    ``logprobs`` and the top entries are zeros: K of them for a traced flag, none for ``False``).
-    Each is a Python bool, decided at trace time, or a traced scalar, decided on the device by a
-    ``lax.switch`` (the engine step: one executable for every mix of rows).
+    ``candidates`` (static) is the top-k/top-p prefilter size.
+
+    The rest are static, decided by the host from the step's rows, each combination its own
+    executable, so that nothing is decided on the device (no conditional): ``all_greedy``, every
+    row has ``temperature <= 0`` (argmax only, no thresholds nor noise); ``logprobs``, some row
+    wants logprobs (otherwise ``logprobs`` and the top entries are zeros, with no top columns);
+    ``processed`` False, nothing edits the logits (no bias, ban, penalty nor grammar mask: the
+    argmax of the raw logits, without copying [B, V] through the scatters); ``penalties``, some row
+    has a penalty; ``filtered``, some row has top-k or top-p. A greedy row of a batch that samples
+    takes the argmax of its processed logits, so the flags never change a row's token.
     """
     logits = logits.astype(jnp.float32)
     b, k = logits.shape[0], num_top_logprobs
-    k_none = 0 if logprobs is False else k  # every branch of the conditional has one shape
-
-    def processed_and_sampled() -> _Sampled:
-        return _process_and_sample(
-            logits, params, output_counts, prompt_mask, slots, bitmask, k, k_none, candidates, all_greedy, logprobs
-        )
-
-    if all_greedy is False or logprobs is True:
-        tokens, chosen, top_ids, top_logprobs = processed_and_sampled()
+    if processed:
+        edited = process_logits(logits, params, output_counts, prompt_mask, slots, bitmask, penalties=penalties)
     else:
-        # The common serving batch (greedy, no logprobs, nothing that edits the logits) takes the
-        # argmax of the raw logits: the same tokens, without copying [B, V] through the bias and
-        # ban scatters (~1 ms of a 9 ms 64-row step of the tiny yardstick model on the 2-core CPU).
-        def raw_argmax() -> _Sampled:
-            return argmax(logits), jnp.zeros(b), jnp.zeros((b, k_none), jnp.int32), jnp.zeros((b, k_none), jnp.float32)
-
-        plain = jnp.asarray(all_greedy) & ~jnp.asarray(logprobs) & _untouched(params, logits.shape[1], bitmask)
-        tokens, chosen, top_ids, top_logprobs = lax.cond(plain, raw_argmax, processed_and_sampled)
-    return SampleOutput(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
-
-
-def _untouched(params: SamplingArrays, vocab: int, bitmask: jax.Array | None) -> jax.Array:
-    """True when ``process_logits`` is the identity for every row: no in-vocabulary logit bias or
-    banned id, no penalty, no grammar mask."""
-    edits = jnp.any((params.bias_ids >= 0) & (params.bias_ids < vocab))
-    edits |= jnp.any((params.banned_ids >= 0) & (params.banned_ids < vocab))
-    edits |= jnp.any(params.repetition_penalty != 1) | jnp.any(params.frequency_penalty != 0)
-    edits |= jnp.any(params.presence_penalty != 0)
-    if bitmask is not None and params.constrained is not None:
-        edits |= jnp.any(params.constrained)
-    return ~edits
-
-
-def _process_and_sample(
-    logits: jax.Array,
-    params: SamplingArrays,
-    output_counts: jax.Array,
-    prompt_mask: jax.Array,
-    slots: jax.Array | None,
-    bitmask: jax.Array | None,
-    k: int,
-    k_none: int,
-    candidates: int,
-    all_greedy: bool | jax.Array,
-    logprobs: bool | jax.Array,
-) -> _Sampled:
-    """``sample``'s general path: process the logits, then one of the greedy/logprobs cases."""
-    processed = process_logits(logits, params, output_counts, prompt_mask, slots, bitmask)
-    greedy_rows = params.temperature <= 0
-    b = logits.shape[0]
-
-    def draw(processed: jax.Array) -> jax.Array:
+        assert all_greedy, "rows that draw need their logits processed"
+        edited = logits
+    if all_greedy:
+        tokens = argmax(edited)
+    else:
+        greedy_rows = params.temperature <= 0
         temperature = jnp.where(greedy_rows, 1.0, params.temperature)
-        scaled = processed / temperature[:, None]
-        thr = keep_threshold(scaled, params, candidates=candidates)
+        scaled = edited / temperature[:, None]
+        thr = keep_threshold(scaled, params, candidates=candidates, filtered=filtered)
         drawn = _gumbel_max(jnp.where(scaled >= thr[:, None], scaled, -jnp.inf), _row_keys(params))
-        return jnp.where(greedy_rows, argmax(processed), drawn).astype(jnp.int32)
-
-    def branch(greedy: bool, with_logprobs: bool) -> Callable[[], _Sampled]:
-        def run() -> _Sampled:
-            # Greedy is the common serving case: an all-greedy batch skips thresholds and noise.
-            tokens = argmax(processed) if greedy else draw(processed)
-            if with_logprobs:
-                return tokens, *token_logprobs(logits, tokens, k)
-            return tokens, jnp.zeros(b), jnp.zeros((b, k_none), jnp.int32), jnp.zeros((b, k_none), jnp.float32)
-
-        return run
-
-    # One conditional over the four cases. (Processing the logits inside each branch, so that the
-    # cases without logprobs could update them in place, measured no faster within the noise and
-    # made the step executable larger: slower to compile and to load at start-up.)
-    greedy_cases = (all_greedy,) if isinstance(all_greedy, bool) else (False, True)
-    logprob_cases = (logprobs,) if isinstance(logprobs, bool) else (False, True)
-    cases = [branch(g, lp) for g in greedy_cases for lp in logprob_cases]
-    if len(cases) == 1:
-        return cases[0]()
-    index = jnp.int32(0)  # position in ``cases``: greedy-major, as built
-    if len(greedy_cases) == 2:
-        index = index + len(logprob_cases) * jnp.asarray(all_greedy, jnp.int32)
-    if len(logprob_cases) == 2:
-        index = index + jnp.asarray(logprobs, jnp.int32)
-    tokens, chosen, top_ids, top_logprobs = lax.switch(index, cases)
-    return tokens, chosen, top_ids, top_logprobs
+        tokens = jnp.where(greedy_rows, argmax(edited), drawn).astype(jnp.int32)
+    if logprobs:
+        chosen, top_ids, top_logprobs = token_logprobs(logits, tokens, k)
+    else:
+        chosen, top_ids, top_logprobs = jnp.zeros(b), jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
+    return SampleOutput(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:

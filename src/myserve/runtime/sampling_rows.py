@@ -99,3 +99,31 @@ class SamplingRows:
         ids = ids[:MAX_BANNED]
         start = NUM_INTS + MAX_BIAS
         self.ints[row, start : start + len(ids)] = ids
+
+
+HEAD_MODES = ("argmax", "sample", "filter")
+"""The sampler executables the host picks from per step (``head_mode``; ``runtime/model_step.py``):
+``argmax``, every row greedy with nothing that edits its logits and no logprobs; ``sample``, logit
+processing (bias, bans, penalties, grammar masks), logprobs, and a draw for rows with a
+temperature (greedy rows take the argmax of their processed logits), min-p only; ``filter``, the
+same with top-k/top-p thresholds."""
+
+
+def head_mode(rows: np.ndarray, floats: np.ndarray, count: int) -> str:
+    """The head executable the first ``count`` packed sampling rows need (``HEAD_MODES``), read
+    from the packed matrices themselves (``ints`` [B, ...], ``floats`` [B, ...]): decided on the
+    host, so that the device decides nothing."""
+    ints, f = rows[:count], floats[:count]
+    drawing = f[:, FLOAT_PARAMS.index("temperature")] > 0
+    if not drawing.any():
+        plain = (
+            not ints[:, LOGPROBS].any()
+            and not ints[:, CONSTRAINED].any()
+            and not (ints[:, NUM_INTS:] >= 0).any()  # bias ids and banned ids
+            and (f[:, FLOAT_PARAMS.index("presence_penalty")] == 0).all()
+            and (f[:, FLOAT_PARAMS.index("frequency_penalty")] == 0).all()
+            and (f[:, FLOAT_PARAMS.index("repetition_penalty")] == 1).all()
+        )
+        return "argmax" if plain else "sample"
+    filtered = (ints[drawing, TOP_K] > 0) | (f[drawing, FLOAT_PARAMS.index("top_p")] < 1)
+    return "filter" if filtered.any() else "sample"

@@ -43,19 +43,30 @@ class WriteSlot(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=Tru
 
 
 class CompileSteps(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
-    """Build the step executable of each shape (warmup): every process of a multi-host run
-    builds the same ones, so the ops it replays later find them."""
+    """Build step executables (warmup): the forward of each shape, the head of each (sampling rows,
+    mode) and the prompt scorer of each token count. Every process of a multi-host run builds the
+    same ones, so the ops it replays later find them. ``background``: start building them and
+    return at once (a step that needs one before it is built waits for it)."""
 
     shapes: tuple[StepShape, ...]
+    heads: tuple[tuple[int, str], ...] = ()
+    scores: tuple[int, ...] = ()
+    background: bool = False
+
+    @property
+    def count(self) -> int:
+        """Executables this op builds."""
+        return len(self.shapes) + len(self.heads) + len(self.scores)
 
 
 class StepCall(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
-    """One engine step: the model over a ragged token batch, then the sampler (``model_step``)."""
+    """One engine step: the model over a ragged token batch, then the sampler, then (when asked)
+    the prompt scores (``runtime/model_step.py``)."""
 
     batch: np.ndarray
     """int32, the step's tokens and attention metadata packed by ``HostStep.pack``."""
     shape: StepShape
-    """The step's token bucket: which executable runs it."""
+    """The step's token and context buckets: which forward executable runs it."""
     ints: np.ndarray
     """``SamplingRows.ints`` [N1, ...]."""
     floats: np.ndarray
@@ -66,6 +77,10 @@ class StepCall(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True
     mask_rows: np.ndarray | None = None
     """int32 [R]: which sampling rows ``bitmask`` masks. Only constrained rows travel (to the
     device, and to a multi-host deployment's followers): V / 8 bytes each, 16 KiB at a 128k vocabulary."""
+    mode: str = "argmax"
+    """The sampler executable (``sampling_rows.HEAD_MODES``), chosen by the host from the rows."""
+    score: bool = False
+    """Some span scores prompt positions: the prompt scorer runs after the step."""
 
 
 Op = CopyPage | ClearSlot | WriteSlot | CompileSteps | StepCall

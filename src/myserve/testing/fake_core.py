@@ -98,7 +98,7 @@ class FakeDevice:
         for op in ops:
             self.ops.append(op)
             if isinstance(op, CompileSteps) and progress is not None:
-                progress(len(op.shapes), len(op.shapes))
+                progress(op.count, op.count)
             elif isinstance(op, StepCall):
                 outputs.append(self._sample(op))
         return outputs
