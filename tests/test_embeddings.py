@@ -16,6 +16,7 @@ import pytest
 from test_server import LiveServer
 
 from myserve.frontend.app import create_app
+from myserve.runtime.deployment import step_buckets
 from myserve.testing import TINY_ENGINE, make_tiny_checkpoint, start_service
 from myserve.wire.params import SamplingParams
 from myserve.wire.pooling import PoolingParams
@@ -187,20 +188,21 @@ def test_an_embedding_only_step_has_no_lm_head_nor_sampler(tiny_checkpoints: dic
     from myserve.core.build import make_executors
     from myserve.runtime.deployment import Deployment
 
-    texts = {}
+    kinds, texts = {}, {}
     for task in ("embed", "generate+embed"):
         checkpoint = f"model.checkpoint={tiny_checkpoints['qwen3']}"
         overrides = [checkpoint, f"model.tokenizer={bundled_gguf_path()}", *TINY_ENGINE, f"model.task={task}"]
-        (executor,) = make_executors(Deployment.load(load_config(None, overrides)))
-        shape = next(s for s in executor_shapes(executor) if s.tokens == 8)
-        texts[task] = executor.lower_step(shape).as_text()
-    # The LM head's logits of the 8 sampling rows: f32[8,256] (the tiny vocabulary), and the sort of top-p.
-    assert "<8x256xf32>" in texts["generate+embed"] and "<8x256xf32>" not in texts["embed"]
-    assert "stablehlo.sort" in texts["generate+embed"] and "stablehlo.sort" not in texts["embed"]
+        config = load_config(None, overrides)
+        (executor,) = make_executors(Deployment.load(config))
+        now, _ = step_buckets(config, 512).compile_ops()
+        kinds[task] = {key[0] for key in executor.keys(now)}
+        texts[task] = executor.lower(("forward", next(s for s in now.shapes if s.tokens == 8))).as_text()
+        if task != "embed":
+            texts["head"] = executor.lower(("head", 8, "argmax")).as_text()
+    # Embedding only: no LM head nor sampler executable at all.
+    assert kinds == {"embed": {"forward"}, "generate+embed": {"forward", "head", "score"}}
+    # The LM head's logits of the 8 sampling rows (f32[8,256]: the tiny vocabulary) are the head's alone.
+    assert "<8x256xf32>" in texts["head"]
+    assert "<8x256xf32>" not in texts["embed"] and "<8x256xf32>" not in texts["generate+embed"]
 
 
-def executor_shapes(executor):
-    from myserve.config import load_config
-    from myserve.runtime.deployment import step_buckets
-
-    return step_buckets(load_config(None, list(TINY_ENGINE)), 512).shapes()

@@ -11,6 +11,7 @@ from concurrent.futures import Future
 import jax
 
 from myserve.runtime.executor import Executor, Prebuilt
+from myserve.runtime.step_ops import CompileSteps
 from myserve.testing import TINY_ENGINE, collect, start_service
 from myserve.wire.params import SamplingParams
 
@@ -38,9 +39,10 @@ def test_prebuilt_steps_are_the_ones_that_run_and_serve_the_same_tokens(tiny_che
     try:
         executor = early.replicas[0].runner.device
         assert isinstance(executor, Executor)
-        shapes = early.replicas[0].runner.buckets.shapes()
-        assert set(built) == set(shapes)
-        assert all(executor._steps[shape] is built[shape] for shape in shapes)  # none built again
+        now, _ = early.replicas[0].runner.buckets.compile_ops()
+        keys = executor.keys(now)  # every forward, head and prompt scorer warmup builds
+        assert set(built) == set(keys)
+        assert all(executor.executables()[key] is built[key] for key in keys)  # none built again
         assert greedy(early) == greedy(late)
     finally:
         early.shutdown()
@@ -66,7 +68,7 @@ def test_executables_built_for_other_arrays_are_not_taken(tiny_checkpoints) -> N
 
     sentinel = object()
     built_for_64: Future[Prebuilt] = Future()
-    built_for_64.set_result(({"shape": sentinel}, abstract_executor(64).build_all([])[1]))  # type: ignore[dict-item]
+    built_for_64.set_result(({"shape": sentinel}, abstract_executor(64).build_all(CompileSteps(()))[1]))  # type: ignore[dict-item]
     assert abstract_executor(64, built_for_64)._take_prebuilt() == {"shape": sentinel}
     other: Future[Prebuilt] = Future()
     other.set_result(built_for_64.result())

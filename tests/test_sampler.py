@@ -308,18 +308,21 @@ def test_seed_choice_and_position_change_the_sample() -> None:
 
 
 def test_a_plain_greedy_batch_takes_the_raw_argmax_and_every_edit_still_applies() -> None:
-    """The engine's flags are traced: a greedy batch without logprobs or logit edits skips the
-    processing (``_untouched``); each kind of edit on a single row must still reach that row."""
+    """The engine's variants are static: a greedy batch without logprobs or logit edits runs the
+    ``argmax`` head (no processing); any other batch the ``sample`` head, where each kind of edit on
+    a single greedy row must reach that row (and leave the others' argmax alone)."""
     b, words = 8, -(-V // 32)
     rng = np.random.default_rng(9)
     logits = random_logits(rng, b)
     top = np.argmax(logits, axis=-1)
     second = int(np.argsort(-logits[0])[1])
 
-    @jax.jit
-    def step(params: SamplingArrays, counts: Any, prompt: Any, mask: Any, greedy: Any, lp: Any) -> SampleOutput:
+    @functools.partial(jax.jit, static_argnums=(4,))
+    def step(params: SamplingArrays, counts: Any, prompt: Any, mask: Any, mode: str) -> SampleOutput:
         x = jnp.asarray(logits)
-        return sample(x, params, counts, prompt, num_top_logprobs=K, all_greedy=greedy, logprobs=lp, bitmask=mask)
+        argmax_only = mode == "argmax"
+        flags = dict(all_greedy=argmax_only, logprobs=not argmax_only, processed=not argmax_only, filtered=False)
+        return sample(x, params, counts, prompt, num_top_logprobs=K, bitmask=mask, **flags)
 
     def row0(shape: tuple[int, ...], fill: Any, value: Any, dtype: Any) -> np.ndarray:
         a = np.full(shape, fill, dtype)
@@ -328,9 +331,9 @@ def test_a_plain_greedy_batch_takes_the_raw_argmax_and_every_edit_still_applies(
 
     counts, prompt = np.zeros((b, V), np.int32), np.zeros((b, V), bool)
     full_mask = np.full((b, words), -1, np.int32)
-    plain = step(make(b), counts, prompt, full_mask, True, False)
+    plain = step(make(b), counts, prompt, full_mask, "argmax")
     np.testing.assert_array_equal(np.asarray(plain.tokens), top)
-    with_lp = step(make(b), counts, prompt, full_mask, True, True)
+    with_lp = step(make(b), counts, prompt, full_mask, "sample")
     np.testing.assert_array_equal(np.asarray(with_lp.tokens), top)
     want_lp = np_log_softmax(logits.astype(np.float64))[np.arange(b), top]
     np.testing.assert_allclose(np.asarray(with_lp.logprobs), want_lp, rtol=1e-5, atol=1e-5)
@@ -360,5 +363,5 @@ def test_a_plain_greedy_batch_takes_the_raw_argmax_and_every_edit_still_applies(
     want = top.copy()
     want[0] = second
     for name, (params, c, p, m) in edits.items():
-        got = np.asarray(step(params, c, p, m, True, False).tokens)
+        got = np.asarray(step(params, c, p, m, "sample").tokens)
         np.testing.assert_array_equal(got, want, err_msg=name)

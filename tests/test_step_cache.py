@@ -42,16 +42,19 @@ def test_a_warm_start_loads_every_step_without_tracing_and_serves_the_same_token
     finally:
         cold.shutdown()
     entries = sorted((tmp_path / SUBDIRECTORY).iterdir())
-    assert len(entries) == 3  # one per token bucket (TINY_ENGINE: 1, 8, 64)
+    # Per token bucket (TINY_ENGINE: 1, 8, 64) a forward and a prompt scorer; per sampling-row
+    # count (1, 8) the three sampler heads.
+    assert len(entries) == 3 + 3 + 2 * 3
 
     # The next start builds its steps early from abstract weights, as serve does: same keys.
     with monkeypatch.context() as patch:
-        patch.setattr(executor_module, "model_step", _NoTracing())
+        for name in ("forward_step", "head_step", "score_step"):
+            patch.setattr(executor_module, name, _NoTracing())
         before = compile_counts()
         warm = start_service(tiny_checkpoints["llama3"], *engine, prebuild=True)
         loaded = compile_counts()[1] - before[1]
     try:
-        assert loaded == 3  # the steps; JAX's own cache is off beside the step cache (compiled: the small ops)
+        assert loaded == 12  # the steps; JAX's own cache is off beside the step cache (compiled: the small ops)
         assert greedy(warm) == expected
     finally:
         warm.shutdown()

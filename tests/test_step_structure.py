@@ -51,8 +51,9 @@ def test_the_check_sees_a_conditional_and_a_data_dependent_loop() -> None:
 
 
 def test_every_executable_the_tiny_engine_serves(tiny_service) -> None:
-    """After warmup: every forward, every head mode, every prompt scorer; and the forward of a
-    wider context bucket than the engine's (its attention loop is longer, still static)."""
+    """After warmup: every forward, every head mode, every prompt scorer; the forward of a wider
+    context bucket than the engine's (its attention loop is longer, still static); and the
+    several-token decode call of every mode."""
     executor = tiny_service.replicas[0].runner.device
     built = executor.executables()
     kinds = {key[0] for key in built}
@@ -62,6 +63,9 @@ def test_every_executable_the_tiny_engine_serves(tiny_service) -> None:
     wide = buckets.shape(8, 4 * buckets.shape(8).width)
     texts = {key: step.as_text() for key, step in built.items()}
     texts[("forward", wide)] = executor.lower(("forward", wide)).compile().as_text()
+    for mode in HEAD_MODES:  # several-token decode calls (engine.decode_steps): a loop of static length
+        key = ("loop", buckets.decode_shape(8), 4, mode)
+        texts[key] = executor.lower(key).compile().as_text()
     for key, text in texts.items():
         assert device_decided_control_flow(text) == [], key
     # The attention's context loops are in the forward, as loops of known length.

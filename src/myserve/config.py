@@ -121,6 +121,12 @@ class EngineConfig:
     the smallest that holds its longest context (the loop has a static length, so that no device
     waits for its host). The smallest is built before ready, the others in the background right
     after; empty = 512, then x4 up to max_model_len (which is always the last)."""
+    decode_steps: int = 0
+    """Tokens a decode produces per executable call when a step is decodes only and nothing needs
+    the host between tokens (no grammar): a loop of that many model and sampler iterations on the
+    device (EOS, stop ids, max_tokens and min_tokens applied there), built in the background after
+    warmup. 1 = one token per call; 0 = the platform's default (1 on CPU, 4 on GPU and TPU:
+    docs/performance.md)."""
     enable_prefix_caching: bool = True
     """Reuse KV pages of identical prompt prefixes across requests."""
     async_scheduling: bool = True
@@ -141,6 +147,7 @@ class EngineConfig:
             f"({self.max_num_seqs})",
         )
         check(self.max_waiting >= 1, f"engine.max_waiting must be >= 1, got {self.max_waiting}")
+        check(0 <= self.decode_steps <= 64, f"engine.decode_steps must be in [0, 64], got {self.decode_steps}")
         buckets = list(self.token_buckets)
         check(
             all(b >= 1 for b in buckets) and buckets == sorted(set(buckets)),
@@ -309,7 +316,6 @@ REMOVED_KEYS = {
     "engine.prefill_row_tokens": "removed: prefill chunks join decodes in one step; set engine.token_buckets",
     "engine.page_buckets": "removed: set engine.context_buckets (context lengths the attention is compiled for)",
     "engine.layers_per_call": "removed: every layer runs in the one step executable; nothing replaces it",
-    "engine.decode_steps": "removed: one step per dispatch; nothing replaces it",
 }
 """Keys of earlier versions: each gets a one-line error naming what replaced it."""
 

@@ -27,14 +27,7 @@ from myserve.core.warmup import warm_up
 from myserve.grammar import LazyGrammars, matchers_alive
 from myserve.tokenizer import Tokenizer
 from myserve.validation import validate_request
-from myserve.wire.outputs import (
-    EngineDead,
-    EngineStats,
-    Overloaded,
-    RequestOutput,
-    TokenLogprob,
-    Usage,
-)
+from myserve.wire.outputs import EngineDead, EngineStats, Overloaded, RequestOutput, TokenLogprob, Usage
 from myserve.wire.params import SamplingParams
 from myserve.wire.pooling import Pooler
 
@@ -328,6 +321,7 @@ class EngineCore:
         for rep in self.replicas:
             if not rep.scheduler.has_work():
                 continue
+            rep.scheduler.decode_steps = rep.runner.decode_steps if rep.runner.several_tokens_ready() else 1
             batch = rep.scheduler.schedule()
             if batch.empty:
                 continue  # e.g. every running sequence waits for its token in flight
@@ -385,7 +379,8 @@ class EngineCore:
                 self._finish_seq(req, seq, "length")
                 continue
             for token, logprob, top_ids, top_lps in samples:
-                self._append(req, seq, token, logprob, top_ids, top_lps)
+                if seq.finish_reason is None:  # a several-token call's tokens after its end are dropped
+                    self._append(req, seq, token, logprob, top_ids, top_lps)
 
     def _append(self, req: Request, seq: Seq, token: int, logprob: float, top_ids, top_lps) -> None:
         params = seq.params

@@ -54,8 +54,11 @@ def make_replica(cfg: EngineConfig, device: Device, buckets: Buckets, eos_ids: S
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_prefill_chunk=cfg.max_num_batched_tokens,
         max_prefill_chunks=buckets.max_prefill_chunks,
+        decode_steps_pages=buckets.decode_shape(1).width,
+    )  # one token per decode until the several-token calls are built (the engine raises it then)
+    runner = ModelRunner(
+        device, buckets=buckets, max_num_seqs=cfg.max_num_seqs, eos_ids=eos_ids, decode_steps=cfg.decode_steps
     )
-    runner = ModelRunner(device, buckets=buckets, max_num_seqs=cfg.max_num_seqs, eos_ids=eos_ids)
     return Replica(allocator, scheduler, runner)
 
 

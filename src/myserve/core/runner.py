@@ -24,7 +24,7 @@ from myserve.core.sequence import Sequence as Seq
 from myserve.grammar import allocate_bitmask, fill_bitmask
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.device import Device
-from myserve.runtime.sampling_rows import CONSTRAINED, MAX_TOP_LOGPROBS, SLOT, SamplingRows, head_mode
+from myserve.runtime.sampling_rows import CONSTRAINED, MAX_TOP_LOGPROBS, SLOT, STEPS, SamplingRows, head_mode
 from myserve.runtime.step_layout import HostStep, Span, StepShape, layout
 from myserve.runtime.step_ops import SLOT_CHUNK, ClearSlot, CopyPage, Op, StepCall, WriteSlot
 from myserve.wire import params as wire_params
@@ -53,6 +53,8 @@ class PlannedStep:
     """Some sampling row asked for top logprobs: they are read back."""
     pooled: bool = False
     """Some chunk pools (an embedding request): the pooled rows are read back."""
+    steps: int = 1
+    """Above 1: a several-token decode call; its samples are ``[steps, N1]``."""
     outputs: list[Any] = dataclasses.field(default_factory=list)
     """The device's output handles once dispatched (one: the step call's)."""
 
@@ -70,6 +72,13 @@ class StepResults:
     tokens [embed], or None when none of its tokens pools)."""
 
 
+def _tops(read: Any, tops: bool, i: int, row: int) -> tuple[np.ndarray, np.ndarray]:
+    """Iteration ``i``'s top logprobs of ``row`` in a several-token call's read (none unless asked)."""
+    if not tops:
+        return _NO_TOP, _NO_TOP
+    return read.top_ids[i, row], read.top_logprobs[i, row]
+
+
 def span_of(chunk: ScheduledChunk, inflight_rows: dict[Seq, int]) -> Span:
     """A scheduled chunk as a span of the flat batch. Its last token may still be in flight (a
     decode planned while the step sampling its token runs): the device feeds it from that step's
@@ -78,7 +87,8 @@ def span_of(chunk: ScheduledChunk, inflight_rows: dict[Seq, int]) -> Span:
     tokens = seq.tokens(start, start + n)
     feed = -1
     if len(tokens) < n:
-        assert len(tokens) == n - 1 and seq.num_inflight == 1, "only the last token can be in flight"
+        # (A several-token call may have more in flight, but their positions were computed by it.)
+        assert len(tokens) == n - 1 and seq.num_inflight >= 1, "only the span's last token can be in flight"
         tokens, feed = [*tokens, 0], inflight_rows[seq]
     following = seq.tokens(start + 1, start + n + 1) if seq.scores_prompt(start) else None
     pool = seq.pool_range(start, n) if seq.pool_type is not None else None
@@ -95,8 +105,12 @@ class ModelRunner:
         buckets: Buckets,
         max_num_seqs: int,
         eos_ids: Sequence[int] = (),
+        decode_steps: int = 1,
     ):
+        """``decode_steps``: tokens per several-token decode call (1: none are built)."""
         self.device = device
+        self.decode_steps = decode_steps
+        self._loops_ready = decode_steps <= 1
         self.buckets = buckets
         self.page_size = buckets.page_size
         self.eos_ids = tuple(eos_ids)
@@ -122,8 +136,10 @@ class ModelRunner:
         return ops
 
     # -- steps --------------------------------------------------------------------------------
-    def _sampling_rows(self, chunks: Sequence[ScheduledChunk], rows: int) -> SamplingRows:
-        """The packed sampling rows of a step: row ``i`` samples for ``chunks[i]``."""
+    def _sampling_rows(self, chunks: Sequence[ScheduledChunk], rows: int, several: bool = False) -> SamplingRows:
+        """The packed sampling rows of a step: row ``i`` samples for ``chunks[i]``. ``several``: a
+        several-token decode call, whose rows carry their token counts and their EOS and stop ids
+        (where the device stops them; banned only under ``min_tokens``)."""
         packed = SamplingRows.empty(rows, self.scratch_slot)
         seqs = [chunk.seq for chunk in chunks]
         generated = [len(seq.output_ids) + seq.num_inflight for seq in seqs]  # the token in flight is generated
@@ -133,8 +149,13 @@ class ModelRunner:
             if p.logit_bias:
                 ids, values = zip(*p.logit_bias, strict=True)
                 packed.set_bias(i, ids, values)
-            if done < p.min_tokens:
-                packed.set_banned(i, (() if p.ignore_eos else self.eos_ids) + p.stop_token_ids)
+            stops = (() if p.ignore_eos else self.eos_ids) + p.stop_token_ids
+            if several:
+                packed.ints[i, STEPS] = chunks[i].steps
+                if stops:
+                    packed.set_banned(i, stops, steps=max(0, p.min_tokens - done))
+            elif done < p.min_tokens:
+                packed.set_banned(i, stops)
             if p.uses_penalties:
                 assert seq.slot is not None, "the scheduler gives a running penalty sequence its slot"
                 packed.ints[i, SLOT] = seq.slot
@@ -147,19 +168,27 @@ class ModelRunner:
             ops.extend(self._fill_slot(seq))
         chunks = [*batch.decodes, *batch.prefills]
         spans = [span_of(c, self._inflight_rows) for c in chunks]
-        shape = self.buckets.fit(spans)
+        steps = max((c.steps for c in chunks), default=1)
+        if steps > 1:  # one-token rows only, each decoding its own count of tokens in one call
+            decode_shape = self.buckets.fit_decode(spans)
+            assert decode_shape is not None, "the scheduler sizes several-token decodes to fit a call"
+            shape, steps = decode_shape, self.decode_steps
+        else:
+            shape = self.buckets.fit(spans)
         host = layout(spans, shape, self.page_size)
         # This step's sampling rows: the next step's spans feed on them while this one is in flight.
         self._inflight_rows = {c.seq: row for c, row in zip(chunks, host.sample_rows, strict=True) if row is not None}
         sampling = [c for c in chunks if c.samples]
-        ops.append(self._step_call(host, shape, sampling))
+        ops.append(self._step_call(host, shape, sampling, steps))
         offsets = np.cumsum([0, *(c.num_tokens for c in chunks)])
         placed = [(c, int(at), row) for c, at, row in zip(chunks, offsets, host.sample_rows, strict=False)]
         tops = any(bool(c.seq.params.logprobs) for c in sampling)
-        return PlannedStep(self, ops, placed, host.scored, tops, host.pooled)
+        return PlannedStep(self, ops, placed, host.scored, tops, host.pooled, steps=steps)
 
-    def _step_call(self, host: HostStep, shape: StepShape, sampling: Sequence[ScheduledChunk]) -> StepCall:
-        packed = self._sampling_rows(sampling, shape.singles)
+    def _step_call(
+        self, host: HostStep, shape: StepShape, sampling: Sequence[ScheduledChunk], steps: int = 1
+    ) -> StepCall:
+        packed = self._sampling_rows(sampling, shape.singles, several=steps > 1)
         constrained = [(c.seq.matcher, i) for i, c in enumerate(sampling) if c.seq.matcher is not None]
         bitmask = rows = None
         if constrained:  # each constrained row's next-token mask, from its grammar state
@@ -168,7 +197,7 @@ class ModelRunner:
             fill_bitmask([(m, k) for k, (m, _) in enumerate(constrained)], bitmask)
             packed.ints[rows, CONSTRAINED] = 1
         mode = head_mode(packed.ints, packed.floats, len(sampling))
-        return StepCall(host.pack(), shape, packed.ints, packed.floats, bitmask, rows, mode, host.scored)
+        return StepCall(host.pack(), shape, packed.ints, packed.floats, bitmask, rows, mode, host.scored, steps)
 
     def dispatch(self, planned: PlannedStep) -> PlannedStep:
         """Hand a planned step to the device (not awaited)."""
@@ -186,7 +215,12 @@ class ModelRunner:
                 pooled = seq.pool_range(chunk.start, chunk.num_tokens) is not None
                 vector = read.pooled[i] if pooled and read.pooled is not None else None
                 results.pooled.append((seq, chunk.start, chunk.num_tokens, vector))
-            if row is not None:
+            if row is not None and planned.steps > 1:  # [steps, N1]: this row's first chunk.steps tokens
+                results.sampled[seq] = [
+                    (int(read.tokens[i, row]), float(read.logprobs[i, row]), *_tops(read, planned.tops, i, row))
+                    for i in range(chunk.steps)
+                ]
+            elif row is not None:
                 top = (read.top_ids[row], read.top_logprobs[row]) if planned.tops else (_NO_TOP, _NO_TOP)  # type: ignore[index]
                 results.sampled[chunk.seq] = [(int(read.tokens[row]), float(read.logprobs[row]), *top)]
             if planned.scored and chunk.seq.scores_prompt(chunk.start):
@@ -198,16 +232,23 @@ class ModelRunner:
                 )
         return results
 
+    def several_tokens_ready(self) -> bool:
+        """Whether several-token decode calls can be planned: their executables are built (they are
+        built in the background after warmup; until then every decode is one token per call)."""
+        if not self._loops_ready:
+            self._loops_ready = self.device.background_builds_done(0)
+        return self._loops_ready
+
     # -- warmup -------------------------------------------------------------------------------
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Build the executable of every step shape (``CompileSteps``: compiled, or loaded from the
         persistent compilation cache), then the page copy and penalty-slot writers. The service
         counts what was compiled and what was loaded (``compile_counter``)."""
-        now, later = self.buckets.compile_ops()
+        now, later = self.buckets.compile_ops(self.decode_steps)
         self.device.run([now], progress)
         zeros = np.zeros(SLOT_CHUNK, np.int32)
         slot = self.scratch_slot
         self.device.run([CopyPage(0, 0), ClearSlot(slot), WriteSlot(slot, zeros, 0, True)])
-        if later.shapes:  # the wider context buckets: built while serving, waited for if needed first
+        if later.count:  # wider context buckets, several-token calls: built while serving
             self.device.run([later])
         self.warmed_up = True

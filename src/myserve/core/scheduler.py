@@ -37,6 +37,9 @@ class ScheduledChunk:
     seq: Sequence
     start: int
     num_tokens: int
+    steps: int = 1
+    """Tokens a one-token decode chunk produces in this call (> 1: a several-token decode call,
+    its pages reserved; the sequence's tokens up to ``start + steps - 1`` count as computed)."""
 
     @property
     def samples(self) -> bool:
@@ -76,8 +79,15 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_prefill_chunk: int,
         max_prefill_chunks: int | None = None,
+        decode_steps: int = 1,
+        decode_steps_pages: int | None = None,
     ):
+        """``decode_steps``: tokens a decode may produce per call when the step is decodes only and
+        nothing needs the host between tokens (1: one per call); ``decode_steps_pages``: the most
+        pages such a sequence may hold (the several-token calls' page tables)."""
         self.allocator = allocator
+        self.decode_steps = decode_steps
+        self.decode_steps_pages = decode_steps_pages
         self.page_size = allocator.page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -208,7 +218,26 @@ class Scheduler:
         # Decodes: one-token chunks that score no prompt position (the runner lays out both kinds alike).
         decodes = [c for c in chunks.values() if c.num_tokens == 1 and not c.seq.scores_prompt(c.start)]
         prefills = [c for c in chunks.values() if c.num_tokens > 1 or c.seq.scores_prompt(c.start)]
+        if self.decode_steps > 1 and decodes and not prefills and not preempted and not copies:
+            decodes = [self._several(c) for c in decodes]
         return ScheduledBatch(decodes, prefills, preempted, copies, fill_slots)
+
+    def _several(self, chunk: ScheduledChunk) -> ScheduledChunk:
+        """A decode of a decode-only step made several tokens long where nothing needs the host
+        between them: as many as ``decode_steps``, the sequence's length allows and free pages hold
+        (never preempting for them). A constrained sequence (its grammar mask needs the host after
+        every token) or an embedding keeps one."""
+        seq = chunk.seq
+        if seq.constrained or seq.pool_type is not None:
+            return chunk
+        steps = min(self.decode_steps, seq.max_len - seq.num_tokens)
+        need = self._pages_needed(seq, steps)
+        if steps <= 1 or not self.allocator.can_allocate(need):
+            return chunk
+        if self.decode_steps_pages is not None and len(seq.pages) + need > self.decode_steps_pages:
+            return chunk
+        seq.pages.extend(self.allocator.allocate(need))
+        return dataclasses.replace(chunk, steps=steps)
 
     def _admit_sibling(self, seq: Sequence, parent: Sequence, copies: list[tuple[int, int]]) -> int:
         """Pages for a later choice: its first choice's prompt pages; it computes only the last prompt token.
@@ -258,8 +287,8 @@ class Scheduler:
             seq = chunk.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue  # finished or aborted before the step was dispatched
-            seq.num_computed = max(seq.num_computed, chunk.start + chunk.num_tokens)
+            seq.num_computed = max(seq.num_computed, chunk.start + chunk.num_tokens + chunk.steps - 1)
             if chunk.samples:
-                seq.num_inflight += 1
+                seq.num_inflight += chunk.steps
             for page, page_hash in seq.update_page_hashes(self.page_size):
                 self.allocator.cache_page(page, page_hash)

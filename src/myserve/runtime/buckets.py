@@ -110,15 +110,37 @@ class Buckets:
         """The shapes built before serving: every token bucket at the narrowest context bucket."""
         return [self.shape(t, self._widths()[0]) for t in self.tokens]
 
-    def compile_ops(self) -> tuple[CompileSteps, CompileSteps]:
+    def compile_ops(self, decode_steps: int = 1) -> tuple[CompileSteps, CompileSteps]:
         """Warmup's two builds: before serving, the forward of every token bucket at the narrowest
         context bucket, every sampler mode for each bucket's sampling rows, and the prompt scorer of
-        each token bucket; then, in the background, the forwards of the wider context buckets."""
+        each token bucket; then, in the background, the forwards of the wider context buckets and,
+        with ``decode_steps`` > 1, the several-token decode calls (every row count and mode, at the
+        narrowest context bucket: a step that needs a wider one decodes one token per call)."""
         first = self.first_shapes()
-        rows = sorted({shape.singles for shape in first})
+        rows = self.decode_rows()
         now = CompileSteps(tuple(first), tuple((r, mode) for r in rows for mode in HEAD_MODES), tuple(self.tokens))
-        later = CompileSteps(tuple(s for s in self.shapes() if s not in first), background=True)
+        loops: tuple[tuple[StepShape, int, str], ...] = ()
+        if decode_steps > 1:
+            loops = tuple((self.decode_shape(r), decode_steps, mode) for r in rows for mode in HEAD_MODES)
+        later = CompileSteps(tuple(s for s in self.shapes() if s not in first), loops=loops, background=True)
         return now, later
+
+    def decode_rows(self) -> list[int]:
+        """The sampling-row counts of the token buckets (also the several-token calls' row counts)."""
+        return sorted({shape.singles for shape in self.first_shapes()})
+
+    def decode_shape(self, rows: int) -> StepShape:
+        """A step of ``rows`` one-token rows and no blocks at the narrowest context bucket: the shape
+        of a several-token decode call."""
+        return dataclasses.replace(self.shape(rows, self._widths()[0]), tokens=rows, singles=rows, blocks=0)
+
+    def fit_decode(self, spans: Sequence[Span]) -> StepShape | None:
+        """The several-token call shape that holds ``spans`` (one-token rows only), or None when
+        none does (more rows than the largest, or a context wider than the narrowest bucket)."""
+        if max((len(s.pages) for s in spans), default=0) > self._widths()[0]:
+            return None
+        rows = next((r for r in self.decode_rows() if r >= len(spans)), None)
+        return None if rows is None else self.decode_shape(rows)
 
     @property
     def max_prefill_chunks(self) -> int:

@@ -22,7 +22,8 @@ class StepRead(NamedTuple):
     """A step's results on the host, per sampling row ``r`` (``N1`` rows) and flat token ``t`` (``T``)."""
 
     tokens: np.ndarray
-    """int32 [N1]: the token each sampling row drew (rows past the step's samples are padding)."""
+    """int32 [N1]: the token each sampling row drew (rows past the step's samples are padding);
+    [steps, N1] for a several-token decode call, as ``logprobs`` (and ``top_*``: [steps, N1, K])."""
     logprobs: np.ndarray
     """float32 [N1]: its log-probability under the raw model distribution."""
     top_ids: np.ndarray | None
@@ -47,4 +48,9 @@ class Device(Protocol):
     def read(self, output: Any, *, tops: bool, scored: bool, pooled: bool = False) -> StepRead:
         """Wait for a step's output and bring its results to the host: the samples, their top
         logprobs when ``tops``, the prompt scores when ``scored``, the pooled rows when ``pooled``."""
+        ...
+
+    def background_builds_done(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the executables a background ``CompileSteps`` asked
+        for; whether they are all built."""
         ...

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import jax
@@ -29,11 +27,19 @@ from jax.sharding import Mesh, NamedSharding
 from myserve.models.llama import LlamaModel
 from myserve.models.sharding import MeshAxes, kv_cache_sharding
 from myserve.ops.paged_cache import KernelKVCache, KVCache
-from myserve.runtime.compile_counter import count_loaded, thread_cache_hits
 from myserve.runtime.device import StepRead
+from myserve.runtime.executables import BuildKey, Executables, Step, out_trees
 from myserve.runtime.kv_cache import Cache, cache_arrays, constrain_cache, init_kv_cache, kv_cache_shape, make_cache
 from myserve.runtime.mesh import replicated
-from myserve.runtime.model_step import ForwardOutput, StepOutput, forward_step, head_step, score_step, split_model
+from myserve.runtime.model_step import (
+    ForwardOutput,
+    StepOutput,
+    decode_loop,
+    forward_step,
+    head_step,
+    score_step,
+    split_model,
+)
 from myserve.runtime.sampler import SampleOutput
 from myserve.runtime.sampling_rows import MAX_TOP_LOGPROBS, SamplingRows
 from myserve.runtime.step_cache import StepCache
@@ -41,11 +47,6 @@ from myserve.runtime.step_layout import StepShape, layout
 from myserve.runtime.step_ops import ClearSlot, CompileSteps, CopyPage, Op, Progress, StepCall
 
 logger = logging.getLogger(__name__)
-
-_COMPILE_THREADS = max(1, min(4, os.cpu_count() or 1))
-"""Executables compiled (or loaded from the persistent cache) at once during warmup. Loading is
-native work that mostly runs without the GIL: a warm start of the bundled model on the 2-core CPU
-took 6.1-6.9 s of warmup with two threads against 7.3-7.9 s with one."""
 
 
 def _full_mask(op: StepCall, words: int) -> np.ndarray:
@@ -114,11 +115,7 @@ class Executor:
         self.page_size = page_size
         self.scratch_slot = num_slots - 1
         """The penalty slot of rows without penalties (the last)."""
-        self._built: dict[BuildKey, Step] = {}
-        """Each executable built so far (``CompileSteps``, or on first use), by ``BuildKey``."""
-        self._pending: dict[BuildKey, Future[Step]] = {}
-        """Executables being built in the background (``CompileSteps(background=True)``)."""
-        self._background: ThreadPoolExecutor | None = None
+
         self.outer, self.treedef, self.layers = split_model(model)
         backend = model.attention_backend  # picks the cache's layout (the kernel reads its own)
         self.cache_sharding = kv_cache_sharding(mapping, mesh, backend)
@@ -138,7 +135,7 @@ class Executor:
             self.kv_cache = make_cache(arrays, backend)
         else:
             self.kv_cache = init_kv_cache(model.spec, num_pages, page_size, dtype, mesh, mapping, backend)
-        self._out_trees = _out_trees(self.kv_cache)
+        self._executables = Executables(self._call_args, out_trees(self.kv_cache), tuple(mesh.devices.flat), step_cache)
         # The dtype of the hidden states the forward hands the head (that of the embeddings).
         self._hidden_dtype = jax.eval_shape(lambda o: o.embed_tokens(jnp.zeros((1, 1), jnp.int32)), self.outer).dtype
         self.counts = place((num_slots, vocab), np.int32, self.replicated)
@@ -158,13 +155,14 @@ class Executor:
             if isinstance(op, StepCall):
                 outputs.append(self._step(op))
             elif isinstance(op, CompileSteps):
-                keys = self._keys(op)
+                keys = self.keys(op)
+                built = self._executables.built
                 if op.background:
-                    self._build_in_background(keys)
+                    self._executables.build_in_background(keys)
                     continue
-                self._built.update(self._take_prebuilt())
-                missing = [key for key in keys if key not in self._built]
-                self._built.update(self._build(missing, progress))
+                built.update(self._take_prebuilt())
+                missing = [key for key in keys if key not in built]
+                built.update(self._executables.build(missing, progress))
                 if progress is not None and not missing:
                     progress(len(keys), len(keys))
             elif isinstance(op, CopyPage):
@@ -181,69 +179,54 @@ class Executor:
         """One step: the forward, the head in the host's mode, the prompt scorer when asked; each
         dispatched, none awaited."""
         n1 = op.shape.singles
+        if op.steps > 1:
+            loop = self._executables.get(("loop", op.shape, op.steps, op.mode))
+            sampled, self.kv_cache, self.counts, self.fed = loop(
+                self.outer, self.layers, self.kv_cache, self.counts, self.prompt_mask, self.fed,
+                op.batch, op.ints, op.floats, self._bitmask(op),
+            )  # fmt: skip
+            return StepOutput(sampled, None, np.zeros((n1, 0), np.float32))  # nothing pools here
         fwd: ForwardOutput
-        forward = self._get(("forward", op.shape))
+        forward = self._executables.get(("forward", op.shape))
         fwd, self.kv_cache = forward(self.outer, self.layers, self.kv_cache, self.fed, op.batch)
         if self.sampler:
-            if op.bitmask is None:
-                bitmask = self._no_mask(n1)
-            else:  # placed as the all-ones one is: the executable takes one sharding
-                bitmask = jax.device_put(_full_mask(op, self.mask_words), self.replicated)
-            head = self._get(("head", n1, op.mode))
+            head = self._executables.get(("head", n1, op.mode))
             sampled, self.counts, self.fed = head(
-                self.outer, fwd.last, self.counts, self.prompt_mask, self.fed, op.ints, op.floats, bitmask
+                self.outer, fwd.last, self.counts, self.prompt_mask, self.fed, op.ints, op.floats, self._bitmask(op)
             )
         else:
             sampled = self._zero_samples(n1)
-        scores = self._get(("score", op.shape.tokens))(self.outer, fwd.hidden, fwd.following) if op.score else None
+        scores = (
+            self._executables.get(("score", op.shape.tokens))(self.outer, fwd.hidden, fwd.following)
+            if op.score
+            else None
+        )
         return StepOutput(sampled, scores, fwd.pooled)
 
-    def _keys(self, op: CompileSteps) -> list[BuildKey]:
+    def _bitmask(self, op: StepCall) -> Any:
+        """The step's grammar masks for every sampling row: the constrained rows' masks, or the
+        all-ones mask kept on the device when no row is constrained."""
+        if op.bitmask is None:
+            return self._no_mask(op.shape.singles)
+        # Placed as the all-ones one is: the executable takes one sharding.
+        return jax.device_put(_full_mask(op, self.mask_words), self.replicated)
+
+    def keys(self, op: CompileSteps) -> list[BuildKey]:
         """What a ``CompileSteps`` builds here (an embedding-only deployment has no head nor scorer)."""
         keys: list[BuildKey] = [("forward", shape) for shape in op.shapes]
         if self.sampler:
             keys += [("head", rows, mode) for rows, mode in op.heads]
             keys += [("score", tokens) for tokens in op.scores]
+            keys += [("loop", shape, steps, mode) for shape, steps, mode in op.loops]
         return keys
-
-    def _get(self, key: BuildKey) -> Step:
-        """The executable of ``key``: built, being built in the background (waited for), or built now."""
-        step = self._built.get(key)
-        if step is not None:
-            return step
-        pending = self._pending.pop(key, None)
-        if pending is not None:
-            t0 = time.perf_counter()
-            step = self._built[key] = pending.result()
-            logger.info("waited %.1fs for %s, built in the background", time.perf_counter() - t0, _describe(key))
-            return step
-        # Not warmed up (tests, tools, a variant no warmup listed): built on first use.
-        logger.info("building %s on first use", _describe(key))
-        step = self._built[key] = self._build([key])[key]
-        return step
-
-    def _build_in_background(self, keys: Sequence[BuildKey]) -> None:
-        """Start building ``keys`` on a background thread, one at a time (the serving thread keeps
-        the other core); a step that needs one first waits for it (``_get``)."""
-        if self._background is None:
-            self._background = ThreadPoolExecutor(1, thread_name_prefix="build-later")
-        for key in keys:
-            if key not in self._built and key not in self._pending:
-                self._pending[key] = self._background.submit(self._build_one, key)
 
     def executables(self) -> dict[BuildKey, Step]:
         """Every executable built so far, by ``BuildKey`` (tests read their compiled HLO)."""
-        return dict(self._built)
+        return dict(self._executables.built)
 
     def background_builds_done(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds for the background builds; whether they are all done."""
-        for key, future in list(self._pending.items()):
-            try:
-                self._built[key] = future.result(timeout)
-            except TimeoutError:
-                return False
-            self._pending.pop(key, None)
-        return True
+        return self._executables.background_done(timeout)
 
     def read(self, output: StepOutput, *, tops: bool, scored: bool, pooled: bool = False) -> StepRead:
         """A step's results on the host, fetched in one transfer (``Device.read``)."""
@@ -298,6 +281,14 @@ class Executor:
             bitmask = jax.ShapeDtypeStruct((rows, self.mask_words), np.int32, sharding=rep)
             args = (self.outer, last, self.counts, self.prompt_mask, self.fed, sampling.ints, sampling.floats, bitmask)
             return head_step, (mode, rep), args
+        if key[0] == "loop":
+            _, shape, steps, mode = key
+            sampling = SamplingRows.empty(shape.singles, self.scratch_slot)
+            bitmask = jax.ShapeDtypeStruct((shape.singles, self.mask_words), np.int32, sharding=rep)
+            static = (shape, steps, mode, self.treedef, self.cache_sharding, rep)
+            flat = layout([], shape, self.page_size).pack()
+            state = (self.kv_cache, self.counts, self.prompt_mask, self.fed)
+            return decode_loop, static, (self.outer, self.layers, *state, flat, sampling.ints, sampling.floats, bitmask)
         (_, tokens) = key
         assert isinstance(tokens, int)
         hidden = jax.ShapeDtypeStruct((tokens, embed), self._hidden_dtype, sharding=rep)
@@ -316,7 +307,7 @@ class Executor:
     def build_all(self, op: CompileSteps) -> Prebuilt:
         """``_build`` for an abstract executor's early start: its builds of ``op``'s executables,
         and the signature they were built for (shapes, dtypes and shardings of every state array)."""
-        return self._build(self._keys(op)), _signature(self._state())
+        return self._executables.build(self.keys(op)), _signature(self._state())
 
     def _zero_samples(self, rows: int) -> SampleOutput:
         """What an embedding-only deployment's steps return for samples (nothing samples), kept on the device."""
@@ -342,84 +333,6 @@ class Executor:
         """What every step takes after its static arguments: the weights, the cache (donated), the
         penalty tables and the last step's samples."""
         return self.outer, self.layers, self.kv_cache, self.counts, self.prompt_mask, self.fed
-
-    def _build(self, keys: Sequence[BuildKey], progress: Progress | None = None) -> dict[BuildKey, Step]:
-        """The executables of ``keys``. One in the step cache is loaded on a worker thread without
-        tracing. Otherwise tracing and lowering hold the GIL and run here, while compiling (or
-        loading from JAX's persistent cache) runs on worker threads meanwhile, so a warm start
-        takes about the loads' time rather than the sum of both."""
-        built: dict[BuildKey, Step] = {}
-        cache = self._step_cache
-        with ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="compile") as pool:
-            futures = []
-            for key in keys:
-                fn, static, args = self._call_args(key)
-                entry = StepCache.key((key[0], *static), args) if cache is not None else ""
-                if cache is not None and cache.has(entry):
-                    future = pool.submit(self._load_step, key, entry, args)
-                else:
-                    future = pool.submit(self._compile_step, key, fn.lower(*static, *args), entry, args)
-                futures.append((key, future, entry))
-            for i, (key, future, entry) in enumerate(futures):
-                step = future.result()
-                if step is None:  # an entry that did not load: built as on a miss
-                    fn, static, args = self._call_args(key)
-                    step = self._compile_step(key, fn.lower(*static, *args), entry, args)
-                built[key] = step
-                if progress is not None:
-                    progress(i + 1, len(futures))
-        return built
-
-    def _build_one(self, key: BuildKey) -> Step:
-        return self._build([key])[key]
-
-    def _load_step(self, key: BuildKey, entry: str, args: tuple[object, ...]) -> Step | None:
-        assert self._step_cache is not None
-        step = self._step_cache.load(entry, args, self._out_trees[key[0]], tuple(self.mesh.devices.flat))
-        if step is not None:
-            count_loaded()
-        return step
-
-    def _compile_step(self, key: BuildKey, lowered: jax.stages.Lowered, entry: str, args: tuple[object, ...]) -> Step:
-        hits = thread_cache_hits()
-        compiled = lowered.compile()
-        if self._step_cache is not None:
-            if thread_cache_hits() == hits:
-                self._step_cache.store(entry, compiled, args, self._out_trees[key[0]])
-            else:  # XLA:CPU serializes an executable it loaded without its code: never store one
-                logger.info("a step came from JAX's persistent cache: not stored in the step cache")
-        return compiled
-
-
-BuildKey = tuple[Any, ...]
-"""One executable of a step: ``("forward", shape)``, ``("head", sampling rows, mode)`` or
-``("score", tokens)`` (``runtime/model_step.py``)."""
-
-
-def _describe(key: BuildKey) -> str:
-    if key[0] == "forward":
-        shape = key[1]
-        assert isinstance(shape, StepShape)
-        return f"the forward step of {shape.tokens} tokens x {shape.width} pages"
-    if key[0] == "head":
-        return f"the {key[2]} head of {key[1]} rows"
-    return f"the prompt scorer of {key[1]} tokens"
-
-
-Step = Callable[..., Any]
-"""A compiled executable of a step (``BuildKey``), called with its dynamic arguments."""
-
-
-def _out_trees(cache: Cache) -> dict[str, jax.tree_util.PyTreeDef]:
-    """What each kind of executable returns with a cache like ``cache``, as treedefs: one loaded
-    from the step cache unflattens its outputs with it (the stored executable's own treedef does
-    not survive pickling)."""
-    zeros = jax.tree.map(lambda _: 0, cache)
-    return {
-        "forward": jax.tree_util.tree_structure((ForwardOutput(0, 0, 0, 0), zeros)),  # type: ignore[arg-type]
-        "head": jax.tree_util.tree_structure((SampleOutput(0, 0, 0, 0), 0, 0)),  # type: ignore[arg-type]
-        "score": jax.tree_util.tree_structure((0, 0, 0)),
-    }
 
 
 Prebuilt = tuple[dict[BuildKey, Step], list[tuple[object, ...]]]

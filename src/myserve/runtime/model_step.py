@@ -54,11 +54,11 @@ from myserve.models.llama import BATCH, POS, DecoderLayer, LlamaModel, decoder_b
 from myserve.models.sharding import MeshAxes, kv_cache_sharding
 from myserve.models.spec import LayerKind, ModelSpec
 from myserve.ops.paged_cache import KernelKVCache
-from myserve.ops.ragged_batch import RaggedBatch, kernel_meta
+from myserve.ops.ragged_batch import AttentionView, RaggedBatch, kernel_meta
 from myserve.runtime.kv_cache import Cache, constrain_cache
 from myserve.runtime.mesh import replicated as replicated_on
 from myserve.runtime.sampler import SampleOutput, sample, token_logprobs
-from myserve.runtime.sampling_rows import MAX_TOP_LOGPROBS
+from myserve.runtime.sampling_rows import MAX_TOP_LOGPROBS, STEPS
 from myserve.runtime.step_arrays import unpack_rows, unpack_step
 from myserve.runtime.step_layout import Span, StepShape, layout
 
@@ -181,6 +181,92 @@ def head_step(
     counts = counts.at[slots, out.tokens].add(weight)
     next_fed = jnp.zeros_like(fed).at[: out.tokens.shape[0]].set(out.tokens)
     return out, counts, next_fed
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnums=(8, 9, 11))
+def decode_loop(
+    shape: StepShape,
+    steps: int,
+    mode: str,
+    treedef: jax.tree_util.PyTreeDef,
+    cache_sharding: NamedSharding | None,
+    replicated: NamedSharding | None,
+    outer: LlamaModel,
+    layers: tuple[tuple[jax.Array, ...], ...],
+    cache: Cache,
+    counts: jax.Array,
+    prompt_mask: jax.Array,
+    fed: jax.Array,
+    flat: jax.Array,
+    ints: jax.Array,
+    floats: jax.Array,
+    bitmask: jax.Array,
+) -> tuple[SampleOutput, Cache, jax.Array, jax.Array]:
+    """Several decode tokens per call: ``steps`` (static) iterations of the model and the sampler
+    over a step of one-token rows only (``shape``: N1 rows, no blocks; row ``r`` is flat token ``r``
+    and sampling row ``r``), each row's sampled token fed to its next iteration on the device.
+
+    Row ``r`` decodes its own ``ints[r, STEPS]`` tokens (at most ``steps``: the host caps it by the
+    row's ``max_tokens`` and context, and sets 1 for a row whose grammar needs the host between
+    tokens) and stops after a token among its banned ids (EOS and stop token ids; banned outright
+    while its iteration is below ``BAN_STEPS``, for ``min_tokens``). A stopped row writes no more
+    K/V, counts no more penalty tokens, and keeps its last token for the next step to feed.
+    Seeds advance by position, so the tokens are those of ``steps`` single steps. Returns the
+    samples ``[steps, N1]`` (top logprobs ``[steps, N1, K]``), the cache, the counts and ``fed``.
+    """
+    if replicated is not None:
+        flat = jax.lax.with_sharding_constraint(flat, replicated)
+    tokens, batch, _, _, feed, _ = unpack_step(flat, shape)
+    tokens = jnp.where(feed >= 0, fed[jnp.maximum(feed, 0)], tokens)
+    sampling, slots, weight, _ = unpack_rows(ints, floats)
+    row_steps = ints[:, STEPS]
+    view = batch.single
+    pos0 = view.positions[:, 0]
+    page_size, dropped = cache.page_size, cache.num_pages  # a write to page num_pages is dropped
+    stop_ids = sampling.banned_ids  # [N1, MAX_BANNED], -1 padding
+
+    def body(
+        carry: tuple[Cache, jax.Array, jax.Array, jax.Array], i: jax.Array
+    ) -> tuple[tuple[Cache, jax.Array, jax.Array, jax.Array], SampleOutput]:
+        cache, counts, tokens, done = carry
+        active = (i < row_steps) & ~done & (weight > 0)
+        pos = pos0 + i
+        write = jnp.take_along_axis(view.pages, (pos // page_size)[:, None], axis=1)[:, 0]
+        step_batch = RaggedBatch(
+            pos[None],
+            jnp.full((1,), tokens.shape[0], jnp.int32),
+            jnp.where(active, write, dropped)[None],  # an inactive row writes nothing
+            AttentionView(view.idx, pos[:, None], jnp.where(active, pos + 1, 0), view.pages),
+            batch.blocks,
+            chunk_pages=shape.chunk_pages,
+        )
+        x, cache = _forward(shape, treedef, cache_sharding, outer, layers, cache, tokens, step_batch)
+        hidden = x.rearrange((BATCH, POS, "embed")).array[0]
+        logits = outer.logits(outer.norm(hax.named(hidden, (BATCH, "embed")))).array
+        params = dataclasses.replace(sampling, position=sampling.position + i)
+        out = sample(
+            logits,
+            params,
+            counts,
+            prompt_mask,
+            num_top_logprobs=MAX_TOP_LOGPROBS,
+            all_greedy=mode == "argmax",
+            logprobs=mode != "argmax",
+            processed=mode != "argmax",
+            filtered=mode == "filter",
+            slots=slots,
+            bitmask=None if mode == "argmax" else bitmask,
+            iteration=i,
+        )
+        counts = counts.at[slots, out.tokens].add(weight * active)
+        stopped = jnp.any((out.tokens[:, None] == stop_ids) & (stop_ids >= 0), axis=1)
+        done = done | (active & stopped)
+        return (cache, counts, jnp.where(active, out.tokens, tokens), done), out
+
+    done = jnp.zeros(tokens.shape, bool)
+    (cache, counts, last, _), outs = jax.lax.scan(body, (cache, counts, tokens, done), jnp.arange(steps))
+    next_fed = jnp.zeros_like(fed).at[: last.shape[0]].set(last)
+    return outs, constrain_cache(cache, cache_sharding), counts, next_fed
 
 
 @jax.jit

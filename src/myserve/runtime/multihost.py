@@ -98,6 +98,10 @@ class BroadcastingDevice:
         """The step's results, read from this process's devices (every result is replicated)."""
         return self.executor.read(output, tops=tops, scored=scored, pooled=pooled)
 
+    def background_builds_done(self, timeout: float | None = None) -> bool:
+        """This process's background builds (followers build the same; one that lags waits for its own)."""
+        return self.executor.background_builds_done(timeout)
+
 
 def _step_channel() -> StepChannel:
     assert _channel is not None, "multihost.initialize opens the step channel of a multi-process run"

@@ -81,6 +81,7 @@ class SamplingArrays(eqx.Module):
     bias_values: jax.Array  # f32 [B, NB]
     banned_ids: jax.Array  # i32 [B, NS]; tokens forced to -inf this step, padding = -1
     constrained: jax.Array | None = None  # bool [B]; the row's grammar bitmask applies
+    ban_steps: jax.Array | None = None  # i32 [B]; banned_ids apply while the call's token index < this (None: always)
 
 
 class SampleOutput(eqx.Module):
@@ -122,6 +123,7 @@ def process_logits(
     bitmask: jax.Array | None = None,
     *,
     penalties: bool = True,
+    iteration: int | jax.Array = 0,
 ) -> jax.Array:
     """Steps 1-3 of the module docstring: bias, bans, penalties, then the grammar mask.
 
@@ -131,14 +133,18 @@ def process_logits(
     [64, 49152] on the 2-core CPU): the host passes it when no row of the step has a penalty.
     Disabled penalties are an exact identity, so rows without one are unchanged either way.
     ``bitmask`` int32 [B, ceil(V / 32)] masks the rows marked ``params.constrained`` (others are
-    all ones).
+    all ones). ``iteration``: the token's index in a several-token call; a row's banned ids apply
+    while it is below ``params.ban_steps``.
     """
     b, v = logits.shape
     rows = jnp.arange(b)[:, None]
     # Padding ids (-1) are sent out of range and dropped; a raw -1 would wrap to the last token.
     bias_ids = jnp.where(params.bias_ids >= 0, params.bias_ids, v)
     logits = logits.at[rows, bias_ids].add(params.bias_values, mode="drop")
-    banned_ids = jnp.where(params.banned_ids >= 0, params.banned_ids, v)
+    banning = params.banned_ids >= 0
+    if params.ban_steps is not None:
+        banning &= (iteration < params.ban_steps)[:, None]
+    banned_ids = jnp.where(banning, params.banned_ids, v)
     logits = logits.at[rows, banned_ids].set(-jnp.inf, mode="drop")
     if penalties:
         rows_counts = output_counts if slots is None else output_counts[slots]
@@ -328,8 +334,9 @@ def sample(
     filtered: bool = True,
     slots: jax.Array | None = None,
     bitmask: jax.Array | None = None,
+    iteration: int | jax.Array = 0,
 ) -> SampleOutput:
-    """Sample one token per row.
+    """Sample one token per row (``iteration``: its index in a several-token call; see ``process_logits``).
 
     logits f32 [B, V] (raw model output); output_counts i32 [B, V]: tokens generated so far;
     prompt_mask bool [B, V]: tokens in the prompt (or both tables [S, V] read at ``slots`` [B], see
@@ -349,7 +356,9 @@ def sample(
     logits = logits.astype(jnp.float32)
     b, k = logits.shape[0], num_top_logprobs
     if processed:
-        edited = process_logits(logits, params, output_counts, prompt_mask, slots, bitmask, penalties=penalties)
+        edited = process_logits(
+            logits, params, output_counts, prompt_mask, slots, bitmask, penalties=penalties, iteration=iteration
+        )
     else:
         assert all_greedy, "rows that draw need their logits processed"
         edited = logits

@@ -24,9 +24,9 @@ MAX_BANNED = 32  # EOS + stop_token_ids banned while min_tokens is not reached
 # ids and MAX_BANNED banned ids). Float columns are SamplingParams fields copied as they are.
 FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _FLOAT_DEFAULTS = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)  # greedy, nothing filtered, no penalty
-INT_FIELDS = ("top_k", "seed", "choice", "position", "slot", "weight", "logprobs", "constrained")
+INT_FIELDS = ("top_k", "seed", "choice", "position", "slot", "weight", "logprobs", "constrained", "steps", "ban_steps")
 NUM_FLOATS, NUM_INTS = len(FLOAT_PARAMS), len(INT_FIELDS)
-TOP_K, SEED, CHOICE, POSITION, SLOT, WEIGHT, LOGPROBS, CONSTRAINED = range(NUM_INTS)
+TOP_K, SEED, CHOICE, POSITION, SLOT, WEIGHT, LOGPROBS, CONSTRAINED, STEPS, BAN_STEPS = range(NUM_INTS)
 _float_params = operator.attrgetter(*FLOAT_PARAMS)
 
 
@@ -56,8 +56,11 @@ class SamplingRows:
     """The host side: ``rows`` rows, padding rows greedy and inert (weight 0, the scratch slot)."""
 
     ints: np.ndarray
-    """[B, 8 + MAX_BIAS + MAX_BANNED] int32: INT_FIELDS (seed as its uint32 bits; logprobs 1 when the
-    row's request asked for logprobs; constrained 1 when a grammar masks the row), bias ids, banned ids."""
+    """[B, NUM_INTS + MAX_BIAS + MAX_BANNED] int32: INT_FIELDS (seed as its uint32 bits; logprobs 1
+    when the row's request asked for logprobs; constrained 1 when a grammar masks the row; steps,
+    the tokens the row decodes in a several-token call; ban_steps, for how many of them the banned
+    ids are banned), bias ids, banned ids (EOS and stop ids: banned under ``min_tokens``, and where
+    a several-token call stops the row)."""
     floats: np.ndarray
     """[B, 6 + MAX_BIAS] float32: FLOAT_PARAMS, bias values."""
 
@@ -85,6 +88,7 @@ class SamplingRows:
         ints[:, TOP_K] = [p.top_k for p in params]
         ints[:, LOGPROBS] = [p.logprobs is not None for p in params]
         ints[:, WEIGHT] = 1
+        ints[:, STEPS] = 1
         ints[:, CHOICE] = choices
         ints[:, POSITION] = positions
         ints[:, SEED] = np.array([s & 0xFFFFFFFF for s in seeds], np.uint32).view(np.int32)
@@ -94,11 +98,13 @@ class SamplingRows:
         self.ints[row, NUM_INTS : NUM_INTS + len(ids)] = ids
         self.floats[row, NUM_FLOATS : NUM_FLOATS + len(values)] = values
 
-    def set_banned(self, row: int, ids: tuple[int, ...]) -> None:
-        """Token ids forced to -inf in this step (at most MAX_BANNED are kept)."""
+    def set_banned(self, row: int, ids: tuple[int, ...], steps: int = 1) -> None:
+        """Token ids forced to -inf in the row's first ``steps`` tokens of this call (at most
+        MAX_BANNED are kept); with ``steps`` 0 they only end the row in a several-token call."""
         ids = ids[:MAX_BANNED]
         start = NUM_INTS + MAX_BIAS
         self.ints[row, start : start + len(ids)] = ids
+        self.ints[row, BAN_STEPS] = steps
 
 
 HEAD_MODES = ("argmax", "sample", "filter")
@@ -119,7 +125,8 @@ def head_mode(rows: np.ndarray, floats: np.ndarray, count: int) -> str:
         plain = (
             not ints[:, LOGPROBS].any()
             and not ints[:, CONSTRAINED].any()
-            and not (ints[:, NUM_INTS:] >= 0).any()  # bias ids and banned ids
+            and not (ints[:, NUM_INTS : NUM_INTS + MAX_BIAS] >= 0).any()  # logit bias
+            and not (ints[:, BAN_STEPS] > 0).any()  # ids banned under min_tokens
             and (f[:, FLOAT_PARAMS.index("presence_penalty")] == 0).all()
             and (f[:, FLOAT_PARAMS.index("frequency_penalty")] == 0).all()
             and (f[:, FLOAT_PARAMS.index("repetition_penalty")] == 1).all()

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from myserve.ops.ragged_batch import AttentionView, RaggedBatch
 from myserve.runtime.sampler import SamplingArrays
 from myserve.runtime.sampling_rows import (
+    BAN_STEPS,
     CHOICE,
     CONSTRAINED,
     FLOAT_PARAMS,
@@ -67,5 +68,6 @@ def unpack_rows(ints: jax.Array, floats: jax.Array) -> tuple[SamplingArrays, jax
         bias_values=floats[:, NUM_FLOATS:],
         banned_ids=ints[:, NUM_INTS + MAX_BIAS :],
         constrained=ints[:, CONSTRAINED] > 0,
+        ban_steps=ints[:, BAN_STEPS],
     )
     return arrays, ints[:, SLOT], ints[:, WEIGHT], ints[:, LOGPROBS] > 0

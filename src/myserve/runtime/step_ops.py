@@ -51,12 +51,14 @@ class CompileSteps(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=
     shapes: tuple[StepShape, ...]
     heads: tuple[tuple[int, str], ...] = ()
     scores: tuple[int, ...] = ()
+    loops: tuple[tuple[StepShape, int, str], ...] = ()
+    """Several-token decode calls: (one-token-rows shape, tokens per call, sampler mode)."""
     background: bool = False
 
     @property
     def count(self) -> int:
         """Executables this op builds."""
-        return len(self.shapes) + len(self.heads) + len(self.scores)
+        return len(self.shapes) + len(self.heads) + len(self.scores) + len(self.loops)
 
 
 class StepCall(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
@@ -81,6 +83,9 @@ class StepCall(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True
     """The sampler executable (``sampling_rows.HEAD_MODES``), chosen by the host from the rows."""
     score: bool = False
     """Some span scores prompt positions: the prompt scorer runs after the step."""
+    steps: int = 1
+    """Above 1: a several-token decode call (``decode_loop``) of that many iterations; ``shape`` is
+    then one of one-token rows only, and each row decodes its own ``STEPS`` tokens of them."""
 
 
 Op = CopyPage | ClearSlot | WriteSlot | CompileSteps | StepCall

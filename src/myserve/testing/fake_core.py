@@ -111,26 +111,38 @@ class FakeDevice:
 
         ints, n = op.ints, op.ints.shape[0]
         masks = dict(zip(op.mask_rows.tolist(), op.bitmask, strict=True)) if op.bitmask is not None else {}
-        tokens = np.zeros(n, np.int32)
+        steps = op.steps  # a several-token call: iteration i draws at position + i
+        tokens = np.zeros((steps, n), np.int32)
         for r in range(n):
             if not ints[r, rows.WEIGHT]:
                 continue  # a padding row
             seed = int(np.int32(ints[r, rows.SEED]).view(np.uint32))
-            token = self.script(seed, int(ints[r, rows.CHOICE]), int(ints[r, rows.POSITION]))
-            banned = set(ints[r, rows.NUM_INTS + rows.MAX_BIAS :].tolist()) - {-1}
+            stops = set(ints[r, rows.NUM_INTS + rows.MAX_BIAS :].tolist()) - {-1}
             mask = masks.get(r)
+            for i in range(min(steps, int(ints[r, rows.STEPS]))):
+                token = self.script(seed, int(ints[r, rows.CHOICE]), int(ints[r, rows.POSITION]) + i)
+                banned = stops if i < ints[r, rows.BAN_STEPS] else set()
 
-            def allowed(t: int, banned: set[int] = banned, mask: Any = mask) -> bool:
-                return t not in banned and (mask is None or bool((int(mask[t // 32]) >> (t % 32)) & 1))
+                def allowed(t: int, banned: set[int] = banned, mask: Any = mask) -> bool:
+                    return t not in banned and (mask is None or bool((int(mask[t // 32]) >> (t % 32)) & 1))
 
-            if not allowed(token):
-                token = next(t for t in range(self.vocab_size) if allowed(t))
-            tokens[r] = token
+                if not allowed(token):
+                    token = next(t for t in range(self.vocab_size) if allowed(t))
+                tokens[i, r] = token
+                if token in stops:
+                    break  # the row stops: later iterations are garbage the host never reads
         k = rows.MAX_TOP_LOGPROBS
         t = op.shape.tokens
         scores = (np.zeros(t, np.float32), np.zeros((t, k), np.int32), np.zeros((t, k), np.float32))
-        tops = np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)
-        return StepRead(tokens, np.zeros(n, np.float32), *tops, scores, fake_pooled(op))
+        if steps == 1:
+            tops = np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)
+            return StepRead(tokens[0], np.zeros(n, np.float32), *tops, scores, fake_pooled(op))
+        tops = np.zeros((steps, n, k), np.int32), np.zeros((steps, n, k), np.float32)
+        return StepRead(tokens, np.zeros((steps, n), np.float32), *tops, scores, None)
+
+    def background_builds_done(self, timeout: float | None = None) -> bool:
+        """Nothing is built here: always done."""
+        return True
 
     def read(self, output: Any, *, tops: bool, scored: bool, pooled: bool = False) -> Any:
         """The step's rows, with top logprobs, prompt scores and pooled rows only when asked for (as
@@ -178,8 +190,10 @@ class FakeCore:
         vocab_size: int = 256,
         max_waiting: int = 1024,
         pooler: Any = None,
+        decode_steps: int = 1,
     ):
-        """``pooler``: a ``wire.pooling.Pooler`` (its ``hidden_size`` ``FAKE_HIDDEN``) to serve embeddings."""
+        """``pooler``: a ``wire.pooling.Pooler`` (its ``hidden_size`` ``FAKE_HIDDEN``) to serve embeddings;
+        ``decode_steps``: tokens per several-token decode call (``engine.decode_steps``)."""
         import math
 
         from myserve.core.engine_core import EngineCore
@@ -208,7 +222,13 @@ class FakeCore:
             max_prefill_chunk=chunk or budget,
             max_prefill_chunks=buckets.max_prefill_chunks,
         )
-        runner = ModelRunner(self.device, buckets=buckets, max_num_seqs=max_num_seqs, eos_ids=tokenizer.eos_token_ids)
+        runner = ModelRunner(
+            self.device,
+            buckets=buckets,
+            max_num_seqs=max_num_seqs,
+            eos_ids=tokenizer.eos_token_ids,
+            decode_steps=decode_steps,
+        )
         self.core = EngineCore(
             [Replica(allocator, self.scheduler, runner)],
             tokenizer,
