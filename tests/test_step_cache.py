@@ -63,14 +63,14 @@ def test_a_warm_start_loads_every_step_without_tracing_and_serves_the_same_token
     assert {stat.S_IMODE(entry.stat().st_mode) for entry in entries} == {0o600}
     # Damaged entries: corrupt, truncated, empty: a warning each, then built and stored again.
     damaged = [b"not an executable", entries[1].read_bytes()[:1000], b""]
-    for entry, data in zip(entries, damaged, strict=True):
+    for entry, data in zip(entries[:3], damaged, strict=True):
         entry.write_bytes(data)
     with caplog.at_level(logging.WARNING, logger="myserve.runtime.step_cache"):
         rebuilt = start_service(tiny_checkpoints["llama3"], *engine)
     try:
         assert sum("unreadable" in r.getMessage() for r in caplog.records) == 3
         assert greedy(rebuilt) == expected
-        assert all(entry.read_bytes() not in damaged for entry in entries)
+        assert all(entry.read_bytes() not in damaged for entry in entries[:3])
     finally:
         rebuilt.shutdown()
 
