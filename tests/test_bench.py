@@ -291,3 +291,21 @@ def test_engine_bench_random_prompts_are_seeded_and_in_the_vocabulary() -> None:
     assert [len(p) for p in prompts] == [4096] * 3
     assert all(0 <= t < 300 for p in prompts for t in p)
     assert prompts == random_prompts(300, 3, 4096) and prompts[0] != prompts[1]
+
+
+@pytest.mark.parametrize(
+    "shape, layers, hidden, experts",
+    [("tiny-llama-16", 16, 64, 0), ("tiny-moe", 2, 64, 8)],
+)
+def test_random_checkpoint_small_shapes(tmp_path: Path, shape: str, layers: int, hidden: int, experts: int) -> None:
+    """The 16-layer yardstick is the 2-layer one with 16 layers; the tiny MoE has experts: both load
+    as checkpoints of their shape."""
+    from myserve.bench.random_checkpoint import make_random_llama, parameter_counts
+    from myserve.models.checkpoint import resolve_checkpoint
+    from myserve.models.loading import open_source
+
+    spec = open_source(resolve_checkpoint(str(make_random_llama(shape, tmp_path / shape)))).spec
+    assert (spec.num_layers, spec.hidden_size, spec.vocab_size, spec.num_experts) == (layers, hidden, 49152, experts)
+    total, active = parameter_counts(shape)
+    assert (total == active) == (experts == 0)
+    assert parameter_counts("llama-3.1-8b") == (8030261248, 8030261248)  # Llama-3.1-8B's published count

@@ -196,6 +196,8 @@ def device_bandwidth(gib: float = 2.0) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point."""
+    from myserve.bench.random_checkpoint import SHAPES
+
     parser = argparse.ArgumentParser(prog="python -m myserve.bench.engine", description=__doc__)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -203,8 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--random",
         default=None,
+        choices=sorted(SHAPES),
         metavar="SHAPE",
-        help="serve a random-weight checkpoint of this shape (tiny-llama, llama-3.2-1b) built in a temp dir",
+        help="serve a random-weight checkpoint of this shape built in a temp dir: tiny-llama (the host-bound "
+        "yardstick), tiny-llama-16 (the same with 16 layers), llama-3.2-1b, ... (random_checkpoint.SHAPES)",
     )
     parser.add_argument("--hf-device", default=None, help="torch device of the transformers run (default: the JAX one)")
     parser.add_argument("--skip-transformers", action="store_true")

@@ -9,8 +9,13 @@ Shapes:
 - ``tiny-llama``: 2 layers, hidden 64, SmolLM2's 49152-token vocabulary. Its compute is negligible,
   so a server's throughput on it measures the per-step host work (planning, dispatch, reading
   results, detokenizing, SSE): the host-bound yardstick.
+- ``tiny-llama-16``: the yardstick with 16 layers (Llama-3.2-1B's count): host work that grows
+  with the number of layers or weight arrays (per-array dispatch, argument handling) shows on it
+  and not on the 2-layer one.
 - ``llama-3.2-1b``: Llama-3.2-1B's shapes (16 layers, hidden 2048, vocab 128256, tied head), for
   accelerator benchmarks against the memory-bandwidth roofline.
+- ``llama-3.1-8b``: Llama-3.1-8B's shapes (32 layers, hidden 4096, vocab 128256, separate head):
+  what ``config/llama-3.1-8b-h100.yaml`` serves, for ``python -m myserve.bench.device``.
 - ``moe-1b``: a Qwen3-MoE (``qwen3_moe``) of ~1.0B parameters of which ~0.21B are active per token:
   16 layers, hidden 1024, 16 query / 8 KV heads of 64, 32 experts of width 576 with top-4 routing
   (renormalised), SmolLM2's vocabulary, tied head. Experts in HF's per-expert layout
@@ -18,6 +23,8 @@ Shapes:
 - ``dense-active``: the dense Qwen3 (``qwen3``) with ``moe-1b``'s attention, embeddings and norms
   and one MLP of width 4 x 576 = 2304: the same active parameters, the yardstick the MoE's
   grouped matmul is compared with (docs/performance.md, "Mixture-of-Experts on CPU").
+- ``tiny-moe``: a Qwen3-MoE with the yardstick's size (2 layers, hidden 64, 8 experts of width 32,
+  top-2): the MoE path of ``python -m myserve.bench.device --tiny`` on a CPU.
 
 ``--layers N`` writes a shape with ``N`` layers instead of its own (the same layer, a shorter run).
 
@@ -71,6 +78,24 @@ SHAPES: dict[str, dict[str, Any]] = {
         tie_word_embeddings=True,
     ),
 }
+SHAPES["tiny-llama-16"] = SHAPES["tiny-llama"] | {"num_hidden_layers": 16}
+_LLAMA3_ROPE = dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+SHAPES["llama-3.1-8b"] = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=_LLAMA3_ROPE,
+    tie_word_embeddings=False,
+)
 _QWEN3_1B = dict(
     vocab_size=49152,
     hidden_size=1024,
@@ -97,6 +122,19 @@ SHAPES["moe-1b"] = dict(
     mlp_only_layers=[],
 )
 SHAPES["dense-active"] = dict(model_type="qwen3", **_QWEN3_1B, intermediate_size=4 * 576)
+SHAPES["tiny-moe"] = dict(
+    model_type="qwen3_moe",
+    **(
+        _QWEN3_1B | dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    ),
+    intermediate_size=128,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 DTYPES = ("float32", "bfloat16", "float16")
 
