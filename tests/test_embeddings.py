@@ -204,5 +204,3 @@ def test_an_embedding_only_step_has_no_lm_head_nor_sampler(tiny_checkpoints: dic
     # The LM head's logits of the 8 sampling rows (f32[8,256]: the tiny vocabulary) are the head's alone.
     assert "<8x256xf32>" in texts["head"]
     assert "<8x256xf32>" not in texts["embed"] and "<8x256xf32>" not in texts["generate+embed"]
-
-

@@ -40,7 +40,9 @@ def script(seed: int, choice: int, pos: int) -> int:
 def test_the_same_tokens_as_one_per_call(steps: int, overlap: bool) -> None:
     runs = {}
     for k in (1, steps):
-        e = FakeCore(device=FakeDevice(script), decode_steps=k, overlap=overlap, num_pages=40, budget=16, max_num_seqs=8)
+        e = FakeCore(
+            device=FakeDevice(script), decode_steps=k, overlap=overlap, num_pages=40, budget=16, max_num_seqs=8
+        )
         names = mixed(e)
         e.run()
         runs[k] = {name: e.finished(name) for name in names}

@@ -71,9 +71,10 @@ class StepOutput(NamedTuple):
     """tokens [N1], logprobs [N1], top ids and top logprobs [N1, K] (no columns in ``argmax`` mode)."""
     scores: tuple[jax.Array, jax.Array, jax.Array] | None
     """(logprob of the following token [T], top ids [T, K], top logprobs [T, K]); None when nothing is scored."""
-    pooled: jax.Array
+    pooled: jax.Array | np.ndarray
     """float32 [N1, embed]: per pooling row (a span's index), the sum of its pooled tokens' final
-    hidden states (after the final norm); [N1, 0] in a deployment that does not embed."""
+    hidden states (after the final norm); [N1, 0] in a deployment that does not embed, and on the
+    host for a several-token decode call (nothing pools there)."""
 
 
 class ForwardOutput(NamedTuple):
