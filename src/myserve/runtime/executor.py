@@ -238,6 +238,7 @@ class Executor:
             assert output.scores is not None, "a step read for its scores ran the scorer"
             arrays += list(output.scores)
         if pooled:
+            assert isinstance(output.pooled, jax.Array), "a step read for its pooled rows ran the forward"
             arrays.append(output.pooled)
         got = fetch(arrays)
         end = len(got) - pooled
