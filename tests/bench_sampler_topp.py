@@ -67,18 +67,22 @@ def main() -> None:
     counts = jnp.zeros((B, V), jnp.int32)
     mask = jnp.zeros((B, V), bool)
     greedy = greedy_params(B)
-    run = jax.jit(functools.partial(sample, num_top_logprobs=0))
-    run_small = jax.jit(functools.partial(sample, num_top_logprobs=0, candidates=8))
+    # The engine's three heads (runtime/model_step.py): each a static combination of flags.
+    k = 20
+    argmax = jax.jit(functools.partial(sample, num_top_logprobs=0, all_greedy=True, logprobs=False, processed=False))
+    sampled = jax.jit(functools.partial(sample, num_top_logprobs=k, filtered=False))
+    run = jax.jit(functools.partial(sample, num_top_logprobs=k))  # the filter head
+    run_small = jax.jit(functools.partial(sample, num_top_logprobs=k, candidates=8))
     topp = with_(greedy, temperature=1.0, top_p=0.9)
     flat = jnp.asarray(rng.standard_normal((B, V), np.float32) * 0.1)
     cases = {
-        "greedy": (run, logits, greedy),
-        "greedy + 5 top logprobs": (jax.jit(functools.partial(sample, num_top_logprobs=5)), logits, greedy),
-        "temperature 1 only": (run, logits, with_(greedy, temperature=1.0)),
-        "top_k=50": (run, logits, with_(greedy, temperature=1.0, top_k=50)),
-        "top_p=0.9 candidates": (run, logits, topp),
-        "top_p=0.9, 1 row falls back": (run, jnp.where(jnp.arange(B)[:, None] == 0, flat, logits), topp),
-        "top_p=0.9, all rows fall back": (run_small, flat, topp),
+        "argmax head: greedy": (argmax, logits, greedy),
+        "sample head: greedy rows": (sampled, logits, greedy),
+        "sample head: temperature 1": (sampled, logits, with_(greedy, temperature=1.0)),
+        "filter head: top_k=50": (run, logits, with_(greedy, temperature=1.0, top_k=50)),
+        "filter head: top_p=0.9": (run, logits, topp),
+        "filter head: top_p=0.9, 1 row falls back": (run, jnp.where(jnp.arange(B)[:, None] == 0, flat, logits), topp),
+        "filter head: all rows fall back": (run_small, flat, topp),
         "naive full sort, top_p=0.9": (naive_full_sort, logits, topp),
     }
     _, fits = _thresholds(jax.lax.top_k(logits, CANDIDATES)[0], logits.max(-1), jax.nn.logsumexp(logits, -1), topp, V)

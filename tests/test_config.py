@@ -38,6 +38,8 @@ def expected_default() -> Config:
             attention_backend="auto",
             max_num_batched_tokens=256,
             token_buckets=(1, 4, 8, 16, 32, 64, 128, 256),
+            context_buckets=(512, 2048),
+            decode_steps=1,
         ),
         server=ServerConfig(host="127.0.0.1", port=8000, served_model_name="SmolLM2-135M-Instruct"),
         mesh=MeshConfig(data=1, model=1),
@@ -156,7 +158,8 @@ def test_request_timeout_is_off_by_default_and_takes_seconds() -> None:
             "engine.page_sise=32",
             "overrides: unknown key 'engine.page_sise' (did you mean 'engine.page_size'?); "
             "known keys: page_size, num_pages, attention_backend, compilation_cache_dir, max_num_seqs, "
-            "max_num_batched_tokens, max_waiting, token_buckets, enable_prefix_caching, async_scheduling",
+            "max_num_batched_tokens, max_waiting, token_buckets, context_buckets, decode_steps, enable_prefix_caching, "
+            "async_scheduling",
         ),
         (
             "egnine.page_size=32",
@@ -173,9 +176,15 @@ def test_request_timeout_is_off_by_default_and_takes_seconds() -> None:
         ),
         ("engine.page_size=12", "overrides: engine.page_size must be a power of two >= 1, got 12"),
         ("engine.num_pages=1", "overrides: engine.num_pages must be >= 2, got 1"),
+        ("engine.decode_steps=65", "overrides: engine.decode_steps must be in [0, 64], got 65"),
         (
-            "engine.decode_steps=4",
-            "overrides: 'engine.decode_steps' was removed: one step per dispatch; nothing replaces it",
+            "engine.context_buckets=[2048,512]",
+            "overrides: engine.context_buckets must be increasing positive integers, got [2048, 512]",
+        ),
+        (
+            "engine.page_buckets=[8]",
+            "overrides: 'engine.page_buckets' was removed: set engine.context_buckets (context lengths the "
+            "attention is compiled for)",
         ),
         (
             "engine.batch_buckets=[1,8]",

@@ -359,7 +359,13 @@ DEFAULT_CONFIG_NAME = "smollm2-135m-cpu.yaml"
 # source tree. In a checkout the file wins, so editing it changes the default as a user expects.
 _BUILTIN_DEFAULT: dict[str, dict[str, object]] = {
     "model": {"dtype": "float32", "max_model_len": 2048},
-    "engine": {"num_pages": 2048, "max_num_batched_tokens": 256, "token_buckets": [1, 4, 8, 16, 32, 64, 128, 256]},
+    "engine": {
+        "num_pages": 2048,
+        "max_num_batched_tokens": 256,
+        "token_buckets": [1, 4, 8, 16, 32, 64, 128, 256],
+        "context_buckets": [512, 2048],
+        "decode_steps": 1,
+    },
     "server": {"served_model_name": "SmolLM2-135M-Instruct"},
 }
 

@@ -42,6 +42,7 @@ from myserve.runtime.model_step import (
 )
 from myserve.runtime.sampler import SampleOutput
 from myserve.runtime.sampling_rows import MAX_TOP_LOGPROBS, SamplingRows
+from myserve.runtime.step_arrays import pack_step
 from myserve.runtime.step_cache import StepCache
 from myserve.runtime.step_layout import StepShape, layout
 from myserve.runtime.step_ops import ClearSlot, CompileSteps, CopyPage, Op, Progress, StepCall
@@ -183,16 +184,17 @@ class Executor:
             loop = self._executables.get(("loop", op.shape, op.steps, op.mode))
             sampled, self.kv_cache, self.counts, self.fed = loop(
                 self.outer, self.layers, self.kv_cache, self.counts, self.prompt_mask, self.fed,
-                op.batch, op.ints, op.floats, self._bitmask(op),
+                pack_step(op.batch, op.ints, op.floats), self._bitmask(op),
             )  # fmt: skip
             return StepOutput(sampled, None, np.zeros((n1, 0), np.float32))  # nothing pools here
         fwd: ForwardOutput
         forward = self._executables.get(("forward", op.shape))
-        fwd, self.kv_cache = forward(self.outer, self.layers, self.kv_cache, self.fed, op.batch)
+        packed = pack_step(op.batch, op.ints, op.floats)  # the step's one transfer
+        fwd, self.kv_cache = forward(self.outer, self.layers, self.kv_cache, self.fed, packed)
         if self.sampler:
             head = self._executables.get(("head", n1, op.mode))
             sampled, self.counts, self.fed = head(
-                self.outer, fwd.last, self.counts, self.prompt_mask, self.fed, op.ints, op.floats, self._bitmask(op)
+                self.outer, fwd.last, self.counts, self.prompt_mask, self.fed, fwd.ints, fwd.floats, self._bitmask(op)
             )
         else:
             sampled = self._zero_samples(n1)
@@ -273,23 +275,27 @@ class Executor:
             assert isinstance(shape, StepShape)
             host = layout([], shape, self.page_size)
             static: tuple[object, ...] = (shape, self.treedef, self.cache_sharding, rep, self.pool)
-            return forward_step, static, (self.outer, self.layers, self.kv_cache, self.fed, host.pack())
+            rows = SamplingRows.empty(shape.singles, self.scratch_slot)
+            packed = pack_step(host.pack(), rows.ints, rows.floats)
+            return forward_step, static, (self.outer, self.layers, self.kv_cache, self.fed, packed)
         if key[0] == "head":
             _, rows, mode = key
             assert isinstance(rows, int)
             sampling = SamplingRows.empty(rows, self.scratch_slot)
             last = jax.ShapeDtypeStruct((rows, embed), self._hidden_dtype, sharding=rep)
             bitmask = jax.ShapeDtypeStruct((rows, self.mask_words), np.int32, sharding=rep)
-            args = (self.outer, last, self.counts, self.prompt_mask, self.fed, sampling.ints, sampling.floats, bitmask)
+            rows_args = (sampling.ints, sampling.floats)
+            ints, floats = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep) for a in rows_args)
+            args = (self.outer, last, self.counts, self.prompt_mask, self.fed, ints, floats, bitmask)
             return head_step, (mode, rep), args
         if key[0] == "loop":
             _, shape, steps, mode = key
             sampling = SamplingRows.empty(shape.singles, self.scratch_slot)
             bitmask = jax.ShapeDtypeStruct((shape.singles, self.mask_words), np.int32, sharding=rep)
             static = (shape, steps, mode, self.treedef, self.cache_sharding, rep)
-            flat = layout([], shape, self.page_size).pack()
+            packed = pack_step(layout([], shape, self.page_size).pack(), sampling.ints, sampling.floats)
             state = (self.kv_cache, self.counts, self.prompt_mask, self.fed)
-            return decode_loop, static, (self.outer, self.layers, *state, flat, sampling.ints, sampling.floats, bitmask)
+            return decode_loop, static, (self.outer, self.layers, *state, packed, bitmask)
         (_, tokens) = key
         assert isinstance(tokens, int)
         hidden = jax.ShapeDtypeStruct((tokens, embed), self._hidden_dtype, sharding=rep)

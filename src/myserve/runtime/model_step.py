@@ -59,7 +59,7 @@ from myserve.runtime.kv_cache import Cache, constrain_cache
 from myserve.runtime.mesh import replicated as replicated_on
 from myserve.runtime.sampler import SampleOutput, sample, token_logprobs
 from myserve.runtime.sampling_rows import MAX_TOP_LOGPROBS, STEPS
-from myserve.runtime.step_arrays import unpack_rows, unpack_step
+from myserve.runtime.step_arrays import split_step, unpack_rows, unpack_step
 from myserve.runtime.step_layout import Span, StepShape, layout
 
 
@@ -88,6 +88,10 @@ class ForwardOutput(NamedTuple):
     """int32 [T]: each scored position's following token, -1 elsewhere."""
     pooled: jax.Array
     """float32 [N1, embed] pooled sums, or [N1, 0] when ``pool`` is off."""
+    ints: jax.Array
+    """The step's sampling rows (``SamplingRows.ints``), cut out of the one transfer for the head."""
+    floats: jax.Array
+    """``SamplingRows.floats``, likewise."""
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 7))
@@ -119,16 +123,18 @@ def forward_step(
     layers: tuple[tuple[jax.Array, ...], ...],
     cache: Cache,
     fed: jax.Array,
-    flat: jax.Array,
+    packed: jax.Array,
 ) -> tuple[ForwardOutput, Cache]:
     """The model over one step. ``outer`` is the model without its layers, ``layers`` each layer's
     leaves (flattened once by the executor: a tuple of arrays flattens in C++, equinox modules in
-    Python). ``flat`` is ``HostStep.pack()``. ``fed`` [F] holds the previous step's sampled tokens
+    Python). ``packed`` is the step's one transfer (``pack_step``: ``HostStep.pack()`` and the
+    sampling rows, which go on to the head as outputs). ``fed`` [F] holds the previous step's sampled tokens
     (F = max_num_seqs + 1 rows, whatever its bucket): tokens still in flight on the host are taken
     from it. ``pool`` (static): the deployment embeds, so the pooled sums are computed (a
     ``segment_sum``: cheap beside the layers, so no step decides it on the device)."""
     if replicated is not None:
-        flat = jax.lax.with_sharding_constraint(flat, replicated)
+        packed = jax.lax.with_sharding_constraint(packed, replicated)
+    flat, ints, floats = split_step(packed, shape)
     tokens, batch, sample_idx, following, feed, pool_rows = unpack_step(flat, shape)
     tokens = jnp.where(feed >= 0, fed[jnp.maximum(feed, 0)], tokens)
     x, cache = _forward(shape, treedef, cache_sharding, outer, layers, cache, tokens, batch)
@@ -138,7 +144,7 @@ def forward_step(
         pooled = _pool(outer, x, pool_rows, n1)
     else:
         pooled = jnp.zeros((n1, 0), jnp.float32)
-    out = ForwardOutput(hidden[sample_idx], hidden, following, pooled)
+    out = ForwardOutput(hidden[sample_idx], hidden, following, pooled, ints, floats)
     if replicated is not None:  # the head and score executables were built for replicated inputs
         out = ForwardOutput(*(jax.lax.with_sharding_constraint(a, replicated) for a in out))
     return out, cache
@@ -198,14 +204,13 @@ def decode_loop(
     counts: jax.Array,
     prompt_mask: jax.Array,
     fed: jax.Array,
-    flat: jax.Array,
-    ints: jax.Array,
-    floats: jax.Array,
+    packed: jax.Array,
     bitmask: jax.Array,
 ) -> tuple[SampleOutput, Cache, jax.Array, jax.Array]:
     """Several decode tokens per call: ``steps`` (static) iterations of the model and the sampler
     over a step of one-token rows only (``shape``: N1 rows, no blocks; row ``r`` is flat token ``r``
-    and sampling row ``r``), each row's sampled token fed to its next iteration on the device.
+    and sampling row ``r``; ``packed`` as ``forward_step``'s), each row's sampled token fed to its
+    next iteration on the device.
 
     Row ``r`` decodes its own ``ints[r, STEPS]`` tokens (at most ``steps``: the host caps it by the
     row's ``max_tokens`` and context, and sets 1 for a row whose grammar needs the host between
@@ -216,7 +221,8 @@ def decode_loop(
     samples ``[steps, N1]`` (top logprobs ``[steps, N1, K]``), the cache, the counts and ``fed``.
     """
     if replicated is not None:
-        flat = jax.lax.with_sharding_constraint(flat, replicated)
+        packed = jax.lax.with_sharding_constraint(packed, replicated)
+    flat, ints, floats = split_step(packed, shape)
     tokens, batch, _, _, feed, _ = unpack_step(flat, shape)
     tokens = jnp.where(feed >= 0, fed[jnp.maximum(feed, 0)], tokens)
     sampling, slots, weight, _ = unpack_rows(ints, floats)

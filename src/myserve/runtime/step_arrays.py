@@ -11,6 +11,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from myserve.ops.ragged_batch import AttentionView, RaggedBatch
 from myserve.runtime.sampler import SamplingArrays
@@ -20,6 +21,7 @@ from myserve.runtime.sampling_rows import (
     CONSTRAINED,
     FLOAT_PARAMS,
     LOGPROBS,
+    MAX_BANNED,
     MAX_BIAS,
     NUM_FLOATS,
     NUM_INTS,
@@ -71,3 +73,20 @@ def unpack_rows(ints: jax.Array, floats: jax.Array) -> tuple[SamplingArrays, jax
         ban_steps=ints[:, BAN_STEPS],
     )
     return arrays, ints[:, SLOT], ints[:, WEIGHT], ints[:, LOGPROBS] > 0
+
+
+def pack_step(flat: np.ndarray, ints: np.ndarray, floats: np.ndarray) -> np.ndarray:
+    """On the host: a step's layout vector and its sampling rows as the one int32 vector that
+    travels to the device (the floats' bits reinterpreted), so a step is one transfer."""
+    return np.concatenate([flat, ints.ravel(), floats.view(np.int32).ravel()])
+
+
+def split_step(packed: jax.Array, shape: StepShape) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Inside the jit: ``pack_step``'s vector back into (layout vector, ints [N1, ...], floats [N1, ...])."""
+    n1 = shape.singles
+    flat_size = sum(math.prod(dims) for dims in shape.array_shapes())
+    ni, nf = NUM_INTS + MAX_BIAS + MAX_BANNED, NUM_FLOATS + MAX_BIAS
+    flat = packed[:flat_size]
+    ints = packed[flat_size : flat_size + n1 * ni].reshape(n1, ni)
+    floats = jax.lax.bitcast_convert_type(packed[flat_size + n1 * ni : flat_size + n1 * (ni + nf)], jnp.float32)
+    return flat, ints, floats.reshape(n1, nf)
