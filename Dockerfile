@@ -6,7 +6,7 @@
 #   docker build --build-arg ACCELERATOR=tpu -t myserve:tpu .         # jax[tpu]: run on a TPU VM, --privileged
 # tests/test_docker.py checks this file against the README and pyproject.toml (no daemon in our CI).
 
-ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 
 # Stage 1: the project as a wheel (the image gets no source tree, and no editable install).
 FROM ${PYTHON_IMAGE} AS wheel

@@ -122,7 +122,7 @@ def readme_bash_command(after: str) -> str:
 
 def readme_quick_start() -> list[list[str]]:
     """The README's install-and-serve command, split at ``&&``."""
-    command = readme_bash_command("Python 3.11. Install and serve")
+    command = readme_bash_command("Python 3.12 or newer")
     return [shlex.split(part) for part in command.split("&&")]
 
 

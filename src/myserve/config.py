@@ -12,7 +12,7 @@ import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import yaml
 
@@ -30,8 +30,6 @@ from myserve.config_fields import (
 )
 from myserve.config_server import REASONING_PARSERS, TOOL_CALL_PARSERS, ServerConfig
 from myserve.errors import ConfigError
-
-T = TypeVar("T")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "w8a8")
@@ -320,7 +318,7 @@ REMOVED_KEYS = {
 """Keys of earlier versions: each gets a one-line error naming what replaced it."""
 
 
-def from_mapping(cls: type[T], data: Mapping[str, object], source: str) -> T:
+def from_mapping[T](cls: type[T], data: Mapping[str, object], source: str) -> T:
     """Build any config dataclass ``cls`` from a parsed YAML mapping; ``source`` names it in errors."""
     with errors_from(source):
         if not isinstance(data, Mapping):

@@ -13,13 +13,12 @@ import textwrap
 import types
 import typing
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import yaml
 
 from myserve.errors import ConfigError
 
-T = TypeVar("T")
 _NONE: Mapping[str, str] = {}
 
 
@@ -165,7 +164,7 @@ def unknown_key(cls: type, name: str, prefix: str, removed: Mapping[str, str] = 
     return ConfigError(f"unknown {word} '{prefix}{name}'{hint}; known {word}s: {', '.join(known)}")
 
 
-def build(cls: type[T], data: Mapping[Any, object], prefix: str, removed: Mapping[str, str] = _NONE) -> T:
+def build[T](cls: type[T], data: Mapping[Any, object], prefix: str, removed: Mapping[str, str] = _NONE) -> T:
     """Section ``cls`` from a mapping of its keys (``prefix`` dots the keys in errors)."""
     assert dataclasses.is_dataclass(cls)
     hints = typing.get_type_hints(cls)

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from typing import TypeVar
 
 from myserve.frontend.stream import RequestStream
 from myserve.wire.outputs import RequestOutput, Usage
 
-_T = TypeVar("_T")
 
-
-def until(deadline: float | None, items: AsyncIterator[_T]) -> AsyncIterator[_T]:
+def until[T](deadline: float | None, items: AsyncIterator[T]) -> AsyncIterator[T]:
     """``items`` until ``deadline`` (event-loop time; None = no limit), then TimeoutError.
 
     Only the waits for the next item are timed: a timeout spanning a ``yield`` would cancel whatever
@@ -23,7 +20,7 @@ def until(deadline: float | None, items: AsyncIterator[_T]) -> AsyncIterator[_T]
     return items if deadline is None else _until(deadline, items)
 
 
-async def _until(deadline: float, items: AsyncIterator[_T]) -> AsyncIterator[_T]:
+async def _until[T](deadline: float, items: AsyncIterator[T]) -> AsyncIterator[T]:
     while True:
         try:
             async with asyncio.timeout_at(deadline):

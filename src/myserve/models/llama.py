@@ -28,8 +28,6 @@ every layer's MLP is a ``MoeBlock`` instead (``models/moe.py``).
 
 from __future__ import annotations
 
-from typing import TypeAlias
-
 import equinox as eqx
 import haliax as hax
 import jax
@@ -62,7 +60,7 @@ def rms_norm(x: NamedArray, weight: NamedArray, axis: Axis, eps: float, scale_f3
     return normed * weight
 
 
-Weight: TypeAlias = NamedArray | QuantizedWeight | NarrowWeight
+type Weight = NamedArray | QuantizedWeight | NarrowWeight
 """A matmul weight: float, W8A8 (``model.quantization: w8a8``), or narrow codes with group scales
 (``int8``, ``int4``: ``models/narrow.py``)."""
 

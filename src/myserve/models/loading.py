@@ -211,12 +211,15 @@ _CONTRACTED: dict[str, tuple[int, ...]] = {
 # A MoE layer's matmul weights kept narrow under int8/int4 (the router and shared gate stay float).
 _EXPERT_MATMULS = frozenset({"gate_up", "down", "shared_gate_up", "shared_down"})
 
+# load_model's default dtype, a np.dtype (jax 0.12 types jnp.float32 as a scalar type, not a dtype).
+_FLOAT32 = jnp.dtype(jnp.float32)
+
 
 def load_model(
     source: TensorSource,
     mesh: Mesh,
     mapping: Mapping[str, MeshAxes],
-    dtype: jnp.dtype = jnp.float32,
+    dtype: jnp.dtype = _FLOAT32,
     attention_backend: str = "reference",
     quantization: str = "none",
     abstract: bool = False,

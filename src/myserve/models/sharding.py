@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import TypeAlias
 
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
@@ -22,7 +21,7 @@ DATA, EXPERT, MODEL = "data", "expert", "model"
 """The mesh axes: data-parallel replicas; within one, expert parallelism (MoE experts) and tensor
 parallelism."""
 
-MeshAxes: TypeAlias = str | tuple[str, ...]
+type MeshAxes = str | tuple[str, ...]
 """What one array dimension shards over: a mesh axis, or several (their product)."""
 
 # logical axis name -> the mesh axes it shards over, in order of preference: the first whose size

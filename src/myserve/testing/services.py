@@ -6,9 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
-
-_T = TypeVar("_T")
+from typing import Any
 
 
 def start_service(checkpoint: Path | None, *overrides: str, prebuild: bool = False):
@@ -51,11 +49,11 @@ def start_client(checkpoint: Path | None, *overrides: str):
     return client
 
 
-def streamed_and_not(one: Callable[[int, bool], Awaitable[_T]], n: int) -> tuple[list[_T], list[_T]]:
+def streamed_and_not[T](one: Callable[[int, bool], Awaitable[T]], n: int) -> tuple[list[T], list[T]]:
     """``one(seed, stream)`` for seeds 0..n-1, all at once without streaming, then all at once
     streaming: (non-streamed results, streamed results)."""
 
-    async def both() -> tuple[list[_T], list[_T]]:
+    async def both() -> tuple[list[T], list[T]]:
         full = await asyncio.gather(*(one(seed, False) for seed in range(n)))
         parts = await asyncio.gather(*(one(seed, True) for seed in range(n)))
         return list(full), list(parts)
