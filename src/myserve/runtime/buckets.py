@@ -106,9 +106,18 @@ class Buckets:
         """Every step shape: every token bucket at every context bucket, the narrowest first."""
         return [self.shape(t, w) for w in self._widths() for t in self.tokens]
 
+    @property
+    def first_width(self) -> int:
+        """The context bucket built before serving: the narrowest of at least ``DEFAULT_FIRST_CONTEXT``
+        tokens (else the widest). Narrower ones are built in the background and used once built
+        (they only make short steps faster); wider ones are waited for by the first step needing one."""
+        widths = self._widths()
+        least = -(-DEFAULT_FIRST_CONTEXT // self.page_size)
+        return next((w for w in widths if w >= least), widths[-1])
+
     def first_shapes(self) -> list[StepShape]:
-        """The shapes built before serving: every token bucket at the narrowest context bucket."""
-        return [self.shape(t, self._widths()[0]) for t in self.tokens]
+        """The shapes built before serving: every token bucket at the first context bucket."""
+        return [self.shape(t, self.first_width) for t in self.tokens]
 
     def compile_ops(self, decode_steps: int = 1) -> tuple[CompileSteps, CompileSteps]:
         """Warmup's two builds: before serving, the forward of every token bucket at the narrowest
@@ -132,12 +141,12 @@ class Buckets:
     def decode_shape(self, rows: int) -> StepShape:
         """A step of ``rows`` one-token rows and no blocks at the narrowest context bucket: the shape
         of a several-token decode call."""
-        return dataclasses.replace(self.shape(rows, self._widths()[0]), tokens=rows, singles=rows, blocks=0)
+        return dataclasses.replace(self.shape(rows, self.first_width), tokens=rows, singles=rows, blocks=0)
 
     def fit_decode(self, spans: Sequence[Span]) -> StepShape | None:
         """The several-token call shape that holds ``spans`` (one-token rows only), or None when
         none does (more rows than the largest, or a context wider than the narrowest bucket)."""
-        if max((len(s.pages) for s in spans), default=0) > self._widths()[0]:
+        if max((len(s.pages) for s in spans), default=0) > self.first_width:
             return None
         rows = next((r for r in self.decode_rows() if r >= len(spans)), None)
         return None if rows is None else self.decode_shape(rows)
@@ -149,11 +158,13 @@ class Buckets:
         top = self.shape(self.tokens[-1])
         return top.blocks - top.tokens // top.block_tokens
 
-    def fit(self, spans: Sequence[Span]) -> StepShape:
-        """The smallest shape that holds ``spans``: token bucket, then context bucket."""
+    def fit(self, spans: Sequence[Span], all_built: bool = True) -> StepShape:
+        """The smallest shape that holds ``spans``: token bucket, then context bucket (before the
+        background builds are done, none narrower than ``first_width``)."""
         need = count(spans, self.block_tokens)
         pages = max((len(s.pages) for s in spans), default=0)
-        width = next((w for w in self._widths() if w >= pages), None)
+        floor = 0 if all_built else self.first_width
+        width = next((w for w in self._widths() if w >= max(pages, floor)), None)
         if width is None:
             raise ValueError(f"a step of {pages} pages per row exceeds the widest context bucket")
         for t in self.tokens:
