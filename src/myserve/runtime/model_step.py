@@ -57,7 +57,7 @@ from myserve.ops.paged_cache import KernelKVCache
 from myserve.ops.ragged_batch import AttentionView, RaggedBatch, kernel_meta
 from myserve.runtime.kv_cache import Cache, constrain_cache
 from myserve.runtime.mesh import replicated as replicated_on
-from myserve.runtime.sampler import SampleOutput, sample, token_logprobs
+from myserve.runtime.sampler import SampleOutput, SamplingArrays, sample, token_logprobs
 from myserve.runtime.sampling_rows import MAX_TOP_LOGPROBS, STEPS
 from myserve.runtime.step_arrays import split_step, unpack_rows, unpack_step
 from myserve.runtime.step_layout import Span, StepShape, layout
@@ -170,21 +170,8 @@ def head_step(
     returns the samples, the counts, and ``fed`` [F] (donated) holding this step's tokens."""
     if replicated is not None:
         ints = jax.lax.with_sharding_constraint(ints, replicated)
-    logits = outer.logits(outer.norm(hax.named(last, (BATCH, "embed")))).array  # [N1, V]
     sampling, slots, weight, _ = unpack_rows(ints, floats)
-    out = sample(
-        logits,
-        sampling,
-        counts,
-        prompt_mask,
-        num_top_logprobs=MAX_TOP_LOGPROBS,
-        all_greedy=mode == "argmax",
-        logprobs=mode != "argmax",
-        processed=mode != "argmax",
-        filtered=mode == "filter",
-        slots=slots,
-        bitmask=None if mode == "argmax" else bitmask,
-    )
+    out = _sample_rows(mode, outer, last, sampling, slots, counts, prompt_mask, bitmask)
     counts = counts.at[slots, out.tokens].add(weight)
     next_fed = jnp.zeros_like(fed).at[: out.tokens.shape[0]].set(out.tokens)
     return out, counts, next_fed
@@ -249,22 +236,8 @@ def decode_loop(
         )
         x, cache = _forward(shape, treedef, cache_sharding, outer, layers, cache, tokens, step_batch)
         hidden = x.rearrange((BATCH, POS, "embed")).array[0]
-        logits = outer.logits(outer.norm(hax.named(hidden, (BATCH, "embed")))).array
         params = dataclasses.replace(sampling, position=sampling.position + i)
-        out = sample(
-            logits,
-            params,
-            counts,
-            prompt_mask,
-            num_top_logprobs=MAX_TOP_LOGPROBS,
-            all_greedy=mode == "argmax",
-            logprobs=mode != "argmax",
-            processed=mode != "argmax",
-            filtered=mode == "filter",
-            slots=slots,
-            bitmask=None if mode == "argmax" else bitmask,
-            iteration=i,
-        )
+        out = _sample_rows(mode, outer, hidden, params, slots, counts, prompt_mask, bitmask, i)
         counts = counts.at[slots, out.tokens].add(weight * active)
         stopped = jnp.any((out.tokens[:, None] == stop_ids) & (stop_ids >= 0), axis=1)
         done = done | (active & stopped)
@@ -274,6 +247,36 @@ def decode_loop(
     (cache, counts, last, _), outs = jax.lax.scan(body, (cache, counts, tokens, done), jnp.arange(steps))
     next_fed = jnp.zeros_like(fed).at[: last.shape[0]].set(last)
     return outs, constrain_cache(cache, cache_sharding), counts, next_fed
+
+
+def _sample_rows(
+    mode: str,
+    outer: LlamaModel,
+    last: jax.Array,
+    sampling: SamplingArrays,
+    slots: jax.Array,
+    counts: jax.Array,
+    prompt_mask: jax.Array,
+    bitmask: jax.Array,
+    iteration: int | jax.Array = 0,
+) -> SampleOutput:
+    """Inside the jit: rows' last hidden states ``last`` [N1, embed] through the final norm and the
+    LM head, then the sampler in ``mode`` (``sampling_rows.HEAD_MODES``)."""
+    logits = outer.logits(outer.norm(hax.named(last, (BATCH, "embed")))).array  # [N1, V]
+    return sample(
+        logits,
+        sampling,
+        counts,
+        prompt_mask,
+        num_top_logprobs=MAX_TOP_LOGPROBS,
+        all_greedy=mode == "argmax",
+        logprobs=mode != "argmax",
+        processed=mode != "argmax",
+        filtered=mode == "filter",
+        slots=slots,
+        bitmask=None if mode == "argmax" else bitmask,
+        iteration=iteration,
+    )
 
 
 @jax.jit
