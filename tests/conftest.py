@@ -76,6 +76,7 @@ SMOL_TEST_ENGINE = (
     "engine.max_num_seqs=16",
     "engine.max_num_batched_tokens=128",
     "engine.token_buckets=[1,16]",
+    "engine.context_buckets=[512]",
 )
 
 

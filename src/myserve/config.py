@@ -117,9 +117,8 @@ class EngineConfig:
     context_buckets: tuple[int, ...] = ()
     """Context lengths (tokens) the attention's loop is compiled for, per token bucket: a step runs
     the smallest that holds its longest context (the loop has a static length, so that no device
-    waits for its host). The narrowest of at least 512 is built before ready, the others in the
-    background right after (a narrower one is used once built; a step needing a wider one waits
-    for it); empty = 512, then x4 up to max_model_len (which is always the last)."""
+    waits for its host), all built before ready; empty = 512, then x4 up to max_model_len (which
+    is always the last)."""
     decode_steps: int = 0
     """Tokens a decode produces per executable call when a step is decodes only and nothing needs
     the host between tokens (no grammar): a loop of that many model and sampler iterations on the

@@ -173,8 +173,8 @@ class ModelRunner:
             decode_shape = self.buckets.fit_decode(spans)
             assert decode_shape is not None, "the scheduler sizes several-token decodes to fit a call"
             shape, steps = decode_shape, self.decode_steps
-        else:  # the context buckets built in the background are used once they all are
-            shape = self.buckets.fit(spans, self.several_tokens_ready())
+        else:
+            shape = self.buckets.fit(spans)
         host = layout(spans, shape, self.page_size)
         # This step's sampling rows: the next step's spans feed on them while this one is in flight.
         self._inflight_rows = {c.seq: row for c, row in zip(chunks, host.sample_rows, strict=True) if row is not None}
@@ -233,9 +233,8 @@ class ModelRunner:
         return results
 
     def several_tokens_ready(self) -> bool:
-        """Whether the executables warmup left to the background are built: several-token decode
-        calls and the narrower context buckets are used from then on (until then every decode is
-        one token per call, and steps use the first context bucket or a wider one)."""
+        """Whether several-token decode calls can be planned: their executables are built (they are
+        built in the background after warmup; until then every decode is one token per call)."""
         if not self._loops_ready:
             self._loops_ready = self.device.background_builds_done(0)
         return self._loops_ready

@@ -108,31 +108,29 @@ class Buckets:
 
     @property
     def first_width(self) -> int:
-        """The context bucket built before serving: the narrowest of at least ``DEFAULT_FIRST_CONTEXT``
-        tokens (else the widest). Narrower ones are built in the background and used once built
-        (they only make short steps faster); wider ones are waited for by the first step needing one."""
+        """The context bucket of the several-token decode calls: the narrowest of at least
+        ``DEFAULT_FIRST_CONTEXT`` tokens (else the widest)."""
         widths = self._widths()
         least = -(-DEFAULT_FIRST_CONTEXT // self.page_size)
         return next((w for w in widths if w >= least), widths[-1])
 
     def first_shapes(self) -> list[StepShape]:
-        """The shapes built before serving: every token bucket at the first context bucket."""
+        """Every token bucket at the first context bucket (``first_width``)."""
         return [self.shape(t, self.first_width) for t in self.tokens]
 
     def compile_ops(self, decode_steps: int = 1) -> tuple[CompileSteps, CompileSteps]:
-        """Warmup's two builds: before serving, the forward of every token bucket at the narrowest
-        context bucket, every sampler mode for each bucket's sampling rows, and the prompt scorer of
-        each token bucket; then, in the background, the forwards of the wider context buckets and,
-        with ``decode_steps`` > 1, the several-token decode calls (every row count and mode, at the
-        narrowest context bucket: a step that needs a wider one decodes one token per call)."""
-        first = self.first_shapes()
+        """Warmup's two builds: before serving, the forward of every token bucket at every context
+        bucket, every sampler mode for each bucket's sampling rows, and the prompt scorer of each
+        token bucket; then, in the background, with ``decode_steps`` > 1, the several-token decode
+        calls (every row count and mode, at the first context bucket: a step that needs a wider
+        one decodes one token per call)."""
         rows = self.decode_rows()
-        now = CompileSteps(tuple(first), tuple((r, mode) for r in rows for mode in HEAD_MODES), tuple(self.tokens))
+        heads = tuple((r, mode) for r in rows for mode in HEAD_MODES)
+        now = CompileSteps(tuple(self.shapes()), heads, tuple(self.tokens))
         loops: tuple[tuple[StepShape, int, str], ...] = ()
         if decode_steps > 1:
             loops = tuple((self.decode_shape(r), decode_steps, mode) for r in rows for mode in HEAD_MODES)
-        later = CompileSteps(tuple(s for s in self.shapes() if s not in first), loops=loops, background=True)
-        return now, later
+        return now, CompileSteps((), loops=loops, background=True)
 
     def decode_rows(self) -> list[int]:
         """The sampling-row counts of the token buckets (also the several-token calls' row counts)."""
@@ -158,13 +156,11 @@ class Buckets:
         top = self.shape(self.tokens[-1])
         return top.blocks - top.tokens // top.block_tokens
 
-    def fit(self, spans: Sequence[Span], all_built: bool = True) -> StepShape:
-        """The smallest shape that holds ``spans``: token bucket, then context bucket (before the
-        background builds are done, none narrower than ``first_width``)."""
+    def fit(self, spans: Sequence[Span]) -> StepShape:
+        """The smallest shape that holds ``spans``: token bucket, then context bucket."""
         need = count(spans, self.block_tokens)
         pages = max((len(s.pages) for s in spans), default=0)
-        floor = 0 if all_built else self.first_width
-        width = next((w for w in self._widths() if w >= max(pages, floor)), None)
+        width = next((w for w in self._widths() if w >= pages), None)
         if width is None:
             raise ValueError(f"a step of {pages} pages per row exceeds the widest context bucket")
         for t in self.tokens:

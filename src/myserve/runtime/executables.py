@@ -77,9 +77,10 @@ class Executables:
             step = self.built[key] = pending.result()
             logger.info("waited %.1fs for %s, built in the background", time.perf_counter() - t0, describe(key))
             return step
-        # Not warmed up (tests, tools, a variant no warmup listed): built on first use.
+        # Not warmed up (tests, tools, a variant no warmup listed): built on first use (compiled,
+        # as in the background: steps may be running).
         logger.info("building %s on first use", describe(key))
-        step = self.built[key] = self.build([key])[key]
+        step = self.built[key] = self._build_one(key)
         return step
 
     def build_in_background(self, keys: Sequence[BuildKey]) -> None:
@@ -129,7 +130,11 @@ class Executables:
         return built
 
     def _build_one(self, key: BuildKey) -> Step:
-        return self.build([key])[key]
+        # While steps run: compiled, never loaded from nor stored into the step cache. A step
+        # executable deserialized while another ran crashed XLA:CPU (jax 0.12, a segfault in
+        # ``deserialize_and_load``); compiling beside running steps is what jit always does.
+        fn, static, args = self._call_args(key)
+        return fn.lower(*static, *args).compile()
 
     def _load(self, key: BuildKey, entry: str, args: tuple[object, ...]) -> Step | None:
         assert self._step_cache is not None

@@ -84,6 +84,7 @@ TINY_ENGINE: tuple[str, ...] = (
     "engine.max_num_seqs=8",
     "engine.max_num_batched_tokens=64",
     "engine.token_buckets=[1,8,64]",
+    "engine.context_buckets=[512]",  # one context bucket (the CPU deployment's 128 would double the builds)
 )
 
 
