@@ -36,3 +36,23 @@ def test_cold_compiles_and_warm_cache_loads_are_told_apart(tmp_path: Path) -> No
     assert (compiled, loaded) == (2, 0) and total >= 2
     compiled, loaded, total = run()
     assert (compiled, loaded) == (0, 2) and total >= 2  # each loaded executable counted once
+
+
+def test_recent_builds_name_the_function_and_the_thread() -> None:
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+
+    from myserve.runtime.compile_counter import compile_count, recent_builds
+
+    def an_odd_name_to_find(v: jax.Array) -> jax.Array:
+        return jnp.tanh(v) * 3.25
+
+    before = compile_count()
+    thread = threading.Thread(target=lambda: jax.jit(an_odd_name_to_find)(jnp.ones(5)).block_until_ready(), name="t-x")
+    thread.start()
+    thread.join()
+    built = recent_builds(compile_count() - before)
+    assert ("jit(an_odd_name_to_find)", "t-x") in built
+    assert recent_builds(0) == []

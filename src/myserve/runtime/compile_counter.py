@@ -7,6 +7,7 @@ cold start pays for compiles while a warm one only loads: the two costs differ b
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import jax
@@ -18,6 +19,7 @@ _lock = threading.Lock()
 _this_thread = threading.local()  # cache hits of the compiles run on each thread
 _built = 0  # JAX reports a backend compile for every executable, loaded from the cache or not
 _loaded = 0
+_recent: collections.deque[tuple[str, str]] = collections.deque(maxlen=64)  # (function, thread) built last
 
 
 def _on_duration(event: str, duration_secs: float, **kwargs: str | int) -> None:
@@ -25,6 +27,7 @@ def _on_duration(event: str, duration_secs: float, **kwargs: str | int) -> None:
     if event == _BACKEND_COMPILE:
         with _lock:
             _built += 1
+            _recent.append((str(kwargs.get("fun_name", "?")), threading.current_thread().name))
 
 
 def _on_event(event: str, **kwargs: str | int) -> None:
@@ -56,6 +59,13 @@ def thread_cache_hits() -> int:
 def compile_count() -> int:
     """Executables built in this process so far, compiled or loaded from the persistent cache."""
     return _built
+
+
+def recent_builds(n: int) -> list[tuple[str, str]]:
+    """The last ``n`` executables built through JAX's compile path (at most 64), oldest first, as
+    (jitted function's name, thread that built it): what a test that saw the count move reports."""
+    with _lock:
+        return list(_recent)[-n:] if n > 0 else []
 
 
 def compile_counts() -> tuple[int, int]:
