@@ -84,7 +84,11 @@ def test_several_tokens_per_call_give_one_per_calls_outputs(services) -> None:
     requests = mixed(services[1])
     before = compile_count()
     got = {k: run(svc, requests) for k, svc in services.items()}
-    assert compile_count() == before, f"built after the background builds: {recent_builds(compile_count() - before)}"
+    # Counted on the engines' own threads (serving, background builds): the process may hold
+    # threads of other tests' deployments (an early build outliving its test) that are not ours.
+    built = recent_builds(compile_count() - before)
+    ours = [b for b in built if b[1] == "myserve-engine" or b[1].startswith("build-later")]
+    assert not ours, f"built after the background builds: {built}"
     for k in (4, 8):
         for i, (one, several) in enumerate(zip(got[1], got[k], strict=True)):
             assert one.keys() == several.keys(), (k, i)

@@ -134,7 +134,10 @@ def test_auto_tool_choice_gives_a_well_formed_answer(client) -> None:
     assert finish == choice.finish_reason
 
 
-def test_fifty_seeded_json_schema_requests_finish_validate_and_stream_the_same(client, live) -> None:
+def test_fifty_seeded_json_schema_requests_finish_validate_and_stream_the_same(client, live, request) -> None:
+    """Fifty seeded requests through the engine core process (what ``python -m myserve.serve``
+    runs); sixteen, one full batch, through the in-process engine, whose grammar path is the same."""
+    count = 50 if request.node.callspec.params["live"] == "core_process" else 16
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     messages = [{"role": "user", "content": "Describe a person as JSON."}]
 
@@ -156,7 +159,7 @@ def test_fifty_seeded_json_schema_requests_finish_validate_and_stream_the_same(c
             clients.append(openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=600))
         return clients[0]
 
-    full, parts = streamed_and_not(lambda seed, stream: one(aclient(), seed, stream), 50)
+    full, parts = streamed_and_not(lambda seed, stream: one(aclient(), seed, stream), count)
     for text, finish in full:
         assert finish == "stop", text
         jsonschema.validate(json.loads(text), PERSON)

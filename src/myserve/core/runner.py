@@ -111,6 +111,7 @@ class ModelRunner:
         self.device = device
         self.decode_steps = decode_steps
         self._loops_ready = False
+        self._usable: set[StepShape] = set()  # forwards of narrower context buckets seen built
         self.buckets = buckets
         self.page_size = buckets.page_size
         self.eos_ids = tuple(eos_ids)
@@ -174,7 +175,7 @@ class ModelRunner:
             assert decode_shape is not None, "the scheduler sizes several-token decodes to fit a call"
             shape, steps = decode_shape, self.decode_steps
         else:
-            shape = self.buckets.fit(spans)
+            shape = self.buckets.fit(spans, self._built)
         host = layout(spans, shape, self.page_size)
         # This step's sampling rows: the next step's spans feed on them while this one is in flight.
         self._inflight_rows = {c.seq: row for c, row in zip(chunks, host.sample_rows, strict=True) if row is not None}
@@ -231,6 +232,16 @@ class ModelRunner:
                     (chunk.seq, chunk.start, lp[at : at + n], ids[at : at + n], tlp[at : at + n])
                 )
         return results
+
+    def _built(self, shape: StepShape) -> bool:
+        """Whether a step may run in ``shape``: its forward is built (one of a narrower context
+        bucket is built in the background after ready; until then the step takes a wider one)."""
+        if shape in self._usable:
+            return True
+        if self.device.step_ready(shape):
+            self._usable.add(shape)
+            return True
+        return False
 
     def several_tokens_ready(self) -> bool:
         """Whether several-token decode calls can be planned: their executables are built (they are

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from myserve.config import EngineConfig
 from myserve.runtime.sampling_rows import HEAD_MODES
@@ -119,18 +119,23 @@ class Buckets:
         return [self.shape(t, self.first_width) for t in self.tokens]
 
     def compile_ops(self, decode_steps: int = 1) -> tuple[CompileSteps, CompileSteps]:
-        """Warmup's two builds: before serving, the forward of every token bucket at every context
-        bucket, every sampler mode for each bucket's sampling rows, and the prompt scorer of each
-        token bucket; then, in the background, with ``decode_steps`` > 1, the several-token decode
-        calls (every row count and mode, at the first context bucket: a step that needs a wider
-        one decodes one token per call)."""
+        """Warmup's two builds. Before serving: the forward of every token bucket at the widest
+        context bucket (every step fits it), every sampler mode for each bucket's sampling rows,
+        and the prompt scorer of each token bucket. Then in the background, narrowest first: the
+        forwards at the narrower context buckets (a step uses one once it is built, ``fit``), and
+        with ``decode_steps`` > 1 the several-token decode calls (every row count and mode, at the
+        first context bucket: a step that needs a wider one decodes one token per call). Start-up
+        so pays for one context bucket, as it did when the attention's loop had a dynamic length."""
         rows = self.decode_rows()
         heads = tuple((r, mode) for r in rows for mode in HEAD_MODES)
-        now = CompileSteps(tuple(self.shapes()), heads, tuple(self.tokens))
+        widest = self._widths()[-1]
+        shapes = self.shapes()
+        now = CompileSteps(tuple(s for s in shapes if s.width == widest), heads, tuple(self.tokens))
         loops: tuple[tuple[StepShape, int, str], ...] = ()
         if decode_steps > 1:
             loops = tuple((self.decode_shape(r), decode_steps, mode) for r in rows for mode in HEAD_MODES)
-        return now, CompileSteps((), loops=loops, background=True)
+        narrower = tuple(s for s in shapes if s.width != widest)
+        return now, CompileSteps(narrower, loops=loops, background=True)
 
     def decode_rows(self) -> list[int]:
         """The sampling-row counts of the token buckets (also the several-token calls' row counts)."""
@@ -156,15 +161,21 @@ class Buckets:
         top = self.shape(self.tokens[-1])
         return top.blocks - top.tokens // top.block_tokens
 
-    def fit(self, spans: Sequence[Span]) -> StepShape:
-        """The smallest shape that holds ``spans``: token bucket, then context bucket."""
+    def fit(self, spans: Sequence[Span], usable: Callable[[StepShape], bool] | None = None) -> StepShape:
+        """The smallest shape that holds ``spans``: token bucket, then the narrowest context
+        bucket that holds the longest row and is ``usable`` (built: a narrower bucket is built in
+        the background after ready, and until then a step runs in a wider one; the widest, built
+        before ready, is always usable)."""
         need = count(spans, self.block_tokens)
         pages = max((len(s.pages) for s in spans), default=0)
-        width = next((w for w in self._widths() if w >= pages), None)
-        if width is None:
+        widths = [w for w in self._widths() if w >= pages]
+        if not widths:
             raise ValueError(f"a step of {pages} pages per row exceeds the widest context bucket")
         for t in self.tokens:
-            shape = self.shape(t, width)
-            if shape.fits(*need):
-                return shape
+            if not self.shape(t, widths[-1]).fits(*need):
+                continue
+            for width in widths:
+                shape = self.shape(t, width)
+                if width == widths[-1] or usable is None or usable(shape):
+                    return shape
         raise ValueError(f"a step of {need} (tokens, one-token rows, blocks) exceeds the largest bucket")

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from myserve.runtime.step_layout import StepShape
 from myserve.runtime.step_ops import Op, Progress
 
 
@@ -53,4 +54,9 @@ class Device(Protocol):
     def background_builds_done(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds for the executables a background ``CompileSteps`` asked
         for; whether they are all built."""
+        ...
+
+    def step_ready(self, shape: StepShape) -> bool:
+        """Whether the forward executable of ``shape`` is built, without waiting (one of a narrower
+        context bucket is built in the background after ready)."""
         ...

@@ -4,8 +4,9 @@ the background.
 A step is up to three executables (``runtime/model_step.py``), and a several-token decode call is
 a fourth kind; each is named by a ``BuildKey``. ``Executables`` builds what warmup lists (several
 at once: loads from the step cache run on worker threads without tracing, and compiles overlap
-tracing), starts the builds warmup defers (wider context buckets, several-token calls) on one
-background thread after serving begins, and hands each step the executable it needs: built,
+tracing), starts the builds warmup defers (narrower context buckets, several-token calls) on one
+background thread after serving begins, says which are done (``ready``: a step runs in a wider
+context bucket until its narrower one is), and hands each step the executable it needs: built,
 waited for if its background build is under way, or built on first use.
 """
 
@@ -77,15 +78,25 @@ class Executables:
             step = self.built[key] = pending.result()
             logger.info("waited %.1fs for %s, built in the background", time.perf_counter() - t0, describe(key))
             return step
-        # Not warmed up (tests, tools, a variant no warmup listed): built on first use (compiled,
-        # as in the background: steps may be running).
+        # Not warmed up (tests, tools, a variant no warmup listed): built on first use.
         logger.info("building %s on first use", describe(key))
         step = self.built[key] = self._build_one(key)
         return step
 
+    def ready(self, key: BuildKey) -> bool:
+        """Whether ``key`` is built, without waiting (a finished background build counts)."""
+        if key in self.built:
+            return True
+        pending = self._pending.get(key)
+        if pending is None or not pending.done():
+            return False
+        self.built[key] = pending.result()
+        del self._pending[key]
+        return True
+
     def build_in_background(self, keys: Sequence[BuildKey]) -> None:
-        """Start building ``keys`` on a background thread, one at a time (the serving thread keeps
-        the other core); a step that needs one first waits for it (``get``)."""
+        """Start building ``keys`` on a background thread, one at a time and in order (the serving
+        thread keeps the other core); a step that needs one first waits for it (``get``)."""
         if self._background is None:
             self._background = ThreadPoolExecutor(1, thread_name_prefix="build-later")
         for key in keys:
@@ -130,11 +141,15 @@ class Executables:
         return built
 
     def _build_one(self, key: BuildKey) -> Step:
-        # While steps run: compiled, never loaded from nor stored into the step cache. A step
-        # executable deserialized while another ran crashed XLA:CPU (jax 0.12, a segfault in
-        # ``deserialize_and_load``); compiling beside running steps is what jit always does.
+        """One executable while steps may run: loaded from the step cache, else compiled (and stored)."""
         fn, static, args = self._call_args(key)
-        return fn.lower(*static, *args).compile()
+        cache = self._step_cache
+        entry = StepCache.key((key[0], *static), args) if cache is not None else ""
+        if cache is not None and cache.has(entry):
+            step = self._load(key, entry, args)
+            if step is not None:
+                return step
+        return self._compile(key, fn.lower(*static, *args), entry, args)
 
     def _load(self, key: BuildKey, entry: str, args: tuple[object, ...]) -> Step | None:
         assert self._step_cache is not None

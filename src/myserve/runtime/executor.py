@@ -230,6 +230,10 @@ class Executor:
         """Wait up to ``timeout`` seconds for the background builds; whether they are all done."""
         return self._executables.background_done(timeout)
 
+    def step_ready(self, shape: StepShape) -> bool:
+        """Whether the forward of ``shape`` is built (without waiting)."""
+        return self._executables.ready(("forward", shape))
+
     def read(self, output: StepOutput, *, tops: bool, scored: bool, pooled: bool = False) -> StepRead:
         """A step's results on the host, fetched in one transfer (``Device.read``)."""
         sampled = output.sampled

@@ -23,6 +23,7 @@ from myserve.runtime.device import StepRead
 from myserve.runtime.executor import Executor
 from myserve.runtime.model_step import StepOutput
 from myserve.runtime.step_channel import StepChannel, decode_step, encode_step
+from myserve.runtime.step_layout import StepShape
 from myserve.runtime.step_ops import Op, Progress
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,11 @@ class BroadcastingDevice:
     def background_builds_done(self, timeout: float | None = None) -> bool:
         """This process's background builds (followers build the same; one that lags waits for its own)."""
         return self.executor.background_builds_done(timeout)
+
+    def step_ready(self, shape: StepShape) -> bool:
+        """Whether this process has built the forward of ``shape`` (a follower that has not yet
+        waits for its own build when the step comes)."""
+        return self.executor.step_ready(shape)
 
 
 def _step_channel() -> StepChannel:

@@ -144,6 +144,10 @@ class FakeDevice:
         """Nothing is built here: always done."""
         return True
 
+    def step_ready(self, shape: Any) -> bool:
+        """Nothing is built here: every shape is ready."""
+        return True
+
     def read(self, output: Any, *, tops: bool, scored: bool, pooled: bool = False) -> Any:
         """The step's rows, with top logprobs, prompt scores and pooled rows only when asked for (as
         ``Executor.read``)."""

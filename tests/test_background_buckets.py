@@ -1,0 +1,39 @@
+"""The narrower context buckets built after ready, on the real engine and the tiny random Llama:
+requests served while they build (in the widest bucket) give the tokens they give once built (in
+the narrowest that holds them), and a second start loads them from the step cache in the
+background while its first steps run."""
+
+from __future__ import annotations
+
+from myserve.testing import TINY_ENGINE, collect, start_service
+from myserve.wire.params import SamplingParams
+
+# A 64-token context bucket below the 512-token widest.
+ENGINE = (*[s for s in TINY_ENGINE if not s.startswith("engine.context_buckets")], "engine.context_buckets=[64]")
+PROMPTS = [[(5 * i + 7 * j) % 200 + 3 for j in range(4 + 9 * i)] for i in range(6)]  # 4-49 tokens
+
+
+def serve(service) -> list[list[int]]:
+    streams = [service.submit(p, SamplingParams(max_tokens=10, temperature=0.0)) for p in PROMPTS]
+    return [collect(s)[0] for s in streams]
+
+
+def widths_run(service) -> set[int]:
+    return {s.width for s in service.replicas[0].runner._usable}
+
+
+def test_steps_before_and_after_the_narrower_buckets_are_built_give_the_same_tokens(tiny_checkpoints) -> None:
+    for start in ("first", "second"):  # the second start loads from the step cache the first stored
+        service = start_service(tiny_checkpoints["llama3"], *ENGINE)
+        try:
+            runner = service.replicas[0].runner
+            early = serve(service)  # while the 64-token bucket builds (or loads) in the background
+            assert runner.device.background_builds_done(600), start
+            late = serve(service)
+            assert early == late, start
+            narrow, widest = runner.buckets.widths  # (the attention's chunks round 64 tokens up)
+            assert widths_run(service) == {narrow}, "the steps now run in the narrow bucket"
+            built = {k[1].width for k in runner.device.executables() if k[0] == "forward"}
+            assert built == {narrow, widest}, start
+        finally:
+            service.shutdown()
