@@ -33,7 +33,11 @@ class LiveServer:
     def __init__(self, app):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        # Keep-alive past a batch of requests: the tests' clients pool connections between batches
+        # with no retries, and a server closing an idle connection just as the client reuses it
+        # is a race every HTTP/1.1 client retries (the OpenAI SDK's default max_retries does).
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", timeout_keep_alive=120)
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -117,7 +117,8 @@ class EngineConfig:
     context_buckets: tuple[int, ...] = ()
     """Context lengths (tokens) the attention's loop is compiled for, per token bucket: a step runs
     the smallest that holds its longest context (the loop has a static length, so that no device
-    waits for its host), all built before ready; empty = 512, then x4 up to max_model_len (which
+    waits for its host), the widest built before ready and the narrower ones in the background
+    (a step runs in a wider one until then); empty = 512, then x4 up to max_model_len (which
     is always the last)."""
     decode_steps: int = 0
     """Tokens a decode produces per executable call when a step is decodes only and nothing needs
