@@ -77,8 +77,17 @@ def write(path: Path, lines: list[str]) -> Path:
     return path
 
 
+def lines_of(path: Path) -> list[str]:
+    """The file's lines split at "\\n" only, each with its newline (a cut last line without).
+    Not ``str.splitlines``: a result written with ``ensure_ascii=False`` may hold U+2028 or U+0085
+    (JSON leaves them unescaped), which it would take for line ends."""
+    text = path.read_text()
+    *whole, cut = text.split("\n")
+    return [part + "\n" for part in whole] + ([cut] if cut else [])
+
+
 def read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in lines_of(path)]
 
 
 def test_mixed_file_one_result_per_line_in_order(app, tmp_path: Path) -> None:
@@ -139,7 +148,7 @@ def test_resume_skips_the_lines_already_written(app, tiny_service, tmp_path: Pat
     inp = write(tmp_path / "in.jsonl", lines)
     full = tmp_path / "full.jsonl"
     run_batch.run_file(app, inp, full, concurrency=8)
-    done = full.read_text().splitlines(keepends=True)
+    done = lines_of(full)
     out = tmp_path / "out.jsonl"
     # Killed while writing line 7: six whole lines and a piece of the seventh.
     out.write_text("".join(done[:6]) + done[6][:25])
@@ -153,7 +162,7 @@ def test_resume_skips_the_lines_already_written(app, tiny_service, tmp_path: Pat
     monkeypatch.setattr(tiny_service, "submit", counting)
     summary = run_batch.run_file(app, inp, out, concurrency=8)
     assert len(submitted) == 4 and (summary.skipped, summary.done) == (6, 4)  # lines 7-10, once each
-    again = out.read_text().splitlines(keepends=True)
+    again = lines_of(out)
     assert again[:6] == done[:6]  # untouched
     assert [r["custom_id"] for r in read(out)] == [r["custom_id"] for r in read(full)]
     # Finished: a rerun sends nothing.
@@ -220,13 +229,13 @@ def test_cli_killed_halfway_resumes(tiny_checkpoints, tmp_path: Path) -> None:
         time.sleep(0.02)
     first.kill()
     first.wait(timeout=30)
-    kept = out.read_text().splitlines(keepends=True)
+    kept = lines_of(out)
     kept = kept if kept[-1].endswith("\n") else kept[:-1]  # a line cut by the kill is redone
     assert 50 <= len(kept) < len(lines), "the run was not killed halfway"
 
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert out.read_text().splitlines(keepends=True)[: len(kept)] == kept  # not redone
+    assert lines_of(out)[: len(kept)] == kept  # not redone
     results = read(out)
     ids = [f"q{i}" for i in range(len(bodies))]
     for at in malformed:
