@@ -119,22 +119,19 @@ class Executables:
         loading from JAX's persistent cache) runs on worker threads meanwhile, so a warm start
         takes about the loads' time rather than the sum of both."""
         built: dict[BuildKey, Step] = {}
-        cache = self._step_cache
         with ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="compile") as pool:
             futures = []
             for key in keys:
-                fn, static, args = self._call_args(key)
-                entry = StepCache.key((key[0], *static), args) if cache is not None else ""
-                if cache is not None and cache.has(entry):
+                entry, args, cached = self._entry(key)
+                if cached:
                     future = pool.submit(self._load, key, entry, args)
                 else:
-                    future = pool.submit(self._compile, key, fn.lower(*static, *args), entry, args)
-                futures.append((key, future, entry))
-            for i, (key, future, entry) in enumerate(futures):
+                    future = pool.submit(self._compile, key, self._lowered(key), entry, args)
+                futures.append((key, future, entry, args))
+            for i, (key, future, entry, args) in enumerate(futures):
                 step = future.result()
                 if step is None:  # an entry that did not load: built as on a miss
-                    fn, static, args = self._call_args(key)
-                    step = self._compile(key, fn.lower(*static, *args), entry, args)
+                    step = self._compile(key, self._lowered(key), entry, args)
                 built[key] = step
                 if progress is not None:
                     progress(i + 1, len(futures))
@@ -142,14 +139,20 @@ class Executables:
 
     def _build_one(self, key: BuildKey) -> Step:
         """One executable while steps may run: loaded from the step cache, else compiled (and stored)."""
-        fn, static, args = self._call_args(key)
+        entry, args, cached = self._entry(key)
+        step = self._load(key, entry, args) if cached else None
+        return step if step is not None else self._compile(key, self._lowered(key), entry, args)
+
+    def _entry(self, key: BuildKey) -> tuple[str, tuple[object, ...], bool]:
+        """(step-cache entry of ``key``, its dynamic arguments, whether the cache holds the entry)."""
+        _, static, args = self._call_args(key)
         cache = self._step_cache
         entry = StepCache.key((key[0], *static), args) if cache is not None else ""
-        if cache is not None and cache.has(entry):
-            step = self._load(key, entry, args)
-            if step is not None:
-                return step
-        return self._compile(key, fn.lower(*static, *args), entry, args)
+        return entry, args, cache is not None and cache.has(entry)
+
+    def _lowered(self, key: BuildKey) -> jax.stages.Lowered:
+        fn, static, args = self._call_args(key)
+        return fn.lower(*static, *args)
 
     def _load(self, key: BuildKey, entry: str, args: tuple[object, ...]) -> Step | None:
         assert self._step_cache is not None
