@@ -134,6 +134,8 @@ class EngineCore:
         self._inbox.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout=30)
+        for replica in self.replicas:
+            replica.runner.device.stop_background_builds()
         if self._on_shutdown is not None and not (self._thread is not None and self._thread.is_alive()):
             self._on_shutdown()
             self._on_shutdown = None

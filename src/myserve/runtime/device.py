@@ -56,6 +56,11 @@ class Device(Protocol):
         for; whether they are all built."""
         ...
 
+    def stop_background_builds(self) -> None:
+        """Cancel the background builds not yet started and wait for the one under way (at
+        shutdown, so that no thread keeps compiling for a stopped engine)."""
+        ...
+
     def step_ready(self, shape: StepShape) -> bool:
         """Whether the forward executable of ``shape`` is built, without waiting (one of a narrower
         context bucket is built in the background after ready)."""

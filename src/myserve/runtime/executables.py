@@ -91,7 +91,7 @@ class Executables:
         if pending is None or not pending.done():
             return False
         self.built[key] = pending.result()
-        del self._pending[key]
+        self._pending.pop(key, None)  # a waiter on another thread (background_done) may pop it first
         return True
 
     def build_in_background(self, keys: Sequence[BuildKey]) -> None:
@@ -112,6 +112,14 @@ class Executables:
                 return False
             self._pending.pop(key, None)
         return True
+
+    def stop_background(self) -> None:
+        """Drop the background builds not yet started and wait for the one under way: a stopped
+        engine leaves no thread compiling behind it."""
+        if self._background is not None:
+            self._background.shutdown(wait=True, cancel_futures=True)
+            self._background = None
+        self._pending = {key: f for key, f in self._pending.items() if f.done() and not f.cancelled()}
 
     def build(self, keys: Sequence[BuildKey], progress: Progress | None = None) -> dict[BuildKey, Step]:
         """The executables of ``keys``. One in the step cache is loaded on a worker thread without

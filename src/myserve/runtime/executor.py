@@ -230,6 +230,10 @@ class Executor:
         """Wait up to ``timeout`` seconds for the background builds; whether they are all done."""
         return self._executables.background_done(timeout)
 
+    def stop_background_builds(self) -> None:
+        """Cancel the background builds not yet started and wait for the one under way."""
+        self._executables.stop_background()
+
     def step_ready(self, shape: StepShape) -> bool:
         """Whether the forward of ``shape`` is built (without waiting)."""
         return self._executables.ready(("forward", shape))

@@ -103,6 +103,10 @@ class BroadcastingDevice:
         """This process's background builds (followers build the same; one that lags waits for its own)."""
         return self.executor.background_builds_done(timeout)
 
+    def stop_background_builds(self) -> None:
+        """This process's background builds, stopped (``Executor.stop_background_builds``)."""
+        self.executor.stop_background_builds()
+
     def step_ready(self, shape: StepShape) -> bool:
         """Whether this process has built the forward of ``shape`` (a follower that has not yet
         waits for its own build when the step comes)."""

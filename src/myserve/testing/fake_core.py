@@ -144,6 +144,9 @@ class FakeDevice:
         """Nothing is built here: always done."""
         return True
 
+    def stop_background_builds(self) -> None:
+        """Nothing is built here: nothing to stop."""
+
     def step_ready(self, shape: Any) -> bool:
         """Nothing is built here: every shape is ready."""
         return True

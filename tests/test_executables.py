@@ -1,0 +1,36 @@
+"""Executables' background builds, host only: a stopped engine leaves no build running or queued."""
+
+from __future__ import annotations
+
+import threading
+
+from myserve.runtime.executables import BuildKey, Executables
+
+
+def test_stopping_cancels_the_queued_builds_and_waits_for_the_one_under_way() -> None:
+    started, release = threading.Event(), threading.Event()
+    calls: list[BuildKey] = []
+
+    def build_one(key: BuildKey) -> str:
+        calls.append(key)
+        if key == ("score", 1):
+            started.set()
+            release.wait(10)
+        return f"built {key[1]}"
+
+    exe = Executables(lambda key: (None, (), ()), {}, (), None)
+    exe._build_one = build_one  # type: ignore[method-assign]
+    exe.build_in_background([("score", 1), ("score", 2), ("score", 3)])
+    assert started.wait(10)
+    stopper = threading.Thread(target=exe.stop_background)
+    stopper.start()
+    stopper.join(0.2)
+    assert stopper.is_alive()  # waits for the build under way...
+    release.set()
+    stopper.join(10)
+    assert not stopper.is_alive()
+    assert calls == [("score", 1)]  # ...and the queued ones never started
+    assert exe.ready(("score", 1)) and exe.get(("score", 1)) == "built 1"
+    assert not exe.ready(("score", 2))
+    assert exe.get(("score", 2)) == "built 2"  # a cancelled build is built on first use
+    assert exe.background_done(0)
