@@ -89,7 +89,8 @@ def test_default_yaml_spells_out_and_comments_every_key() -> None:
 
 def test_dataclass_defaults() -> None:
     config = Config()
-    assert config.engine == EngineConfig(page_size=16, num_pages=1024, attention_backend="auto")
+    assert config.engine == EngineConfig(page_size=16, num_pages=None, attention_backend="auto")
+    assert config.engine.max_num_batched_tokens is None  # sized by the platform (256 on CPU, 2048 on GPU/TPU)
     assert config.model.dtype == "auto" and config.server.log_level == "info"
     assert config_from_dict({}, "empty") == config
 
@@ -157,9 +158,9 @@ def test_request_timeout_is_off_by_default_and_takes_seconds() -> None:
         (
             "engine.page_sise=32",
             "overrides: unknown key 'engine.page_sise' (did you mean 'engine.page_size'?); "
-            "known keys: page_size, num_pages, attention_backend, compilation_cache_dir, max_num_seqs, "
-            "max_num_batched_tokens, max_waiting, token_buckets, context_buckets, decode_steps, enable_prefix_caching, "
-            "async_scheduling",
+            "known keys: page_size, num_pages, gpu_memory_utilization, kv_cache_memory_bytes, attention_backend, "
+            "compilation_cache_dir, max_num_seqs, max_num_batched_tokens, max_waiting, token_buckets, context_buckets, "
+            "decode_steps, enable_prefix_caching, async_scheduling, seed",
         ),
         (
             "egnine.page_size=32",
@@ -246,7 +247,8 @@ def test_several_front_ends_need_the_core_process() -> None:
             "known keys: host, port, served_model_name, api_key, log_level, drain_timeout_s, max_body_bytes, "
             "allowed_origins, allowed_methods, allowed_headers, allow_credentials, request_timeout_s, "
             "tool_call_parser, enable_auto_tool_choice, reasoning_parser, engine_process, "
-            "api_server_count, otlp_traces_endpoint",
+            "api_server_count, otlp_traces_endpoint, log_requests, max_logprobs, ssl_keyfile, ssl_certfile, "
+            "ssl_ca_certs",
         ),
         ("engine: [1, 2]\n", "{path}: engine: expected a mapping of keys, got [1, 2] (list)"),
         ("- model\n", "{path}: top level: expected a mapping of sections, got ['model'] (list)"),

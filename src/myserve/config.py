@@ -9,6 +9,7 @@ can make here raises :class:`~myserve.errors.ConfigError` with one line naming t
 """
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -73,6 +74,16 @@ class ModelConfig:
     matryoshka_dimensions: tuple[int, ...] = ()
     """Widths a request's ``dimensions`` may truncate to; empty = per config.json (matryoshka_dimensions,
     is_matryoshka: any), else none."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of a hub-id checkpoint; null = main."""
+    download_dir: str | None = None
+    """Where hub checkpoints are looked up and downloaded to; null = the Hugging Face cache (HF_HOME)."""
+    generation_config: str = "auto"
+    """Request defaults for the sampling fields a request leaves out: auto = the checkpoint's
+    generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens),
+    vllm = none (OpenAI's defaults), or a directory holding a generation_config.json."""
+    override_generation_config: str | None = None
+    """A JSON object of request defaults applied over generation_config's, e.g. '{"temperature": 0.5}'."""
 
     def __post_init__(self) -> None:
         for name in ("checkpoint", "tokenizer", "chat_template"):
@@ -88,6 +99,10 @@ class ModelConfig:
         check_choice("model.pooling", self.pooling, POOLINGS)
         if self.max_model_len is not None:
             check(self.max_model_len >= 1, f"model.max_model_len must be >= 1, got {self.max_model_len}")
+        for name in ("revision", "download_dir", "generation_config"):
+            check_not_empty(f"model.{name}", getattr(self, name))
+        if self.override_generation_config is not None:
+            check_generation_overrides(self.override_generation_config)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,8 +111,16 @@ class EngineConfig:
 
     page_size: int = 16
     """Tokens per KV cache page; a power of two."""
-    num_pages: int = 1024
-    """KV cache pages allocated at start (>= 2); memory = num_pages * page_size * per-token KV size."""
+    num_pages: int | None = None
+    """KV cache pages allocated at start (>= 2); memory = num_pages * page_size * per-token KV size;
+    null = sized from memory (gpu_memory_utilization on GPU/TPU, kv_cache_memory_bytes)."""
+    gpu_memory_utilization: float = 0.9
+    """On GPU/TPU, with num_pages null: the fraction of each device's memory for weights, KV cache
+    and activations together (the KV pool takes what the others leave), in (0, 1]."""
+    kv_cache_memory_bytes: int | None = None
+    """With num_pages null: the KV pool's bytes per device (over gpu_memory_utilization); null = on
+    CPU, VLLM_CPU_KVCACHE_SPACE GiB if set, else 4 GiB or a quarter of the available memory,
+    whichever is less (never more pages than max_num_seqs sequences of max_model_len can hold)."""
     attention_backend: str = "auto"
     """Paged attention implementation: auto, reference (pure JAX) or pallas;
     auto = pallas where a kernel exists for the platform, else reference."""
@@ -106,8 +129,9 @@ class EngineConfig:
     compiling; null = no persistent cache."""
     max_num_seqs: int = 64
     """Most sequences running at once (the largest decode batch)."""
-    max_num_batched_tokens: int = 512
-    """Token budget of one engine step (decode tokens plus prefill chunk tokens)."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one engine step (decode tokens plus prefill chunk tokens); null = the
+    platform's: 256 on CPU, 2048 on GPU and TPU."""
     max_waiting: int = 1024
     """Most requests waiting for admission; beyond it submissions are refused as overloaded."""
     token_buckets: tuple[int, ...] = ()
@@ -131,19 +155,26 @@ class EngineConfig:
     async_scheduling: bool = True
     """Overlap the host with the device: plan and dispatch step N+1 (its in-flight tokens fed on
     the device from step N) before reading step N's tokens; false = one step at a time."""
+    seed: int | None = None
+    """Seed of the random seeds given to requests that send none (the same requests in the same
+    order then sample alike on every run); null = from the operating system."""
 
     def __post_init__(self) -> None:
         # Power of two so that page/offset arithmetic is shifts and kernels tile evenly.
         page_ok = self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0
         check(page_ok, f"engine.page_size must be a power of two >= 1, got {self.page_size}")
-        check(self.num_pages >= 2, f"engine.num_pages must be >= 2, got {self.num_pages}")
+        check(self.num_pages is None or self.num_pages >= 2, f"engine.num_pages must be >= 2, got {self.num_pages}")
+        util = self.gpu_memory_utilization
+        check(0 < util <= 1, f"engine.gpu_memory_utilization must be in (0, 1], got {util}")
+        kv_bytes = self.kv_cache_memory_bytes
+        check(kv_bytes is None or kv_bytes > 0, f"engine.kv_cache_memory_bytes must be > 0, got {kv_bytes}")
         check_choice("engine.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_not_empty("engine.compilation_cache_dir", self.compilation_cache_dir)
         check(self.max_num_seqs >= 1, f"engine.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        budget = self.max_num_batched_tokens
         check(
-            self.max_num_batched_tokens >= self.max_num_seqs,
-            f"engine.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= engine.max_num_seqs "
-            f"({self.max_num_seqs})",
+            budget is None or budget >= self.max_num_seqs,
+            f"engine.max_num_batched_tokens ({budget}) must be >= engine.max_num_seqs ({self.max_num_seqs})",
         )
         check(self.max_waiting >= 1, f"engine.max_waiting must be >= 1, got {self.max_waiting}")
         check(0 <= self.decode_steps <= 64, f"engine.decode_steps must be in [0, 64], got {self.decode_steps}")
@@ -158,10 +189,17 @@ class EngineConfig:
             f"engine.context_buckets must be increasing positive integers, got {contexts}",
         )
         check(
-            not buckets or buckets[-1] <= self.max_num_batched_tokens,
-            f"engine.token_buckets must not exceed max_num_batched_tokens ({self.max_num_batched_tokens}), "
-            f"got {buckets}",
+            not buckets or budget is None or buckets[-1] <= budget,
+            f"engine.token_buckets must not exceed max_num_batched_tokens ({budget}), got {buckets}",
         )
+
+    def token_budget(self, platform: str) -> int:
+        """``max_num_batched_tokens``, or the platform's default when null (never below the
+        largest token bucket nor max_num_seqs)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        default = 256 if platform == "cpu" else 2048
+        return max(default, self.max_num_seqs, *self.token_buckets)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -410,3 +448,26 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
         config = config_from_dict(_BUILTIN_DEFAULT, f"<built-in {DEFAULT_CONFIG_NAME}>")
     parsed = parse_overrides(overrides)
     return with_overrides(config, parsed) if parsed else config
+
+
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+"""The fields of a generation config that become request defaults (as vLLM takes them)."""
+
+
+def check_generation_overrides(text: str) -> dict[str, float]:
+    """``model.override_generation_config``: a JSON object of ``GENERATION_DEFAULTS`` fields to numbers."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model.override_generation_config: not JSON ({e.msg})") from None
+    check(isinstance(value, dict), f"model.override_generation_config must be a JSON object, got {text!r}")
+    for key, v in value.items():
+        check(
+            key in GENERATION_DEFAULTS,
+            f"model.override_generation_config: unknown field {key!r}; known: {', '.join(GENERATION_DEFAULTS)}",
+        )
+        check(
+            isinstance(v, int | float) and not isinstance(v, bool),
+            f"model.override_generation_config: {key} must be a number, got {v!r}",
+        )
+    return value

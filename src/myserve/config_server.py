@@ -60,6 +60,16 @@ class ServerConfig:
     one needs engine_process). For hosts where tokenization and SSE are the bottleneck."""
     otlp_traces_endpoint: str | None = None
     """OTLP collector for a span per request (needs myserve[otel]); null = no tracing, SDK never loaded."""
+    log_requests: bool = True
+    """Log one line per finished request (logger myserve.requests: id, tokens, times, finish reasons)."""
+    max_logprobs: int = 20
+    """Most top logprobs a request may ask for (logprobs, top_logprobs, prompt_logprobs), 0..20."""
+    ssl_keyfile: str | None = None
+    """HTTPS: the server's private key file (PEM); null = plain HTTP."""
+    ssl_certfile: str | None = None
+    """HTTPS: the server's certificate chain file (PEM), with ssl_keyfile."""
+    ssl_ca_certs: str | None = None
+    """HTTPS: CA certificates (PEM) that client certificates are checked against; null = none asked."""
 
     def __post_init__(self) -> None:
         check(self.drain_timeout_s >= 0, f"server.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
@@ -73,7 +83,14 @@ class ServerConfig:
         check(timeout is None or timeout > 0, f"server.request_timeout_s must be > 0 or null, got {timeout}")
         check(1 <= self.port <= 65535, f"server.port must be in 1..65535, got {self.port}")
         check_names("server.served_model_name", self.served_model_name)
-        for name in ("host", "api_key", "otlp_traces_endpoint"):
+        check(0 <= self.max_logprobs <= 20, f"server.max_logprobs must be in 0..20, got {self.max_logprobs}")
+        check(
+            (self.ssl_keyfile is None) == (self.ssl_certfile is None),
+            "server.ssl_keyfile and server.ssl_certfile go together (HTTPS needs both)",
+        )
+        has_cert = self.ssl_certfile is not None
+        check(self.ssl_ca_certs is None or has_cert, "server.ssl_ca_certs needs server.ssl_certfile")
+        for name in ("host", "api_key", "otlp_traces_endpoint", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
             check_not_empty(f"server.{name}", getattr(self, name))
         for key in ("allowed_origins", "allowed_methods", "allowed_headers"):
             check(all(v.strip() for v in getattr(self, key)), f"server.{key} must not hold an empty string")

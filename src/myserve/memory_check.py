@@ -74,14 +74,45 @@ def platform() -> str:
 
 def footprint(config: Config, name: str, where: str) -> Footprint:
     """The estimated footprint of the one model of ``config`` on platform ``where``."""
-    spec, parameters = _spec_and_parameters(config.model.checkpoint)
-    dtype = config.model.dtype
-    itemsize = _DTYPE_BYTES["float32" if where == "cpu" else "bfloat16"] if dtype == "auto" else _DTYPE_BYTES[dtype]
-    weight_bytes = int(parameters * _PARAMETER_BYTES.get(_quantization(config, where), itemsize))
+    from myserve.runtime.kv_sizing import page_bytes, plan_pages
+
+    spec, _ = _spec_and_parameters(config.model.checkpoint)
+    itemsize = _itemsize(config, where)
     engine = config.engine
-    kv = engine.num_pages * engine.page_size * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * itemsize
+    pages = engine.num_pages
+    if pages is None:
+        if where != "cpu" and engine.kv_cache_memory_bytes is None:
+            raise ConfigError(
+                f"model {name!r}: several models on one {where} need each model's engine.num_pages or "
+                "engine.kv_cache_memory_bytes (gpu_memory_utilization sizes the pool of a model alone on its devices)"
+            )
+        max_len = config.model.max_model_len or spec.max_position_embeddings
+        plan = plan_pages(
+            engine,
+            spec,
+            platform="cpu",
+            itemsize=itemsize,
+            max_model_len=max_len,
+            token_budget=engine.token_budget(where),
+            host_available=host_available(),
+        )
+        pages = plan.pages
+    kv = pages * page_bytes(spec, engine.page_size, itemsize)
     mesh = config.mesh
-    return Footprint(name, weight_bytes * mesh.data, kv * mesh.data, mesh.data * mesh.expert * mesh.model)
+    weights = weight_bytes(config, where)
+    return Footprint(name, weights * mesh.data, kv * mesh.data, mesh.data * mesh.expert * mesh.model)
+
+
+def weight_bytes(config: Config, where: str) -> int:
+    """One replica's weights of ``config``'s model on platform ``where``, in bytes, from the
+    checkpoint's headers: parameters x the bytes of the dtype (or of its narrow weights)."""
+    _, parameters = _spec_and_parameters(config.model.checkpoint)
+    return int(parameters * _PARAMETER_BYTES.get(_quantization(config, where), _itemsize(config, where)))
+
+
+def _itemsize(config: Config, where: str) -> int:
+    dtype = config.model.dtype
+    return _DTYPE_BYTES["float32" if where == "cpu" else "bfloat16"] if dtype == "auto" else _DTYPE_BYTES[dtype]
 
 
 # Bytes per parameter of narrow weights, scales included (int8 per channel; int4 and GGUF's Q4_1 in
@@ -99,7 +130,7 @@ def _quantization(config: Config, where: str) -> str:
 def available_memory(where: str) -> tuple[int, str] | None:
     """Bytes the models may use on platform ``where``, and what that memory is; None when unknown."""
     if where == "cpu":
-        return _host_available(), "host memory"
+        return host_available(), "host memory"
     if where == "gpu":
         free = _gpu_free()
         return None if free is None else (free, "free memory of GPU 0")
@@ -170,7 +201,7 @@ def _safetensors_parameters(path: Path) -> int:
     return sum(math.prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
 
 
-def _host_available() -> int:
+def host_available() -> int:
     """``MemAvailable`` (what can be allocated without swapping), or free pages where there is no /proc."""
     try:
         with open("/proc/meminfo", encoding="ascii") as f:

@@ -32,6 +32,8 @@ import yaml
 from myserve.config import QUANTIZATIONS, REASONING_PARSERS, TOOL_CALL_PARSERS
 from myserve.errors import ConfigError, MyserveError
 from myserve.frontend.front_end_process import GIL_SWITCH_INTERVAL_S
+from myserve.frontend.request_log import set_log_levels
+from myserve.vllm_flags import DTYPE_NAMES, add_other_flags, check_other_flags, expand_vllm_config, parse_size, task_of
 
 if TYPE_CHECKING:
     from myserve.config import Config
@@ -41,9 +43,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("myserve.serve")
 
-# vLLM-style flag -> config key.
+# vLLM-style flag -> config key (MODEL, --model and --hf-checkpoint: ``_model_of``).
 _FLAGS = {
-    "hf_checkpoint": "model.checkpoint",
     "chat_template": "model.chat_template",
     "max_model_len": "model.max_model_len",
     "dtype": "model.dtype",
@@ -66,16 +67,50 @@ _FLAGS = {
     "allowed_methods": "server.allowed_methods",
     "allowed_headers": "server.allowed_headers",
     "allow_credentials": "server.allow_credentials",
+    "tokenizer": "model.tokenizer",
+    "revision": "model.revision",
+    "download_dir": "model.download_dir",
+    "generation_config": "model.generation_config",
+    "override_generation_config": "model.override_generation_config",
+    "gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "kv_cache_memory_bytes": "engine.kv_cache_memory_bytes",
+    "block_size": "engine.page_size",
+    "max_num_batched_tokens": "engine.max_num_batched_tokens",
+    "enable_prefix_caching": "engine.enable_prefix_caching",
+    "async_scheduling": "engine.async_scheduling",
+    "seed": "engine.seed",
+    "num_scheduler_steps": "engine.decode_steps",
+    "max_logprobs": "server.max_logprobs",
+    "ssl_keyfile": "server.ssl_keyfile",
+    "ssl_certfile": "server.ssl_certfile",
+    "ssl_ca_certs": "server.ssl_ca_certs",
+    "log_requests": "server.log_requests",
+    "engine_process": "server.engine_process",
 }
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """The command line."""
-    p = argparse.ArgumentParser(prog="python -m myserve.serve", description=__doc__)
+def parse_args(argv: Sequence[str] | None, prog: str = "python -m myserve.serve") -> argparse.Namespace:
+    """The command line (``vllm serve``'s flags among ours, ``vllm_flags``; a vLLM-style
+    ``--config`` file is read as the flags it holds)."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
     add_config_flags(p)
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("--api-key", default=os.environ.get("MYSERVE_API_KEY"), help="or MYSERVE_API_KEY")
+    p.add_argument("--max-logprobs", type=int, help="most top logprobs a request may ask for (at most 20)")
+    p.add_argument("--ssl-keyfile", help="HTTPS: the private key file (PEM)")
+    p.add_argument("--ssl-certfile", help="HTTPS: the certificate chain file (PEM)")
+    p.add_argument("--ssl-ca-certs", help="HTTPS: CA file client certificates must be signed by")
+    logs = p.add_mutually_exclusive_group()
+    logs.add_argument("--disable-log-requests", dest="log_requests", action="store_const", const=False)
+    logs.add_argument("--enable-log-requests", dest="log_requests", action="store_const", const=True)
+    p.add_argument(
+        "--disable-frontend-multiprocessing",
+        dest="engine_process",
+        action="store_const",
+        const=False,
+        help="run the engine in the API server's process (server.engine_process: false)",
+    )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--api-server-count", type=int, help="HTTP front-end processes sharing the port (default 1)")
     p.add_argument("--otlp-traces-endpoint", help="OTLP collector receiving a span per request (needs myserve[otel])")
@@ -91,7 +126,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "'checkpoint=/models/x,served_model_name=x,engine.num_pages=512' (model.* keys may drop 'model.'), "
         "or a YAML file holding one entry",
     )
-    return p.parse_args(argv)
+    add_other_flags(p)
+    return p.parse_args(expand_vllm_config(sys.argv[1:] if argv is None else argv))
 
 
 def _json_list(text: str) -> list[str]:
@@ -109,21 +145,48 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
     """The flags that choose and size the model and engine (``--config``, ``--hf-checkpoint``,
     ``--set`` and the vLLM-style ones): shared by ``serve`` and ``run_batch``; read by
     ``config_from_args``."""
-    p.add_argument("--config", default=None, help="deployment YAML (default: config/smollm2-135m-cpu.yaml)")
-    p.add_argument("--hf-checkpoint", help="HF directory, cached hub id or .gguf file")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="deployment YAML (default: config/smollm2-135m-cpu.yaml without a model, else the defaults), "
+        "or vLLM's flat YAML of flags",
+    )
+    p.add_argument("model_arg", nargs="?", metavar="MODEL", help="HF directory, hub id or .gguf file (as --model)")
+    p.add_argument("--model", help="HF directory, hub id or .gguf file: served under this name, with its defaults")
+    p.add_argument("--hf-checkpoint", help="as --model")
+    p.add_argument("--tokenizer", help="tokenizer source (directory, hub id or .gguf); default: the model's")
+    p.add_argument("--revision", help="hub revision (branch, tag or commit) of a hub-id model")
+    p.add_argument("--download-dir", help="hub cache directory (default: the Hugging Face cache)")
     p.add_argument("--served-model-name", nargs="+", metavar="NAME", help="the model's name, then any aliases")
     p.add_argument("--chat-template", help="Jinja template file or text")
-    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-model-len", type=parse_size, help="e.g. 4096, 32k (32,000), 32K (32,768)")
     p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
+    p.add_argument(
+        "--gpu-memory-utilization", type=float, help="GPU/TPU: share of device memory for weights, KV and activations"
+    )
+    p.add_argument("--kv-cache-memory-bytes", type=parse_size, help="the KV pool's bytes per device, e.g. 4G")
+    p.add_argument("--block-size", type=int, help="tokens per KV page (engine.page_size)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--seed", type=int, help="seeds the sampling seeds of requests that send none")
+    p.add_argument("--num-scheduler-steps", type=int, help="decode tokens per device call (engine.decode_steps)")
+    p.add_argument("--generation-config", help="request defaults: auto (the checkpoint's), vllm (none) or a directory")
+    p.add_argument(
+        "--override-generation-config", help="request defaults over those, as JSON: '{\"temperature\": 0.5}'"
+    )
+    p.add_argument("--runner", choices=["auto", "generate", "pooling"], help="pooling: serve embeddings")
+    p.add_argument("--convert", choices=["auto", "none", "embed"], help="embed: serve embeddings")
+    p.add_argument("--task", choices=["auto", "generate", "embed", "embedding"], help="vLLM's older --runner")
     p.add_argument(
         "--quantization",
         "-q",
         choices=QUANTIZATIONS,
         help="weights kept narrow on device: int8, int4 (GGUF blocks as stored), w8a8; auto = fastest here",
     )
-    p.add_argument("--tensor-parallel-size", type=int)
-    p.add_argument("--data-parallel-size", type=int, help="data-parallel replicas (mesh.data)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int)
+    p.add_argument("--data-parallel-size", "-dp", type=int, help="data-parallel replicas (mesh.data)")
     p.add_argument(
         "--expert-parallel-size", type=int, help="devices a MoE model's experts are split over (mesh.expert)"
     )
@@ -144,17 +207,41 @@ def config_from_args(args: argparse.Namespace) -> Config:
     Flags and ``--set`` overrides are applied together, so their combination is validated once.
     Raises ``ConfigError`` with a one-line message.
     """
-    from myserve.config import load_config, parse_overrides, with_overrides
+    from myserve.config import config_from_dict, load_config, parse_overrides, with_overrides
 
+    check_other_flags(args)
     overrides = {key: value for flag, key in _FLAGS.items() if (value := getattr(args, flag, None)) is not None}
+    model = _model_of(args)
+    if model is not None:
+        overrides["model.checkpoint"] = model
+        # vLLM serves a model under the id or path it was given.
+        overrides.setdefault("server.served_model_name", [model])
+    if "model.dtype" in overrides:
+        overrides["model.dtype"] = DTYPE_NAMES.get(str(overrides["model.dtype"]), overrides["model.dtype"])
+    task = task_of(getattr(args, "runner", None), getattr(args, "convert", None), getattr(args, "task", None))
+    if task is not None:
+        overrides["model.task"] = task
     names = overrides.get("server.served_model_name")
     if isinstance(names, list):  # nargs="+": one name stays a plain name
         overrides["server.served_model_name"] = names[0] if len(names) == 1 else names
     overrides.update(parse_overrides(args.set))
-    config = load_config(args.config)
+    if args.config is None and model is not None:
+        # A model named on the command line gets its own defaults (dtype, context length, a KV
+        # pool sized from memory, the platform's step budget), not the bundled model's deployment.
+        config = config_from_dict({}, "defaults")
+    else:
+        config = load_config(args.config)
     config = with_overrides(config, overrides, source="command line") if overrides else config
     added = getattr(args, "add_model", None)
     return add_models(config, added) if added else config
+
+
+def _model_of(args: argparse.Namespace) -> str | None:
+    """The model named by MODEL, ``--model`` or ``--hf-checkpoint`` (all three must agree)."""
+    given = {v for v in (getattr(args, "model_arg", None), getattr(args, "model", None), args.hf_checkpoint) if v}
+    if len(given) > 1:
+        raise ConfigError(f"MODEL, --model and --hf-checkpoint name different models: {', '.join(sorted(given))}")
+    return given.pop() if given else None
 
 
 def add_models(config: Config, specs: Sequence[str]) -> Config:
@@ -221,15 +308,15 @@ def _entry_mapping(spec: str) -> dict[str, Any]:
     return data
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m myserve.serve") -> int:
     """Load, warm up, serve until signalled; returns the exit code."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     metrics_dir = None
     try:
         config = config_from_args(args)
-        logging.getLogger().setLevel(config.server.log_level.upper())
+        set_log_levels(config.server.log_level, config.server.log_requests)
         front_ends = config.server.api_server_count
         if front_ends > 1:
             metrics_dir = _shared_metrics_dir()  # before prometheus_client is imported
@@ -350,8 +437,10 @@ def _in_process(config: Config) -> GenerationService | int:
     from myserve.runtime import multihost
     from myserve.runtime.deployment import Deployment
     from myserve.runtime.host_memory import keep_freed_memory
+    from myserve.runtime.kv_sizing import use_gpu_share
     from myserve.service import GenerationService
 
+    use_gpu_share(config.engine)
     multihost.initialize(config.mesh)  # before anything touches a JAX backend
     if jax.default_backend() == "cpu":
         keep_freed_memory()  # the steps' temporaries live in host memory: reuse it

@@ -173,7 +173,7 @@ def config_variants(
             itemsize = _DTYPE_BYTES.get(config.model.dtype, 2)
             head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
             kv_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * itemsize
-            need = parameter_counts(shape)[0] * itemsize + engine.num_pages * engine.page_size * kv_token
+            need = parameter_counts(shape)[0] * itemsize + (engine.num_pages or 0) * engine.page_size * kv_token
             if memory_bytes is None or need > usable * memory_bytes:
                 have = "unknown" if memory_bytes is None else f"{usable * memory_bytes / 2**30:.1f} GiB usable"
                 skip = f"needs {need / 2**30:.1f} GiB (weights + KV pool), the device has {have}"

@@ -15,6 +15,7 @@ import jax
 
 from myserve.core.pooler import resolve_pooler
 from myserve.core.replica import Replica, make_replica
+from myserve.models.generation_config import generation_defaults
 from myserve.runtime.compile_counter import compile_counts
 from myserve.runtime.deployment import Deployment, executor_for, step_buckets
 from myserve.runtime.device import Device
@@ -63,4 +64,6 @@ def core_arguments(
         async_scheduling=cfg.async_scheduling,
         compile_counts=compile_counts,
         pooler=resolve_pooler(dep.config.model, dep.checkpoint_dir, dep.spec.hidden_size),
+        seed=cfg.seed,
+        generation_defaults=generation_defaults(dep.config.model, dep.checkpoint_dir),
     )

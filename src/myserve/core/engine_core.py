@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import random
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Self, cast
@@ -61,8 +62,14 @@ class EngineCore:
         async_scheduling: bool = True,
         compile_counts: Callable[[], tuple[int, int]] = lambda: (0, 0),
         pooler: Pooler | None = None,
+        seed: int | None = None,
+        generation_defaults: dict[str, float] | None = None,
     ):
         self.replicas = list(replicas)
+        self.generation_defaults = dict(generation_defaults or {})
+        """Request defaults from the model's generation config (``models/generation_config.py``)."""
+        self._seeds = random.Random(seed)
+        """Draws the seed of each choice whose request sends none (``engine.seed``)."""
         self.pooler = pooler
         """How the model makes embeddings (None: it serves none)."""
         self.tokenizer = tokenizer
@@ -296,7 +303,8 @@ class EngineCore:
         req.replica = min(self.replicas, key=lambda r: r.load)
         for choice in range(req.params.n):
             parent = req.seqs[0] if req.seqs else None
-            seq = Seq(req.request_id, choice, req.prompt_ids, req.params, max_len, parent=parent)
+            seed = self._seeds.getrandbits(32) if req.params.seed is None else None
+            seq = Seq(req.request_id, choice, req.prompt_ids, req.params, max_len, parent=parent, seed=seed)
             seq.pool_type = self.pooler.type if req.params.pooling and self.pooler else None
             req.seqs.append(seq)
             if req.params.grammar is not None:

@@ -92,7 +92,7 @@ def run_core(config: Config, links: Sequence[CoreLink]) -> None:
         send(msg.Died(f"engine failed to load: {type(e).__name__}: {e}"))
         _linger(inbox, outboxes)
         os._exit(1)
-    send(msg.Loaded(core.vocab_size, core.max_model_len, core.max_waiting, core.pooler))
+    send(msg.Loaded(core.vocab_size, core.max_model_len, core.max_waiting, core.pooler, core.generation_defaults))
     last_stats = 0.0
     sender: dict[str, int] = {}
     """Request id -> the front end its outputs go to (when there are several)."""
@@ -192,7 +192,9 @@ def _load(config: Config) -> EngineCore:
     from myserve.runtime import multihost
     from myserve.runtime.deployment import Deployment
     from myserve.runtime.host_memory import keep_freed_memory
+    from myserve.runtime.kv_sizing import use_gpu_share
 
+    use_gpu_share(config.engine)  # before JAX's backend starts
     multihost.initialize(config.mesh)
     if jax.default_backend() == "cpu":
         keep_freed_memory()  # the steps' temporaries live in host memory: reuse it

@@ -47,12 +47,14 @@ class Replica:
 
 def make_replica(cfg: EngineConfig, device: Device, buckets: Buckets, eos_ids: Sequence[int]) -> Replica:
     """A replica whose runner sends its ops to ``device``, sized by the engine config."""
-    allocator = PageAllocator(cfg.num_pages, cfg.page_size, enable_prefix_cache=cfg.enable_prefix_caching)
+    pages, budget = cfg.num_pages, cfg.max_num_batched_tokens
+    assert pages is not None and budget is not None, "Deployment.load resolves the pool and the step budget"
+    allocator = PageAllocator(pages, cfg.page_size, enable_prefix_cache=cfg.enable_prefix_caching)
     scheduler = Scheduler(
         allocator,
         max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_prefill_chunk=cfg.max_num_batched_tokens,
+        max_num_batched_tokens=budget,
+        max_prefill_chunk=budget,
         max_prefill_chunks=buckets.max_prefill_chunks,
         decode_steps_pages=buckets.decode_shape(1).width,
     )  # one token per decode until the several-token calls are built (the engine raises it then)

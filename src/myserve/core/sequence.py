@@ -47,6 +47,7 @@ class Sequence:
         params: SamplingParams,
         max_len: int,
         parent: Sequence | None = None,
+        seed: int | None = None,
     ):
         self.request_id = request_id
         self.choice = choice
@@ -55,9 +56,12 @@ class Sequence:
         self.params = params
         # Choices after the first wait for it to compute the prompt, then share its pages.
         self.parent = parent
-        # Without a request seed each choice still gets a fixed one, so preemption and recompute
-        # cannot change its samples.
-        self.seed = params.seed if params.seed is not None else random.getrandbits(32)
+        # Without a request seed each choice still gets a fixed one (``seed``: the engine's draw),
+        # so preemption and recompute cannot change its samples.
+        if params.seed is not None:
+            self.seed = params.seed
+        else:
+            self.seed = seed if seed is not None else random.getrandbits(32)
         self.max_len = max_len  # prompt + output may not exceed this (model context or max_tokens)
         self.status = SeqStatus.WAITING
         self.pages: list[int] = []

@@ -85,6 +85,8 @@ class EngineClient:
         self.max_model_len = 0
         self.pooler: Pooler | None = None
         """How the model makes embeddings, as the core said on loading (None: it makes none)."""
+        self.generation_defaults: dict[str, float] = {}
+        """Request defaults from the model's generation config, as the core said on loading."""
         self.max_waiting = config.engine.max_waiting
         self._stats: EngineStats | None = None
         self._added_since_stats = 0
@@ -361,6 +363,7 @@ class EngineClient:
             self.vocab_size, self.max_model_len = message.vocab_size, message.max_model_len
             self.max_waiting = message.max_waiting
             self.pooler = message.pooler
+            self.generation_defaults = message.generation_defaults
             self._loaded.set()
         elif isinstance(message, msg.Ready):
             self.ready.set()

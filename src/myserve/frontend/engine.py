@@ -26,6 +26,8 @@ class Engine(Protocol):
     """Called once after the engine died and every open request was failed."""
     pooler: Pooler | None
     """How the model makes embeddings (None: it serves none)."""
+    generation_defaults: dict[str, float]
+    """Sampling defaults for fields a request leaves out (the model's generation config)."""
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -52,6 +52,9 @@ def run_front_end(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # until uvicorn's handlers (which ignore it too)
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from myserve.frontend.core_client import EngineClient
+    from myserve.frontend.request_log import set_log_levels
+
+    set_log_levels(config.server.log_level, config.server.log_requests)
     from myserve.frontend.http_server import serve_http, served_model
 
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)

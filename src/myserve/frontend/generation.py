@@ -3,6 +3,7 @@ parameters, submitting one engine request per prompt, and the response (JSON or 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from fastapi import Request
@@ -52,16 +53,21 @@ def sampling_params(
 ) -> SamplingParams:
     """The request's ``SamplingParams`` with OpenAI's defaults; 400 naming the field it refuses."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    # What the request leaves out: the model's generation config, else OpenAI's defaults.
+    # (max_new_tokens applies per prompt, within its context: ``_submit_all``.)
+    default = context.engine.generation_defaults
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=req.min_p or 0.0,
+            temperature=default.get("temperature", 1.0) if req.temperature is None else req.temperature,
+            top_p=default.get("top_p", 1.0) if req.top_p is None else req.top_p,
+            top_k=int(default.get("top_k", 0)) if req.top_k is None else req.top_k,
+            min_p=default.get("min_p", 0.0) if req.min_p is None else req.min_p,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=default.get("repetition_penalty", 1.0)
+            if req.repetition_penalty is None
+            else req.repetition_penalty,
             logit_bias=SamplingParams.bias_from_mapping(req.logit_bias),
             seed=req.seed,
             n=req.n,
@@ -111,9 +117,15 @@ def _submit_all(context: AppContext, response: ResponseContext, grammar_field: s
     """One engine request per prompt; if one is refused, the others are closed (aborted) and the
     refusal becomes its HTTP error."""
     streams: list[RequestStream] = []
+    max_new = context.engine.generation_defaults.get("max_new_tokens")
     try:
         for i, ids in enumerate(response.prompts):
-            streams.append(context.engine.submit(ids, response.params, request_id=f"{response.request_id}-{i}"))
+            params = response.params
+            if params.max_tokens is None and max_new is not None and params.pooling is None:
+                # The generation config's max_new_tokens, as far as the context leaves room (vLLM's).
+                room = context.engine.max_model_len - len(ids)
+                params = dataclasses.replace(params, max_tokens=max(1, min(int(max_new), room)))
+            streams.append(context.engine.submit(ids, params, request_id=f"{response.request_id}-{i}"))
     except BaseException as e:
         for s in streams:
             s.close()

@@ -15,6 +15,7 @@ import multiprocessing.process
 import os
 import signal
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -147,6 +148,11 @@ def serve_http(
             host=config.server.host,
             port=config.server.port,
             log_level=config.server.log_level,
+            ssl_keyfile=config.server.ssl_keyfile,
+            ssl_certfile=config.server.ssl_certfile,
+            ssl_ca_certs=config.server.ssl_ca_certs,
+            # A CA file is for checking client certificates: then every client must present one.
+            ssl_cert_reqs=ssl.CERT_REQUIRED if config.server.ssl_ca_certs else ssl.CERT_NONE,
             # Bounds the exit after a fatal error (or a drain that timed out): open responses get
             # this long to end before their connections are closed.
             timeout_graceful_shutdown=FATAL_GRACE_S,

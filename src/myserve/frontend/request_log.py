@@ -10,6 +10,13 @@ from myserve.wire.outputs import RequestOutput, Usage
 logger = logging.getLogger("myserve.requests")
 
 
+def set_log_levels(level: str, log_requests: bool) -> None:
+    """A server process's log levels: ``level`` (``server.log_level``), and the request lines'
+    logger quiet unless ``log_requests`` (``--disable-log-requests``)."""
+    logging.getLogger().setLevel(level.upper())
+    logger.setLevel(logging.NOTSET if log_requests else logging.WARNING)
+
+
 class RequestLog:
     """One structured log line per finished request: id, tokens, TTFT, total time, finish reasons."""
 

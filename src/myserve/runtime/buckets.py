@@ -64,13 +64,14 @@ class Buckets:
     last holds ``max_pages``; empty: that one only."""
 
     @staticmethod
-    def from_config(cfg: EngineConfig, max_model_len: int, min_tokens: int = 1) -> Buckets:
+    def from_config(cfg: EngineConfig, max_model_len: int, min_tokens: int = 1, platform: str = "cpu") -> Buckets:
         """Buckets from the config: ``engine.token_buckets``, or powers of two up to the step budget;
         ``engine.context_buckets``, or 512 tokens then x4 up to ``max_model_len``.
 
         ``min_tokens``: steps are padded to at least this many tokens (int8 matmuls are slow below 8 rows).
+        ``platform``: whose default step budget a null ``max_num_batched_tokens`` means.
         """
-        top = cfg.max_num_batched_tokens
+        top = cfg.token_budget(platform)
         chosen = set(cfg.token_buckets) if cfg.token_buckets else set(_powers(1, top))
         floor = min(min_tokens, top)
         tokens = tuple(sorted({max(t, floor) for t in chosen if t < top} | {top}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Mapping
@@ -33,11 +34,26 @@ from myserve.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-def resolve_dtype(name: str) -> jnp.dtype:
-    """``auto`` is float32 on CPU (XLA:CPU bf16 matmuls are far slower) and bfloat16 on TPU/GPU."""
-    if name == "auto":
-        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
-    return jnp.dtype(name)
+def resolve_dtype(name: str, checkpoint_dir: Path | None = None) -> jnp.dtype:
+    """``auto`` is float32 on CPU (XLA:CPU bf16 matmuls are far slower); on TPU/GPU the checkpoint's
+    own dtype (its config.json's ``dtype``), bfloat16 for a float32 one or when it says none (as vLLM)."""
+    if name != "auto":
+        return jnp.dtype(name)
+    if jax.default_backend() == "cpu":
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(jnp.float16 if checkpoint_dtype(checkpoint_dir) == "float16" else jnp.bfloat16)
+
+
+def checkpoint_dtype(checkpoint_dir: Path | None) -> str | None:
+    """The dtype an HF checkpoint's config.json names (``dtype``, or the older ``torch_dtype``)."""
+    if checkpoint_dir is None:
+        return None
+    try:
+        data = json.loads((checkpoint_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    value = data.get("dtype") or data.get("torch_dtype") if isinstance(data, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def enable_compilation_cache(directory: Path | None) -> None:
@@ -104,19 +120,12 @@ class Deployment:
         spec = source.spec
         check_expert_mesh(spec, config.mesh.expert)
         max_len = config.model.max_model_len or spec.max_position_embeddings
-        pool = config.engine.num_pages * config.engine.page_size
-        if pool < max_len:
-            # A sequence longer than the whole KV pool could never be scheduled: it would wait forever.
-            raise ConfigError(
-                f"engine.num_pages x engine.page_size ({pool} tokens) is less than max_model_len ({max_len}): "
-                f"raise engine.num_pages to {-(-max_len // config.engine.page_size)} or lower model.max_model_len"
-            )
         mapping = axis_mapping(spec, mesh)
-        dtype = resolve_dtype(config.model.dtype)
-        quantization = resolve_quantization(config.model.quantization, source, jax.default_backend())
+        dtype = resolve_dtype(config.model.dtype, resolved.path if resolved.path.is_dir() else None)
+        platform = jax.default_backend()
+        quantization = resolve_quantization(config.model.quantization, source, platform)
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, quantization=quantization))
-        steps = config.engine.decode_steps or default_decode_steps(jax.default_backend())
-        config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, decode_steps=steps))
+        config = _resolve_engine(config, spec, mesh, dtype, max_len)
         backend = resolve_backend(
             config.engine.attention_backend,  # type: ignore[arg-type]
             num_heads=spec.num_heads,
@@ -157,6 +166,51 @@ class Deployment:
         return Deployment(config, spec, models, tokenizer, mesh, mapping, dtype, max_len, prebuilt, started, directory)
 
 
+def _resolve_engine(config: Config, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, max_len: int) -> Config:
+    """``config`` with the engine's platform defaults made concrete: the step budget, the decode
+    steps per call, and the KV pool (sized from memory when ``num_pages`` is null, ``kv_sizing``).
+    Raises ``ConfigError`` when the pool cannot hold one sequence of ``max_len`` tokens."""
+    engine = config.engine
+    platform = jax.default_backend()
+    budget = engine.token_budget(platform)
+    steps = engine.decode_steps or default_decode_steps(platform)
+    pages = engine.num_pages
+    if pages is None:
+        from myserve.memory_check import host_available, weight_bytes  # the several-model check's estimates
+        from myserve.runtime.kv_sizing import plan_pages
+
+        shards = mesh.shape.get("model", 1)
+        stats = None if platform == "cpu" else (jax.local_devices()[0].memory_stats() or {})
+        plan = plan_pages(
+            engine,
+            spec,
+            platform=platform,
+            itemsize=dtype.itemsize,
+            max_model_len=max_len,
+            token_budget=budget,
+            model_shards=shards,
+            weight_bytes=weight_bytes(config, platform) // (shards * mesh.shape.get("expert", 1)),
+            bytes_limit=None if stats is None else stats.get("bytes_limit"),
+            host_available=host_available() if platform == "cpu" else None,
+        )
+        pages = plan.pages
+        logger.info(
+            "KV cache: %d pages of %d tokens (%.2f GiB per device) from %s",
+            pages,
+            engine.page_size,
+            pages * plan.page_bytes / (1 << 30),
+            plan.source,
+        )
+    elif pages * engine.page_size < max_len:
+        # A sequence longer than the whole KV pool could never be scheduled: it would wait forever.
+        raise ConfigError(
+            f"engine.num_pages x engine.page_size ({pages * engine.page_size} tokens) is less than max_model_len "
+            f"({max_len}): raise engine.num_pages to {-(-max_len // engine.page_size)} or lower model.max_model_len"
+        )
+    resolved = dataclasses.replace(engine, max_num_batched_tokens=budget, decode_steps=steps, num_pages=pages)
+    return dataclasses.replace(config, engine=resolved)
+
+
 def default_decode_steps(platform: str) -> int:
     """``engine.decode_steps`` when the config leaves it 0: 1 on CPU, where a step of the bundled
     model is compute-bound and the loops' background builds would slow a cold start's first
@@ -183,6 +237,7 @@ def executor_for(
 ) -> Executor:
     """One replica's executor of ``model`` (real or abstract) on ``mesh``, sized by the config."""
     cfg = config.engine
+    assert cfg.num_pages is not None, "Deployment.load sizes the KV pool (engine.num_pages null)"
     return Executor(
         model,
         mesh,

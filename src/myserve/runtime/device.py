@@ -57,7 +57,7 @@ class Device(Protocol):
         ...
 
     def stop_background_builds(self) -> None:
-        """Cancel the background builds not yet started and wait for the one under way (at
+        """Cancel the background builds not yet started, without waiting for the one under way (at
         shutdown, so that no thread keeps compiling for a stopped engine)."""
         ...
 

@@ -114,12 +114,13 @@ class Executables:
         return True
 
     def stop_background(self) -> None:
-        """Drop the background builds not yet started and wait for the one under way: a stopped
-        engine leaves no thread compiling behind it."""
+        """Drop the background builds not yet started: a stopped engine leaves at most the build
+        under way behind it. That one is not waited for (an XLA compile cannot be interrupted, and
+        a core process exits without it)."""
         if self._background is not None:
-            self._background.shutdown(wait=True, cancel_futures=True)
+            self._background.shutdown(wait=False, cancel_futures=True)
             self._background = None
-        self._pending = {key: f for key, f in self._pending.items() if f.done() and not f.cancelled()}
+        self._pending = {key: f for key, f in self._pending.items() if not f.cancelled()}
 
     def build(self, keys: Sequence[BuildKey], progress: Progress | None = None) -> dict[BuildKey, Step]:
         """The executables of ``keys``. One in the step cache is loaded on a worker thread without

@@ -231,7 +231,7 @@ class Executor:
         return self._executables.background_done(timeout)
 
     def stop_background_builds(self) -> None:
-        """Cancel the background builds not yet started and wait for the one under way."""
+        """Cancel the background builds not yet started (the one under way ends on its own)."""
         self._executables.stop_background()
 
     def step_ready(self, shape: StepShape) -> bool:

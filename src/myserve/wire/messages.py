@@ -47,6 +47,8 @@ class Loaded(msgspec.Struct, tag="loaded", array_like=True):
     max_waiting: int
     pooler: Pooler | None = None
     """How the model makes embeddings; None when it serves none."""
+    generation_defaults: dict[str, float] = msgspec.field(default_factory=dict)
+    """Request defaults from the model's generation config (temperature, top_p, max_new_tokens...)."""
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

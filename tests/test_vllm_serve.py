@@ -1,0 +1,99 @@
+"""``myserve serve`` as vLLM's quick start runs it: the console script, the model positional, a
+vLLM-format ``--config`` YAML beside flags, and a model served with its own defaults: under the
+path as given, with its own context length, a KV pool of the byte budget, and its generation
+config as request defaults (seen through the OpenAI SDK). Plus ``--seed``: requests that send no
+seed sample alike on two engines with the same seed."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from serve_process import ServeProcess
+
+from myserve.bundled import bundled_gguf_path
+from myserve.testing import collect, make_tiny_checkpoint
+from myserve.wire.params import SamplingParams
+
+MYSERVE = Path(sys.executable).with_name("myserve")
+PAGES = 300
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny Llama (SmolLM2's vocabulary, so chat prompts fit) with a generation config: greedy,
+    at most 5 new tokens (top_k 50 is transformers' default: it says nothing)."""
+    path = make_tiny_checkpoint("llama3", tmp_path_factory.mktemp("vllm") / "tiny-llama", vocab_size=49152)
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 5, "top_k": 50}))
+    return path
+
+
+def page_bytes(checkpoint: Path) -> int:
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * 16 * head_dim * 4  # float32 on CPU
+
+
+@pytest.mark.skipif(not MYSERVE.exists(), reason="the myserve console script is not installed (pip install -e .)")
+def test_quick_start_with_a_vllm_yaml(checkpoint: Path, tmp_path: Path) -> None:
+    yaml_file = tmp_path / "serve.yaml"
+    yaml_file.write_text(
+        f"tokenizer: {bundled_gguf_path()}\nmax-num-seqs: 4\nmax-num-batched-tokens: 16\n"
+        f"kv-cache-memory-bytes: {PAGES * page_bytes(checkpoint)}\nenforce-eager: true\nseed: 0\n"
+    )
+    served = ServeProcess(
+        [str(MYSERVE), "serve", str(checkpoint)],
+        ["--config", str(yaml_file), "--dtype", "auto", "--api-key", "token-abc123", "--generation-config", "auto",
+         "--gpu-memory-utilization", "0.8"],
+    )  # fmt: skip
+    try:
+        served.wait_ready()
+        headers = {"Authorization": "Bearer token-abc123"}
+        assert httpx.get(f"{served.url}/v1/models").status_code == 401
+        models = httpx.get(f"{served.url}/v1/models", headers=headers).json()["data"]
+        assert [m["id"] for m in models] == [str(checkpoint)]  # the path as given, like vLLM
+        assert models[0]["max_model_len"] == 512  # the checkpoint's max_position_embeddings
+        assert f"KV cache: {PAGES} pages of 16 tokens" in served.log  # the byte budget's pages
+        gauge = f'myserve_kv_pages_total{{model_name="{checkpoint}"}} {PAGES}.0'
+        deadline = time.monotonic() + 10  # the gauge follows the core's counters (sent every second)
+        while gauge not in httpx.get(f"{served.url}/metrics", headers=headers).text:
+            assert time.monotonic() < deadline, served.log[-2000:]
+            time.sleep(0.2)
+        assert "--enforce-eager has no meaning here" in served.log
+
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="token-abc123", max_retries=0)
+        messages = [{"role": "user", "content": "Count to ten."}]
+        # No temperature, no max_tokens: the generation config's greedy, 5 tokens.
+        plain = client.chat.completions.create(model=str(checkpoint), messages=messages)
+        assert plain.usage.completion_tokens == 5 and plain.choices[0].finish_reason == "length"
+        greedy = client.chat.completions.create(model=str(checkpoint), messages=messages, temperature=0, max_tokens=5)
+        assert plain.choices[0].message.content == greedy.choices[0].message.content
+        # What a request sets wins over the generation config.
+        longer = client.chat.completions.create(
+            model=str(checkpoint), messages=messages, max_tokens=9, extra_body={"ignore_eos": True}
+        )
+        assert longer.usage.completion_tokens == 9
+    finally:
+        served.stop()
+
+
+def test_the_engine_seed_seeds_requests_that_send_none(make_service) -> None:
+    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    prompt = [5, 9, 33, 70]
+
+    def samples(*overrides: str) -> list[list[int]]:
+        service = make_service(*overrides)
+        try:
+            return [collect(service.submit(prompt, params))[0] for _ in range(3)]
+        finally:
+            service.shutdown()
+
+    first, again = samples("engine.seed=1234"), samples("engine.seed=1234")
+    assert first == again  # the same requests in the same order
+    assert len({tuple(s) for s in first}) > 1  # and each request still its own seed
+    assert samples("engine.seed=99") != first
