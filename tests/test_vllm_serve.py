@@ -18,6 +18,7 @@ from serve_process import ServeProcess
 
 from myserve.bundled import bundled_gguf_path
 from myserve.testing import collect, make_tiny_checkpoint
+from myserve.testing.stand_in_hub import StandInHub
 from myserve.wire.params import SamplingParams
 
 MYSERVE = Path(sys.executable).with_name("myserve")
@@ -49,7 +50,7 @@ def test_quick_start_with_a_vllm_yaml(checkpoint: Path, tmp_path: Path) -> None:
     served = ServeProcess(
         [str(MYSERVE), "serve", str(checkpoint)],
         ["--config", str(yaml_file), "--dtype", "auto", "--api-key", "token-abc123", "--generation-config", "auto",
-         "--gpu-memory-utilization", "0.8"],
+         "--gpu-memory-utilization", "0.8", "--max-logprobs", "2"],
     )  # fmt: skip
     try:
         served.wait_ready()
@@ -78,8 +79,45 @@ def test_quick_start_with_a_vllm_yaml(checkpoint: Path, tmp_path: Path) -> None:
             model=str(checkpoint), messages=messages, max_tokens=9, extra_body={"ignore_eos": True}
         )
         assert longer.usage.completion_tokens == 9
+        # --max-logprobs 2: more is a 400 naming the field.
+        with pytest.raises(openai.BadRequestError, match=r"logprobs \(5\) exceeds the server's max_logprobs \(2\)"):
+            client.completions.create(model=str(checkpoint), prompt=[5, 6], max_tokens=1, logprobs=5)
+        assert client.completions.create(model=str(checkpoint), prompt=[5, 6], max_tokens=1, logprobs=2).choices
     finally:
         served.stop()
+
+
+@pytest.mark.skipif(not MYSERVE.exists(), reason="the myserve console script is not installed (pip install -e .)")
+def test_a_hub_id_is_downloaded_from_the_hub_and_served_under_it(checkpoint: Path, tmp_path: Path) -> None:
+    """vLLM's quick start by hub id: downloaded (from a stand-in Hub at HF_ENDPOINT) into
+    --download-dir, served as the id; a second start finds it cached and asks the Hub for nothing."""
+    env = {"HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "home")}
+    args = ["--download-dir", str(tmp_path / "models"), "--tokenizer", str(bundled_gguf_path())]
+    args += ["--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--kv-cache-memory-bytes", "4M"]
+    with StandInHub({"org/tiny-llama": checkpoint}) as hub:
+        env["HF_ENDPOINT"] = hub.url
+        served = ServeProcess([str(MYSERVE), "serve", "org/tiny-llama"], args, env)
+        try:
+            served.wait_ready()
+            models = httpx.get(f"{served.url}/v1/models").json()["data"]
+            assert [m["id"] for m in models] == ["org/tiny-llama"]
+            body = {"model": "org/tiny-llama", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+            assert httpx.post(f"{served.url}/v1/completions", json=body).json()["usage"]["completion_tokens"] == 3
+        finally:
+            served.stop()
+        fetched = {path for path in hub.requests if "/resolve/" in path}
+        assert any(p.endswith("model.safetensors") for p in fetched), hub.requests
+        assert list((tmp_path / "models").glob("models--org--tiny-llama/snapshots/*/model.safetensors"))
+        before = len(hub.requests)
+        again = ServeProcess([str(MYSERVE), "serve", "org/tiny-llama"], args, env)
+        try:
+            again.wait_ready()
+        finally:
+            again.stop()
+        assert len(hub.requests) == before  # the cached snapshot, without asking the Hub
+    missing = ServeProcess([str(MYSERVE), "serve", "org/none"], args, {**env, "HF_HUB_OFFLINE": "1"})
+    assert missing.exit_code(within=60) == 2
+    assert "org/none: not in the cache and cannot be downloaded" in missing.log
 
 
 def test_the_engine_seed_seeds_requests_that_send_none(make_service) -> None:

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 from myserve.config import load_config
 from myserve.errors import MyserveError
+from myserve.hub import fetch_checkpoints
 from myserve.models.llama import LlamaModel
 from myserve.models.sharding import MeshAxes
 from myserve.runtime.buckets import BLOCK_TOKENS, CHUNK_TOKENS
@@ -97,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides = list(args.set)
         if args.hf_checkpoint:
             overrides.append(f"model.checkpoint={args.hf_checkpoint}")
-        config = load_config(args.config, overrides)
+        config = fetch_checkpoints(load_config(args.config, overrides))
         from myserve.runtime.deployment import Deployment
 
         dep = Deployment.load(config)

@@ -29,6 +29,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from myserve.errors import ConfigError, MyserveError
 from myserve.frontend.front_end_process import GIL_SWITCH_INTERVAL_S
+from myserve.hub import fetch_checkpoints
 from myserve.serve import add_config_flags, config_from_args, load_engine, served_model_names
 
 if TYPE_CHECKING:
@@ -358,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = config_from_args(args)
+        config = fetch_checkpoints(config_from_args(args))
         if config.models:
             raise ConfigError("run_batch runs one model: a config with models (several) is for the server")
         if args.log_level:

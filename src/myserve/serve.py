@@ -33,6 +33,7 @@ from myserve.config import QUANTIZATIONS, REASONING_PARSERS, TOOL_CALL_PARSERS
 from myserve.errors import ConfigError, MyserveError
 from myserve.frontend.front_end_process import GIL_SWITCH_INTERVAL_S
 from myserve.frontend.request_log import set_log_levels
+from myserve.hub import fetch_checkpoints
 from myserve.vllm_flags import DTYPE_NAMES, add_other_flags, check_other_flags, expand_vllm_config, parse_size, task_of
 
 if TYPE_CHECKING:
@@ -317,6 +318,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m myserve.serve
     try:
         config = config_from_args(args)
         set_log_levels(config.server.log_level, config.server.log_requests)
+        config = fetch_checkpoints(config)  # hub ids downloaded now, before any process reads them
         front_ends = config.server.api_server_count
         if front_ends > 1:
             metrics_dir = _shared_metrics_dir()  # before prometheus_client is imported

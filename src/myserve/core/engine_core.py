@@ -174,6 +174,11 @@ class EngineCore:
         """Abort a request, or one of its choices: freed at the start of the next engine step."""
         self._inbox.put(("abort", (request_id, choice)))
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix, on the engine thread before its next step (running
+        sequences keep their pages; later requests compute their prompts afresh)."""
+        self._inbox.put(("reset_prefix_cache", None))
+
     def _num_waiting(self) -> int:
         return sum(len(r.scheduler.waiting) for r in self.replicas)
 
@@ -287,6 +292,9 @@ class EngineCore:
                 req = self._requests.get(request_id)
                 if req is not None:
                     self._finish_request(req, "abort", choice)
+            elif kind == "reset_prefix_cache":
+                forgotten = sum(r.allocator.reset_prefix_cache() for r in self.replicas)
+                logger.info("prefix cache reset: %d cached pages forgotten", forgotten)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

@@ -93,6 +93,17 @@ class PageAllocator:
             pages.append(page)
         return pages
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (``/reset_prefix_cache``): unreferenced cached pages return to
+        the free list, and pages in use are no longer offered to later requests (they stay their
+        sequences'). Returns how many pages were forgotten."""
+        forgotten = len(self._page_hash)
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._page_hash.clear()
+        self._by_hash.clear()
+        return forgotten
+
     def share(self, pages: Sequence[int]) -> None:
         """Add a reference to each page (another sequence now reads them: n > 1, prefix hits)."""
         for page in pages:

@@ -160,6 +160,8 @@ def run_core(config: Config, links: Sequence[CoreLink]) -> None:
                 send(msg.Outputs([_failed(message.request_id, e)]), message.front_end)
         elif isinstance(message, msg.AbortRequest):
             core.abort(message.request_id, message.choice)
+        elif isinstance(message, msg.ResetPrefixCache):
+            core.reset_prefix_cache()
         else:
             break
     core.shutdown()  # on a multi-host mesh this also ends the followers' loops

@@ -57,6 +57,8 @@ class ServedModel:
     """Serve ``tool_choice: auto`` (needs ``tool_call_parser``)."""
     reasoning_parser: str | None = None
     """A name of ``frontend/reasoning.py::FORMATS``: splits off ``reasoning_content``."""
+    max_logprobs: int = 20
+    """Most top logprobs a request may ask for (``server.max_logprobs``)."""
 
     def __post_init__(self) -> None:
         if not self.names:
@@ -122,6 +124,7 @@ def create_models_app(
             chat_template=m.chat_template,
             auto_parser=PARSERS[m.tool_call_parser] if m.enable_auto_tool_choice and m.tool_call_parser else None,
             reasoning=FORMATS[m.reasoning_parser] if m.reasoning_parser else None,
+            max_logprobs=m.max_logprobs,
             state=state,
             tracer=tracer,
             app_metrics=metrics,

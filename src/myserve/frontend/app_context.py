@@ -53,6 +53,8 @@ class AppContext:
     """Reads tool calls out of ``tool_choice: auto`` outputs (None: auto tool choice is off)."""
     reasoning: ReasoningFormat | None = None
     """Splits ``reasoning_content`` off chat outputs (None: no reasoning parser)."""
+    max_logprobs: int = 20
+    """Most top logprobs a request may ask for (``server.max_logprobs``, vLLM's ``--max-logprobs``)."""
     state: ServerState = dataclasses.field(default_factory=ServerState)
     """Draining and requests in flight (``serve_http`` drains on a signal)."""
     tracer: RequestTracer | None = None

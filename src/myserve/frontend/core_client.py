@@ -257,6 +257,10 @@ class EngineClient:
             except EngineDead:
                 pass  # the core is gone, and the request with it
 
+    def reset_prefix_cache(self) -> None:
+        """Ask the core to forget every cached prompt prefix."""
+        self._send(msg.ResetPrefixCache())
+
     def stats(self) -> EngineStats:
         """The core's counters as of its last report (at most ``STATS_INTERVAL_S`` old)."""
         if self._stats is None:

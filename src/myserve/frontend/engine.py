@@ -48,6 +48,10 @@ class Engine(Protocol):
         """Queue a request; the stream of its outputs. Raises on invalid or excess requests."""
         ...
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (before the engine's next step)."""
+        ...
+
     def stats(self) -> EngineStats:
         """The engine's counters (queue lengths, pages, cache hits) for the metrics."""
         ...

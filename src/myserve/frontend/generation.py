@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from myserve.frontend.app_context import AppContext
 from myserve.frontend.errors import APIError
-from myserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from myserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, Unsupported
 from myserve.frontend.responses import CompletionResponse, ResponseContext
-from myserve.frontend.responses_protocol import ResponsesRequest
 from myserve.frontend.stream import RequestStream
 from myserve.grammar import GrammarSpec
 from myserve.wire.outputs import ContextLengthExceeded, EngineDead, Overloaded
@@ -23,7 +23,20 @@ GenerationRequest = CompletionRequest | ChatCompletionRequest
 """The two request bodies that generate text."""
 
 
-def admit(context: AppContext, req: GenerationRequest | ResponsesRequest | EmbeddingRequest) -> float | None:
+class Admitted(Protocol):
+    """A request body ``admit`` checks: the model it names and the fields it refuses."""
+
+    @property
+    def model(self) -> str | None:
+        """The served model it names (None: the default)."""
+        ...
+
+    def unsupported(self) -> Unsupported | None:
+        """The first refused field it sets, if any."""
+        ...
+
+
+def admit(context: AppContext, req: Admitted) -> float | None:
     """The checks every generation route starts with: 503 unless ready, 404 for another model's
     name, 400 for a field this server accepts but does not implement (the protocol's tables).
     Returns the request's deadline, which runs from its arrival."""
@@ -52,6 +65,10 @@ def sampling_params(
     skip_special_tokens: bool | None = None,
 ) -> SamplingParams:
     """The request's ``SamplingParams`` with OpenAI's defaults; 400 naming the field it refuses."""
+    for asked, field in ((logprobs, "logprobs"), (prompt_logprobs, "prompt_logprobs")):
+        if asked is not None and asked > context.max_logprobs:
+            message = f"{field} ({asked}) exceeds the server's max_logprobs ({context.max_logprobs})"
+            raise APIError(400, message, param=field, code="invalid_value")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     # What the request leaves out: the model's generation config, else OpenAI's defaults.
     # (max_new_tokens applies per prompt, within its context: ``_submit_all``.)

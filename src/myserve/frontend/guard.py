@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from myserve.frontend.errors import APIError
 
-OPEN_PATHS = ("/health", "/healthz", "/metrics", "/docs", "/openapi.json", "/redoc")
+OPEN_PATHS = ("/health", "/healthz", "/ping", "/version", "/metrics", "/docs", "/openapi.json", "/redoc")
 """Paths (and what is under them) served without the API key."""
 OPEN_PAGES = ("/", "/chat")
 """Exact paths served without the API key: the chat page, which asks for the key itself."""

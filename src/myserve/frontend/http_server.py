@@ -51,6 +51,7 @@ def served_model(config: Config, engine: Engine, names: str | Sequence[str]) -> 
         tool_call_parser=config.server.tool_call_parser,
         enable_auto_tool_choice=config.server.enable_auto_tool_choice,
         reasoning_parser=config.server.reasoning_parser,
+        max_logprobs=config.server.max_logprobs,
     )
 
 

@@ -36,13 +36,24 @@ if TYPE_CHECKING:
 SYSTEM_FINGERPRINT = "myserve-0.1.0"
 
 
+_ID_PREFIXES = {
+    "chat": "chatcmpl-",
+    "completion": "cmpl-",
+    "embedding": "embd-",
+    "score": "score-",
+    "rerank": "rerank-",
+}
+"""The response id's prefix by ``ResponseContext.kind`` (``resp_`` for the Responses API)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ResponseContext:
     """What one completions or chat response is about, built once by its route."""
 
     kind: str
     """``"completion"``, ``"chat"``, ``"responses"`` (a chat answered by the Responses API, whose
-    shapes are ``responses_api_output.py``'s) or ``"embedding"`` (``embedding_output.py``): the
+    shapes are ``responses_api_output.py``'s), ``"embedding"`` (``embedding_output.py``) or ``"score"``
+    and ``"rerank"`` (``score_output.py``): the
     shape of the body and chunks, and the id's prefix."""
     model: str
     """The served model name the response reports."""
@@ -64,7 +75,7 @@ class ResponseContext:
     """When the route built this (``perf_counter``): latencies are measured from it."""
 
     def __post_init__(self) -> None:
-        prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "embedding": "embd-"}.get(self.kind, "resp_")
+        prefix = _ID_PREFIXES.get(self.kind, "resp_")
         object.__setattr__(self, "request_id", f"{prefix}{uuid.uuid4().hex}")
 
     @property

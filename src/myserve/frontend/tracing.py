@@ -29,7 +29,14 @@ if TYPE_CHECKING:
     from myserve.wire.outputs import Usage
     from myserve.wire.params import SamplingParams
 
-OPERATIONS = {"chat": "chat", "responses": "chat", "completion": "text_completion", "embedding": "embeddings"}
+OPERATIONS = {
+    "chat": "chat",
+    "responses": "chat",
+    "completion": "text_completion",
+    "embedding": "embeddings",
+    "score": "embeddings",
+    "rerank": "embeddings",
+}
 """``gen_ai.operation.name`` of each ``ResponseContext.kind``."""
 
 PROTOCOLS = ("grpc", "http/protobuf")
@@ -77,7 +84,7 @@ class RequestTracer:
             "gen_ai.response.model": ctx.model,
             "gen_ai.response.id": ctx.request_id,
         }
-        if ctx.kind != "embedding":  # embeddings do not sample
+        if ctx.kind not in ("embedding", "score", "rerank"):  # embeddings do not sample
             params = ctx.params
             attributes.update({"gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p})
             if params.max_tokens is not None:

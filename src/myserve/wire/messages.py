@@ -35,6 +35,10 @@ class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
     choice: int | None = None
 
 
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True):
+    """Front -> core: forget every cached prompt prefix (``/reset_prefix_cache``)."""
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """Front -> core: stop (in-flight requests are aborted) and exit 0."""
 
@@ -76,7 +80,7 @@ class Died(msgspec.Struct, tag="died", array_like=True):
     """The deployment could not load because of its configuration: a one-line error, exit 2."""
 
 
-ToCore = AddRequest | AbortRequest | Shutdown
+ToCore = AddRequest | AbortRequest | ResetPrefixCache | Shutdown
 FromCore = Loaded | Ready | Outputs | Heartbeat | Died
 
 encoder = msgspec.msgpack.Encoder()

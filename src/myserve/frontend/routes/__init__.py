@@ -9,7 +9,18 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from myserve.frontend.routes import chat, completions, embeddings, health, models, page, responses_api, tokenize
+from myserve.frontend.routes import (
+    chat,
+    completions,
+    embeddings,
+    health,
+    models,
+    page,
+    responses_api,
+    score,
+    server_info,
+    tokenize,
+)
 
 ROUTERS: tuple[APIRouter, ...] = (
     health.router,
@@ -19,6 +30,8 @@ ROUTERS: tuple[APIRouter, ...] = (
     chat.router,
     responses_api.router,
     embeddings.router,
+    score.router,
+    server_info.router,
     page.router,
 )
 """In the order the app includes them (the order of the OpenAPI schema's paths)."""
