@@ -14,6 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 SHARED = {
     "config",
     "config_server",
+    "config_engine",
     "config_fields",
     "errors",
     "bundled",
@@ -32,8 +33,9 @@ ALLOWED: dict[str, set[str]] = {
     "wire": {"wire", "grammar", "errors"},
     "core": {"core", "runtime", "wire"} | SHARED,
     "frontend": {"frontend", "wire"} | SHARED,
-    "config": {"config_fields", "config_server", "errors"},
+    "config": {"config_fields", "config_server", "config_engine", "errors"},
     "config_server": {"config_fields", "errors"},
+    "config_engine": {"config_fields", "errors"},
     "config_fields": {"errors"},
     "errors": set(),
     "bundled": {"errors"},

@@ -16,22 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import logging
-import math
 import os
+import re
 import shutil
-import struct
 import subprocess
 from collections.abc import Sequence
-from pathlib import Path
 
-from myserve.config import Config
-from myserve.errors import CheckpointError, ConfigError
-from myserve.models.checkpoint import resolve_checkpoint
-from myserve.models.gguf import GGUFSource, resolve_quantization
-from myserve.models.gguf_file import read_gguf
-from myserve.models.spec import ModelSpec, spec_from_hf_config
+from myserve.config import Config, too_few_devices
+from myserve.errors import ConfigError
+from myserve.runtime.footprint import host_available, itemsize_of, spec_and_parameters, weight_bytes
 
 logger = logging.getLogger("myserve.serve")
 
@@ -40,7 +34,6 @@ USABLE_FRACTION = 0.9
 rest is for the steps' activations, XLA's buffers and the processes themselves."""
 
 GIB = 1 << 30
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +69,8 @@ def footprint(config: Config, name: str, where: str) -> Footprint:
     """The estimated footprint of the one model of ``config`` on platform ``where``."""
     from myserve.runtime.kv_sizing import page_bytes, plan_pages
 
-    spec, _ = _spec_and_parameters(config.model.checkpoint)
-    itemsize = _itemsize(config, where)
+    spec, _ = spec_and_parameters(config.model.checkpoint)
+    itemsize = itemsize_of(config, where)
     engine = config.engine
     pages = engine.num_pages
     if pages is None:
@@ -103,28 +96,39 @@ def footprint(config: Config, name: str, where: str) -> Footprint:
     return Footprint(name, weights * mesh.data, kv * mesh.data, mesh.data * mesh.expert * mesh.model)
 
 
-def weight_bytes(config: Config, where: str) -> int:
-    """One replica's weights of ``config``'s model on platform ``where``, in bytes, from the
-    checkpoint's headers: parameters x the bytes of the dtype (or of its narrow weights)."""
-    _, parameters = _spec_and_parameters(config.model.checkpoint)
-    return int(parameters * _PARAMETER_BYTES.get(_quantization(config, where), _itemsize(config, where)))
+def visible_devices(where: str) -> int | None:
+    """The devices JAX will see on platform ``where``, known without importing it: on CPU the
+    count ``XLA_FLAGS`` forces (else ``JAX_NUM_CPU_DEVICES``, else 1); on GPU the entries of
+    ``CUDA_VISIBLE_DEVICES``, else the GPUs ``nvidia-smi`` lists; None where it cannot tell (TPU)."""
+    if where == "cpu":
+        forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+        return int(forced.group(1)) if forced else int(os.environ.get("JAX_NUM_CPU_DEVICES", "1") or 1)
+    if where == "gpu":
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            return len([d for d in visible.split(",") if d.strip()])
+        smi = shutil.which("nvidia-smi")
+        if smi is None:
+            return None
+        try:
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10, check=True).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    return None
 
 
-def _itemsize(config: Config, where: str) -> int:
-    dtype = config.model.dtype
-    return _DTYPE_BYTES["float32" if where == "cpu" else "bfloat16"] if dtype == "auto" else _DTYPE_BYTES[dtype]
-
-
-# Bytes per parameter of narrow weights, scales included (int8 per channel; int4 and GGUF's Q4_1 in
-# groups of 32 with float16 scale and offset: 20 bytes per 32; W8A8 per channel).
-_PARAMETER_BYTES = {"int8": 1.07, "int4": 0.63, "w8a8": 1.0}
-
-
-def _quantization(config: Config, where: str) -> str:
-    """``model.quantization`` as the deployment will resolve it."""
-    resolved = resolve_checkpoint(config.model.checkpoint)
-    source = GGUFSource(resolved.path) if resolved.kind == "gguf" else None
-    return resolve_quantization(config.model.quantization, source, where)
+def check_mesh_fits(config: Config) -> None:
+    """Before anything is downloaded or started: a one-host mesh that needs more devices than the
+    platform shows is refused in the words the engine would use (``too_few_devices``)."""
+    where = platform()
+    have = visible_devices(where)
+    for one in config.per_model():
+        mesh = one.mesh
+        if have is None or mesh.role() != "single":
+            continue
+        if mesh.data * mesh.expert * mesh.model > have:
+            raise ConfigError(too_few_devices(mesh.data, mesh.expert, mesh.model, have, where))
 
 
 def available_memory(where: str) -> tuple[int, str] | None:
@@ -174,43 +178,6 @@ def check_memory(
 
 def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
-
-
-def _spec_and_parameters(checkpoint: str | None) -> tuple[ModelSpec, int]:
-    """A checkpoint's architecture and parameter count, read from its headers (no tensor is read)."""
-    resolved = resolve_checkpoint(checkpoint)
-    if resolved.kind == "gguf":
-        tensors = read_gguf(resolved.path).tensors.values()
-        return GGUFSource(resolved.path).spec, sum(math.prod(t.shape) for t in tensors)
-    config_path = resolved.path / "config.json"
-    try:
-        spec = spec_from_hf_config(json.loads(config_path.read_text()), str(config_path))
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{config_path}: cannot read: {e}") from None
-    return spec, sum(_safetensors_parameters(f) for f in sorted(resolved.path.glob("*.safetensors")))
-
-
-def _safetensors_parameters(path: Path) -> int:
-    """Elements of every tensor in a safetensors file, from its JSON header."""
-    try:
-        with path.open("rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file: {e}") from None
-    return sum(math.prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
-
-
-def host_available() -> int:
-    """``MemAvailable`` (what can be allocated without swapping), or free pages where there is no /proc."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _gpu_free() -> int | None:

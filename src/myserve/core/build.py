@@ -15,11 +15,11 @@ import jax
 
 from myserve.core.pooler import resolve_pooler
 from myserve.core.replica import Replica, make_replica
-from myserve.models.generation_config import generation_defaults
 from myserve.runtime.compile_counter import compile_counts
 from myserve.runtime.deployment import Deployment, executor_for, step_buckets
 from myserve.runtime.device import Device
 from myserve.runtime.executor import Executor
+from myserve.runtime.generation_config import generation_defaults
 from myserve.runtime.multihost import BroadcastingDevice, stop_followers
 
 logger = logging.getLogger(__name__)

@@ -19,16 +19,17 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Self, cast
 
+from myserve.core.engine_stats import EngineCounters
 from myserve.core.pooling import finished_embeddings
 from myserve.core.replica import Replica, Request
 from myserve.core.runner import PlannedStep, StepResults
 from myserve.core.sequence import Sequence as Seq
 from myserve.core.step_timer import StepTimer
 from myserve.core.warmup import warm_up
-from myserve.grammar import LazyGrammars, matchers_alive
+from myserve.grammar import LazyGrammars
 from myserve.tokenizer import Tokenizer
 from myserve.validation import validate_request
-from myserve.wire.outputs import EngineDead, EngineStats, Overloaded, RequestOutput, TokenLogprob, Usage
+from myserve.wire.outputs import EngineDead, Overloaded, RequestOutput, TokenLogprob, Usage
 from myserve.wire.params import SamplingParams
 from myserve.wire.pooling import Pooler
 
@@ -43,7 +44,7 @@ Sink = Callable[[list[RequestOutput]], None]
 """Where an engine iteration's token deltas go (called on the engine thread)."""
 
 
-class EngineCore:
+class EngineCore(EngineCounters):
     """Continuous batching over the paged KV cache, driven by one background thread.
 
     The device work is done by one ``Replica`` per data-parallel row of the mesh (usually one).
@@ -67,7 +68,7 @@ class EngineCore:
     ):
         self.replicas = list(replicas)
         self.generation_defaults = dict(generation_defaults or {})
-        """Request defaults from the model's generation config (``models/generation_config.py``)."""
+        """Request defaults from the model's generation config (``runtime/generation_config.py``)."""
         self._seeds = random.Random(seed)
         """Draws the seed of each choice whose request sends none (``engine.seed``)."""
         self.pooler = pooler
@@ -178,36 +179,6 @@ class EngineCore:
         """Forget every cached prompt prefix, on the engine thread before its next step (running
         sequences keep their pages; later requests compute their prompts afresh)."""
         self._inbox.put(("reset_prefix_cache", None))
-
-    def _num_waiting(self) -> int:
-        return sum(len(r.scheduler.waiting) for r in self.replicas)
-
-    def stats(self) -> EngineStats:
-        """Counters for metrics, summed over replicas (read without locking: each is a single int read)."""
-        allocators = [r.allocator for r in self.replicas]
-        queries, hits = sum(a.prefix_queries for a in allocators), sum(a.prefix_hits for a in allocators)
-        compiled, loaded = self._compile_counts()
-        return EngineStats(
-            waiting=self._num_waiting() + self._pending,
-            running=sum(len(r.scheduler.running) for r in self.replicas),
-            pages_used=sum(a.num_used for a in allocators),
-            pages_free=sum(a.num_free for a in allocators),
-            pages_total=self.num_pages * len(self.replicas),
-            prefix_cache_hit_rate=hits / queries if queries else 0.0,
-            prefix_cache_hit_tokens=hits,
-            prompt_tokens_computed=self._prompt_computed,
-            compile_count=compiled + loaded,
-            cache_load_count=loaded,
-            num_preemptions=sum(r.scheduler.num_preemptions for r in self.replicas),
-            steps=self._steps,
-            max_decode_batch=self._max_decode_batch,
-            generated_tokens=self._generated,
-            host_seconds=dict(self.timer.seconds),
-            step_gap_seconds=self.timer.mean_gap,
-            grammar_matchers=matchers_alive(),
-            penalty_slots_used=sum(r.scheduler.slots.num_used for r in self.replicas),
-            prefix_cache_queries=queries,
-        )
 
     # -- engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -248,6 +248,8 @@ class ModelRunner:
         built in the background after warmup; until then every decode is one token per call)."""
         if not self._loops_ready:
             self._loops_ready = self.device.background_builds_done(0)
+            if self._loops_ready:
+                logger.info("background builds done: all context buckets; %d tokens per decode call", self.decode_steps)
         return self._loops_ready
 
     # -- warmup -------------------------------------------------------------------------------

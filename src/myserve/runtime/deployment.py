@@ -176,7 +176,7 @@ def _resolve_engine(config: Config, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtyp
     steps = engine.decode_steps or default_decode_steps(platform)
     pages = engine.num_pages
     if pages is None:
-        from myserve.memory_check import host_available, weight_bytes  # the several-model check's estimates
+        from myserve.runtime.footprint import host_available, weight_bytes  # the several-model check's too
         from myserve.runtime.kv_sizing import plan_pages
 
         shards = mesh.shape.get("model", 1)

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from myserve.config import too_few_devices
 from myserve.errors import ConfigError
 from myserve.models.sharding import DATA, EXPERT, MODEL
 
@@ -27,9 +28,7 @@ def make_mesh(data: int = 1, model: int = 1, devices: Sequence[jax.Device] | Non
     need = data * expert * model
     shape = f"data={data} x expert={expert} x model={model}" if expert > 1 else f"data={data} x model={model}"
     if need > len(devices):
-        raise ConfigError(
-            f"mesh {shape} needs {need} devices, but {len(devices)} {devices[0].platform} device(s) are visible"
-        )
+        raise ConfigError(too_few_devices(data, expert, model, len(devices), devices[0].platform))
     processes = sorted({d.process_index for d in devices})
     if len(processes) > 1:
         if need != len(devices) or (expert * model) % len(processes):

@@ -14,7 +14,10 @@ from pydantic import BaseModel, ValidationError
 
 from myserve.frontend.errors import APIError
 from myserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from myserve.frontend.routes import chat, completions, embeddings, health
+from myserve.frontend.routes.chat import chat_completions
+from myserve.frontend.routes.completions import completions
+from myserve.frontend.routes.embeddings import embeddings
+from myserve.frontend.routes.health import health
 from myserve.frontend.served_models import Models
 
 router = APIRouter()
@@ -38,7 +41,7 @@ async def server_version() -> Response:
 @router.get("/ping")
 @router.post("/ping", include_in_schema=False)
 async def ping(models: Models) -> Response:
-    return await health.health(models)
+    return await health(models)
 
 
 # SageMaker's one inference route: a body with messages is a chat completion, with prompt a
@@ -52,11 +55,11 @@ async def invocations(request: Request, models: Models) -> Response:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_value")
     if "messages" in body:
-        return await chat.chat_completions(_parse(ChatCompletionRequest, body), request, models)
+        return await chat_completions(_parse(ChatCompletionRequest, body), request, models)
     if "prompt" in body:
-        return await completions.completions(_parse(CompletionRequest, body), request, models)
+        return await completions(_parse(CompletionRequest, body), request, models)
     if "input" in body:
-        return await embeddings.embeddings(_parse(EmbeddingRequest, body), request, models)
+        return await embeddings(_parse(EmbeddingRequest, body), request, models)
     raise APIError(400, "an invocation body has messages (chat), prompt (completion) or input (embeddings)")
 
 

@@ -1,0 +1,105 @@
+"""The ``engine`` section of a deployment: the KV cache and scheduling. Its own module to keep
+``config.py`` readable; ``config`` re-exports it with the sections it holds."""
+
+import dataclasses
+
+from myserve.config_fields import check, check_choice, check_not_empty
+
+ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """KV cache and scheduling."""
+
+    page_size: int = 16
+    """Tokens per KV cache page; a power of two."""
+    num_pages: int | None = None
+    """KV cache pages allocated at start (>= 2); memory = num_pages * page_size * per-token KV size;
+    null = sized from memory (gpu_memory_utilization on GPU/TPU, kv_cache_memory_bytes)."""
+    gpu_memory_utilization: float = 0.9
+    """On GPU/TPU, with num_pages null: the fraction of each device's memory for weights, KV cache
+    and activations together (the KV pool takes what the others leave), in (0, 1]."""
+    kv_cache_memory_bytes: int | None = None
+    """With num_pages null: the KV pool's bytes per device (over gpu_memory_utilization); null = on
+    CPU, VLLM_CPU_KVCACHE_SPACE GiB if set, else 4 GiB or a quarter of the available memory,
+    whichever is less (never more pages than max_num_seqs sequences of max_model_len can hold)."""
+    attention_backend: str = "auto"
+    """Paged attention implementation: auto, reference (pure JAX) or pallas;
+    auto = pallas where a kernel exists for the platform, else reference."""
+    compilation_cache_dir: str | None = "~/.cache/myserve/xla"
+    """Directory for JAX's persistent compilation cache, so a restart skips most of warmup's
+    compiling; null = no persistent cache."""
+    max_num_seqs: int = 64
+    """Most sequences running at once (the largest decode batch)."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one engine step (decode tokens plus prefill chunk tokens); null = the
+    platform's: 256 on CPU, 2048 on GPU and TPU."""
+    max_waiting: int = 1024
+    """Most requests waiting for admission; beyond it submissions are refused as overloaded."""
+    token_buckets: tuple[int, ...] = ()
+    """Padded token counts of a step compiled at warmup (one executable each, per sampler
+    variant): a step of decode tokens and prefill chunks runs in the smallest that holds it; the
+    largest is always max_num_batched_tokens; empty = powers of two up to it."""
+    context_buckets: tuple[int, ...] = ()
+    """Context lengths (tokens) the attention's loop is compiled for, per token bucket: a step runs
+    the smallest that holds its longest context (the loop has a static length, so that no device
+    waits for its host), the widest built before ready and the narrower ones in the background
+    (a step runs in a wider one until then); empty = 512, then x4 up to max_model_len (which
+    is always the last)."""
+    decode_steps: int = 0
+    """Tokens a decode produces per executable call when a step is decodes only and nothing needs
+    the host between tokens (no grammar): a loop of that many model and sampler iterations on the
+    device (EOS, stop ids, max_tokens and min_tokens applied there), built in the background after
+    warmup. 1 = one token per call; 0 = the platform's default (1 on CPU, 4 on GPU and TPU:
+    docs/performance.md)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV pages of identical prompt prefixes across requests."""
+    async_scheduling: bool = True
+    """Overlap the host with the device: plan and dispatch step N+1 (its in-flight tokens fed on
+    the device from step N) before reading step N's tokens; false = one step at a time."""
+    seed: int | None = None
+    """Seed of the random seeds given to requests that send none (the same requests in the same
+    order then sample alike on every run); null = from the operating system."""
+
+    def __post_init__(self) -> None:
+        # Power of two so that page/offset arithmetic is shifts and kernels tile evenly.
+        page_ok = self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0
+        check(page_ok, f"engine.page_size must be a power of two >= 1, got {self.page_size}")
+        check(self.num_pages is None or self.num_pages >= 2, f"engine.num_pages must be >= 2, got {self.num_pages}")
+        util = self.gpu_memory_utilization
+        check(0 < util <= 1, f"engine.gpu_memory_utilization must be in (0, 1], got {util}")
+        kv_bytes = self.kv_cache_memory_bytes
+        check(kv_bytes is None or kv_bytes > 0, f"engine.kv_cache_memory_bytes must be > 0, got {kv_bytes}")
+        check_choice("engine.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check_not_empty("engine.compilation_cache_dir", self.compilation_cache_dir)
+        check(self.max_num_seqs >= 1, f"engine.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        budget = self.max_num_batched_tokens
+        check(
+            budget is None or budget >= self.max_num_seqs,
+            f"engine.max_num_batched_tokens ({budget}) must be >= engine.max_num_seqs ({self.max_num_seqs})",
+        )
+        check(self.max_waiting >= 1, f"engine.max_waiting must be >= 1, got {self.max_waiting}")
+        check(0 <= self.decode_steps <= 64, f"engine.decode_steps must be in [0, 64], got {self.decode_steps}")
+        buckets = list(self.token_buckets)
+        check(
+            all(b >= 1 for b in buckets) and buckets == sorted(set(buckets)),
+            f"engine.token_buckets must be increasing positive integers, got {buckets}",
+        )
+        contexts = list(self.context_buckets)
+        check(
+            all(c >= 1 for c in contexts) and contexts == sorted(set(contexts)),
+            f"engine.context_buckets must be increasing positive integers, got {contexts}",
+        )
+        check(
+            not buckets or budget is None or buckets[-1] <= budget,
+            f"engine.token_buckets must not exceed max_num_batched_tokens ({budget}), got {buckets}",
+        )
+
+    def token_budget(self, platform: str) -> int:
+        """``max_num_batched_tokens``, or the platform's default when null (never below the
+        largest token bucket nor max_num_seqs)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        default = 256 if platform == "cpu" else 2048
+        return max(default, self.max_num_seqs, *self.token_buckets)
