@@ -148,6 +148,7 @@ class Executor:
         """Words per row of a grammar bitmask."""
         self._no_masks: dict[int, Any] = {}
         self._no_samples: dict[int, SampleOutput] = {}
+        self._small_ops: dict[Any, jax.stages.Compiled] = {}
 
     def run(self, ops: Sequence[Op], progress: Progress | None = None) -> list[StepOutput]:
         """Apply ``ops`` in order (dispatched, not awaited); the outputs of its steps, in order."""
@@ -167,14 +168,32 @@ class Executor:
                 if progress is not None and not missing:
                     progress(len(keys), len(keys))
             elif isinstance(op, CopyPage):
-                self.kv_cache = _copy_page(self.kv_cache, np.int32(op.src), np.int32(op.dst), self.cache_sharding)
+                args: tuple[Any, ...] = (self.kv_cache, np.int32(op.src), np.int32(op.dst))
+                self.kv_cache = self._small_op(_copy_page, args, (self.cache_sharding,))
             elif isinstance(op, ClearSlot):
-                self.counts, self.prompt_mask = _clear_slot(self.counts, self.prompt_mask, np.int32(op.slot))
+                args = (self.counts, self.prompt_mask, np.int32(op.slot))
+                self.counts, self.prompt_mask = self._small_op(_clear_slot, args)
             else:
-                self.counts, self.prompt_mask = _write_slot(
-                    self.counts, self.prompt_mask, np.int32(op.slot), op.ids, np.int32(op.n), np.bool_(op.to_prompt)
+                args = (
+                    self.counts,
+                    self.prompt_mask,
+                    np.int32(op.slot),
+                    op.ids,
+                    np.int32(op.n),
+                    np.bool_(op.to_prompt),
                 )
+                self.counts, self.prompt_mask = self._small_op(_write_slot, args)
         return outputs
+
+    def _small_op(self, fn: Any, args: tuple[Any, ...], static: tuple[Any, ...] = ()) -> Any:
+        """A page copy or penalty-slot write, through its executable built on first use (warmup's):
+        a jitted call would compile again whenever its inputs' sharding objects change (a step
+        loaded from the step cache returns its outputs with other, equivalent, sharding objects
+        than a compiled one), and nothing may compile after warmup."""
+        compiled = self._small_ops.get(fn)
+        if compiled is None:
+            compiled = self._small_ops[fn] = fn.lower(*args, *static).compile()
+        return compiled(*args)
 
     def _step(self, op: StepCall) -> StepOutput:
         """One step: the forward, the head in the host's mode, the prompt scorer when asked; each
