@@ -214,7 +214,14 @@ def test_a_dead_core_ends_every_front_end(two_fronts) -> None:
     long = _body(max_tokens=480, ignore_eos=True, n=8)  # 8 sequences run at once: these queue
     streamer = threading.Thread(target=lambda: results.append(_stream_texts(server.url, [long] * 8)))
     streamer.start()
-    time.sleep(1.0)
+    # The core dies once the streams run (a fixed pause was too short on a loaded machine: the
+    # streams had not connected, and met a closed port).
+    deadline = time.monotonic() + 60
+    while "vllm:num_requests_running{" not in (m := httpx.get(f"{server.url}/metrics").text) or re.search(
+        r"^vllm:num_requests_running\{[^}]*\} 0\.0$", m, re.M
+    ):
+        assert time.monotonic() < deadline, "the streams never started"
+        time.sleep(0.1)
     os.kill(server.core, signal.SIGKILL)
     killed = time.monotonic()
     assert server.exit_code() == 1, server.log[-2000:]
