@@ -56,14 +56,6 @@ def init_kv_cache(
     return make_cache(zeros(), backend)
 
 
-def kv_cache_bytes(spec: ModelSpec, num_pages: int, page_size: int, dtype: jnp.dtype) -> int:
-    """Size of the whole cache (K and V) in bytes, for logs and memory planning (the same in either layout)."""
-    n = 2
-    for d in kv_cache_shape(spec, num_pages, page_size):
-        n *= d
-    return n * jnp.dtype(dtype).itemsize
-
-
 def constrain_cache(cache: Cache, sharding: NamedSharding | None) -> Cache:
     """Inside a jit: the updated cache leaves with the sharding it came in with (no step reshards it)."""
     if sharding is None:
