@@ -20,11 +20,15 @@ from test_server import free_port
 class ServeProcess:
     """A serve command on a free port (``--port`` is appended), its log read on a thread."""
 
-    def __init__(self, entry: Sequence[str], args: Sequence[str], env: dict[str, str] | None = None):
+    def __init__(
+        self, entry: Sequence[str], args: Sequence[str], env: dict[str, str] | None = None, cafile: str | None = None
+    ):
         """``entry``: what follows the interpreter (``-m myserve.serve``, or a launcher script);
-        ``env``: added to this process's environment (JAX on the CPU)."""
+        ``env``: added to this process's environment (JAX on the CPU); ``cafile``: the server
+        speaks HTTPS with a certificate this file vouches for."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.verify: str | bool = cafile or True
+        self.url = f"{'https' if cafile else 'http'}://127.0.0.1:{self.port}"
         cmd = [sys.executable, *entry, "--port", str(self.port), *args]
         env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -47,7 +51,7 @@ class ServeProcess:
         while True:
             assert self.proc.poll() is None, self.log[-4000:]
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=2, verify=self.verify).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

@@ -160,7 +160,8 @@ def test_request_timeout_is_off_by_default_and_takes_seconds() -> None:
             "overrides: unknown key 'engine.page_sise' (did you mean 'engine.page_size'?); "
             "known keys: page_size, num_pages, gpu_memory_utilization, kv_cache_memory_bytes, attention_backend, "
             "compilation_cache_dir, max_num_seqs, max_num_batched_tokens, max_waiting, token_buckets, context_buckets, "
-            "decode_steps, enable_prefix_caching, async_scheduling, seed",
+            "decode_steps, enable_prefix_caching, async_scheduling, seed, enable_lora, max_loras, max_lora_rank, "
+            "max_cpu_loras, lora_modules",
         ),
         (
             "egnine.page_size=32",
@@ -247,8 +248,10 @@ def test_several_front_ends_need_the_core_process() -> None:
             "known keys: host, port, served_model_name, api_key, log_level, drain_timeout_s, max_body_bytes, "
             "allowed_origins, allowed_methods, allowed_headers, allow_credentials, request_timeout_s, "
             "tool_call_parser, enable_auto_tool_choice, reasoning_parser, engine_process, "
-            "api_server_count, otlp_traces_endpoint, log_requests, max_logprobs, ssl_keyfile, ssl_certfile, "
-            "ssl_ca_certs",
+            "api_server_count, responses_store_size, otlp_traces_endpoint, log_requests, max_logprobs, "
+            "trust_request_chat_template, "
+            "return_tokens_as_token_ids, "
+            "ssl_keyfile, ssl_certfile, ssl_ca_certs",
         ),
         ("engine: [1, 2]\n", "{path}: engine: expected a mapping of keys, got [1, 2] (list)"),
         ("- model\n", "{path}: top level: expected a mapping of sections, got ['model'] (list)"),

@@ -109,7 +109,6 @@ REFUSED_CHAT = {
     "prediction": {"type": "content", "content": "x"},
     "web_search_options": {},
     "store": True,
-    "reasoning_effort": "low",
     "verbosity": "low",
 }
 REFUSED_COMPLETIONS = {"best_of": 2, "suffix": "the end"}

@@ -101,7 +101,7 @@ def test_text_streamed_equals_not_streamed_and_equals_chat(client) -> None:
         assert full.status == "incomplete" and full.incomplete_details.reason == "max_output_tokens"
     else:
         assert full.status == "completed"
-    assert full.instructions == "Be brief." and full.max_output_tokens == 20 and full.store is False
+    assert full.instructions == "Be brief." and full.max_output_tokens == 20 and full.store is True
 
     events = streamed_events(client, **kw)
     check_sequence(events)
@@ -215,8 +215,9 @@ def test_reasoning_parser_gives_a_reasoning_item(thinking) -> None:
 
 
 BAD = [
-    ({"store": True}, 400, "store"),
-    ({"previous_response_id": "resp_1"}, 400, "previous_response_id"),
+    ({"previous_response_id": "resp_1"}, 400, "previous_response_id"),  # not stored (test_responses_store)
+    ({"conversation": "conv_1"}, 400, "conversation"),
+    ({"background": True, "stream": True}, 400, "stream"),
     ({"reasoning": {"effort": "high"}}, 400, "reasoning"),
     ({"input": []}, 400, "input"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, 400, None),
@@ -249,11 +250,11 @@ def test_bad_requests_get_openai_errors(live, extra, status, param) -> None:
         assert error["param"] == param, error
 
 
-def test_store_false_or_null_is_served(live) -> None:
-    for store in (False, None):
+def test_store_null_means_true_as_on_openai(live) -> None:
+    for store, stored in ((False, False), (None, True), (True, True)):
         body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, "store": store}
         r = httpx.post(f"{live.url}/v1/responses", json=body, timeout=60)
-        assert r.status_code == 200 and r.json()["store"] is False, r.text
+        assert r.status_code == 200 and r.json()["store"] is stored, r.text
 
 
 def items_of(text: str, cuts: list[int]) -> list[tuple[str, str]]:

@@ -34,7 +34,7 @@ def check_layout(batch: ScheduledBatch, buckets: Buckets, inflight_rows: dict) -
     spans = [span_of(c, inflight_rows) for c in chunks]
     shape = buckets.fit(spans)  # raises if the scheduler let a step outgrow the largest shape
     host = layout(spans, shape, PAGE_SIZE)
-    tokens, positions, q_lens, write_pages, s_idx, _, s_kv, s_pages, b_idx, _, b_kv, _, sample_idx, _, feed, _ = (
+    tokens, positions, q_lens, write_pages, s_idx, _, s_kv, s_pages, b_idx, _, b_kv, _, sample_idx, _, feed, *_ = (
         host.arrays
     )
     at = 0

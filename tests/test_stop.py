@@ -132,3 +132,10 @@ def test_random_splits_match_the_reference(text: str, stop: list[str], data: st.
     expected, matched = reference(text, stop)
     assert emitted == expected
     assert checker.matched == matched
+
+
+def test_include_keeps_the_stop_string_and_drops_what_follows() -> None:
+    checker = StopChecker(["END"], include=True)
+    assert checker.feed("abcE") == ("abc", False)
+    assert checker.feed("NDxyz") == ("END", True)
+    assert checker.matched == "END"

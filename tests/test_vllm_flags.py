@@ -65,6 +65,7 @@ PARTNERS = {
     "--ssl-certfile": ["--ssl-keyfile", "k.pem"],
     "--ssl-ca-certs": ["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"],
     "--enable-auto-tool-choice": ["--tool-call-parser", "hermes"],
+    "--lora-modules": ["--enable-lora"],
 }
 """Flags that need another to be valid."""
 
@@ -96,6 +97,12 @@ def test_every_same_flag_sets_its_key(flag) -> None:
         (["--convert", "embed"], "model.task", "embed"),
         (["--task", "embedding"], "model.task", "embed"),
         (["--dtype", "half"], "model.dtype", "float16"),
+        (["--enable-lora"], "engine.enable_lora", True),
+        (
+            ["--enable-lora", "--lora-modules", "a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}'],
+            "engine.lora_modules",
+            ("a=/x", "b=/y"),
+        ),
         (["--dtype", "float"], "model.dtype", "float32"),
         (["--kv-cache-memory-bytes", "2G"], "engine.kv_cache_memory_bytes", 2 << 30),
         (["--num-scheduler-steps", "8"], "engine.decode_steps", 8),
@@ -117,8 +124,7 @@ def test_flags_with_no_meaning_here_are_logged(caplog: pytest.LogCaptureFixture)
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--lora-modules", "a=/x"], "--lora-modules a=/x: not supported yet"),
-        (["--enable-lora"], "--enable-lora: not supported yet"),
+        (["--speculative-config", "{}"], "--speculative-config {}: not supported yet"),
         (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: only 1 is supported"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: only auto is supported"),
         (["--speculative-config", "{}"], "--speculative-config {}: not supported yet"),

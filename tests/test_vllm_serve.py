@@ -7,6 +7,8 @@ seed sample alike on two engines with the same seed."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -90,7 +92,8 @@ def test_quick_start_with_a_vllm_yaml(checkpoint: Path, tmp_path: Path) -> None:
 @pytest.mark.skipif(not MYSERVE.exists(), reason="the myserve console script is not installed (pip install -e .)")
 def test_a_hub_id_is_downloaded_from_the_hub_and_served_under_it(checkpoint: Path, tmp_path: Path) -> None:
     """vLLM's quick start by hub id: downloaded (from a stand-in Hub at HF_ENDPOINT) into
-    --download-dir, served as the id; a second start finds it cached and asks the Hub for nothing."""
+    --download-dir, served as the id; a second start (over HTTPS: --ssl-keyfile, --ssl-certfile)
+    finds it cached and asks the Hub for nothing."""
     env = {"HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "home")}
     args = ["--download-dir", str(tmp_path / "models"), "--tokenizer", str(bundled_gguf_path())]
     args += ["--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--kv-cache-memory-bytes", "4M"]
@@ -109,9 +112,18 @@ def test_a_hub_id_is_downloaded_from_the_hub_and_served_under_it(checkpoint: Pat
         assert any(p.endswith("model.safetensors") for p in fetched), hub.requests
         assert list((tmp_path / "models").glob("models--org--tiny-llama/snapshots/*/model.safetensors"))
         before = len(hub.requests)
-        again = ServeProcess([str(MYSERVE), "serve", "org/tiny-llama"], args, env)
+        # Started again (over HTTPS, vLLM's --ssl-* flags, when openssl can make a certificate).
+        tls = self_signed(tmp_path) if shutil.which("openssl") else None
+        ssl_args = ["--ssl-keyfile", tls[0], "--ssl-certfile", tls[1]] if tls else []
+        again = ServeProcess([str(MYSERVE), "serve", "org/tiny-llama"], args + ssl_args, env, tls[1] if tls else None)
         try:
             again.wait_ready()
+            if tls:
+                assert again.url.startswith("https://")
+                models = httpx.get(f"{again.url}/v1/models", verify=tls[1]).json()["data"]
+                assert [m["id"] for m in models] == ["org/tiny-llama"]
+                with pytest.raises(httpx.TransportError):  # plain HTTP is not served
+                    httpx.get(again.url.replace("https://", "http://") + "/health")
         finally:
             again.stop()
         assert len(hub.requests) == before  # the cached snapshot, without asking the Hub
@@ -135,3 +147,15 @@ def test_the_engine_seed_seeds_requests_that_send_none(make_service) -> None:
     assert first == again  # the same requests in the same order
     assert len({tuple(s) for s in first}) > 1  # and each request still its own seed
     assert samples("engine.seed=99") != first
+
+
+def self_signed(directory: Path) -> tuple[str, str]:
+    """A key and a self-signed certificate for 127.0.0.1 (PEM files, made by openssl)."""
+    key, cert = directory / "key.pem", directory / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return str(key), str(cert)

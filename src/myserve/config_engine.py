@@ -61,6 +61,17 @@ class EngineConfig:
     seed: int | None = None
     """Seed of the random seeds given to requests that send none (the same requests in the same
     order then sample alike on every run); null = from the operating system."""
+    enable_lora: bool = False
+    """Serve LoRA adapters of the model (PEFT checkpoints): every layer holds max_loras slots of
+    adapter stacks and a request names an adapter as its model (docs/design/models.md, "LoRA")."""
+    max_loras: int = 1
+    """Adapters resident on the device at once (slots); a request whose adapter finds no free slot waits."""
+    max_lora_rank: int = 16
+    """Largest adapter rank served (the stacks' width: memory and compute grow with it)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept read on the host (least recently used dropped); null = max_loras."""
+    lora_modules: tuple[str, ...] = ()
+    """Adapters served from the start, as name=path (a PEFT directory)."""
 
     def __post_init__(self) -> None:
         # Power of two so that page/offset arithmetic is shifts and kernels tile evenly.
@@ -81,6 +92,15 @@ class EngineConfig:
         )
         check(self.max_waiting >= 1, f"engine.max_waiting must be >= 1, got {self.max_waiting}")
         check(0 <= self.decode_steps <= 64, f"engine.decode_steps must be in [0, 64], got {self.decode_steps}")
+        check(self.max_loras >= 1, f"engine.max_loras must be >= 1, got {self.max_loras}")
+        check(1 <= self.max_lora_rank <= 512, f"engine.max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
+        cpu = self.max_cpu_loras
+        check(cpu is None or cpu >= self.max_loras, f"engine.max_cpu_loras ({cpu}) must be >= max_loras")
+        for module in self.lora_modules:
+            check(
+                "=" in module and all(module.split("=", 1)), f"engine.lora_modules: expected name=path, got {module!r}"
+            )
+        check(self.enable_lora or not self.lora_modules, "engine.lora_modules needs engine.enable_lora")
         buckets = list(self.token_buckets)
         check(
             all(b >= 1 for b in buckets) and buckets == sorted(set(buckets)),

@@ -58,12 +58,21 @@ class ServerConfig:
     api_server_count: int = 1
     """HTTP front-end processes sharing the port and feeding the one engine core (>= 1; more than
     one needs engine_process). For hosts where tokenization and SSE are the bottleneck."""
+    responses_store_size: int = 256
+    """Responses API objects kept in memory for GET /v1/responses/{id}, previous_response_id and
+    background requests, >= 0 (beyond it the oldest is dropped; each front-end process keeps its own);
+    0 = none stored (store true is then a 400)."""
     otlp_traces_endpoint: str | None = None
     """OTLP collector for a span per request (needs myserve[otel]); null = no tracing, SDK never loaded."""
     log_requests: bool = True
     """Log one line per finished request (logger myserve.requests: id, tokens, times, finish reasons)."""
     max_logprobs: int = 20
     """Most top logprobs a request may ask for (logprobs, top_logprobs, prompt_logprobs), 0..20."""
+    trust_request_chat_template: bool = False
+    """Accept a chat_template field in requests (a Jinja template the server renders, sandboxed);
+    false = such requests are refused (vLLM's default)."""
+    return_tokens_as_token_ids: bool = False
+    """Logprobs name every token token_id:<id>, as if each request asked (return_tokens_as_token_ids)."""
     ssl_keyfile: str | None = None
     """HTTPS: the server's private key file (PEM); null = plain HTTP."""
     ssl_certfile: str | None = None
@@ -84,6 +93,8 @@ class ServerConfig:
         check(1 <= self.port <= 65535, f"server.port must be in 1..65535, got {self.port}")
         check_names("server.served_model_name", self.served_model_name)
         check(0 <= self.max_logprobs <= 20, f"server.max_logprobs must be in 0..20, got {self.max_logprobs}")
+        size = self.responses_store_size
+        check(size >= 0, f"server.responses_store_size must be >= 0, got {size}")
         check(
             (self.ssl_keyfile is None) == (self.ssl_certfile is None),
             "server.ssl_keyfile and server.ssl_certfile go together (HTTPS needs both)",

@@ -61,6 +61,13 @@ _FLAGS = {
     "seed": "engine.seed",
     "num_scheduler_steps": "engine.decode_steps",
     "max_logprobs": "server.max_logprobs",
+    "enable_lora": "engine.enable_lora",
+    "max_loras": "engine.max_loras",
+    "max_lora_rank": "engine.max_lora_rank",
+    "max_cpu_loras": "engine.max_cpu_loras",
+    "lora_modules": "engine.lora_modules",
+    "trust_request_chat_template": "server.trust_request_chat_template",
+    "return_tokens_as_token_ids": "server.return_tokens_as_token_ids",
     "ssl_keyfile": "server.ssl_keyfile",
     "ssl_certfile": "server.ssl_certfile",
     "ssl_ca_certs": "server.ssl_ca_certs",
@@ -80,6 +87,18 @@ def parse_args(
     p.add_argument("--port", type=int)
     p.add_argument("--api-key", default=os.environ.get("MYSERVE_API_KEY"), help="or MYSERVE_API_KEY")
     p.add_argument("--max-logprobs", type=int, help="most top logprobs a request may ask for (at most 20)")
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_const",
+        const=True,
+        help="accept a chat_template field in requests (server.trust_request_chat_template)",
+    )
+    p.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_const",
+        const=True,
+        help="logprobs name tokens token_id:<id> (server.return_tokens_as_token_ids)",
+    )
     p.add_argument("--ssl-keyfile", help="HTTPS: the private key file (PEM)")
     p.add_argument("--ssl-certfile", help="HTTPS: the certificate chain file (PEM)")
     p.add_argument("--ssl-ca-certs", help="HTTPS: CA file client certificates must be signed by")
@@ -121,6 +140,23 @@ def _json_list(text: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings, e.g. '[\"*\"]', got {text!r}")
     return value
+
+
+def _lora_module(text: str) -> str:
+    """A ``--lora-modules`` item as ``name=path``: vLLM's ``name=path`` or its JSON object form
+    (``{"name": ..., "path": ..., "base_model_name": ...}``; the base is the served model)."""
+    if text.lstrip().startswith("{"):
+        try:
+            item = json.loads(text)
+        except json.JSONDecodeError:
+            item = None
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not isinstance(item.get("path"), str):
+            raise argparse.ArgumentTypeError(f'expected {{"name": ..., "path": ...}}, got {text!r}')
+        return f"{item['name']}={item['path']}"
+    name, _, path = text.partition("=")
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return text
 
 
 def add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -180,6 +216,17 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
         help="serve tool_choice auto (needs --tool-call-parser)",
     )
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, help="split <think> blocks off as reasoning")
+    p.add_argument("--enable-lora", action="store_const", const=True, help="serve LoRA adapters (engine.enable_lora)")
+    p.add_argument("--max-loras", type=int, help="adapters resident on the device at once (engine.max_loras)")
+    p.add_argument("--max-lora-rank", type=int, help="largest adapter rank served (engine.max_lora_rank)")
+    p.add_argument("--max-cpu-loras", type=int, help="adapters kept read on the host (engine.max_cpu_loras)")
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        metavar="NAME=PATH",
+        help='adapters served from the start: name=path, or JSON {"name": ..., "path": ...}',
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key")
 
 

@@ -9,12 +9,13 @@ asyncio consumers through ``loop.call_soon_threadsafe``; nothing polls with slee
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Sequence
 
 from myserve.core.engine_core import EngineCore
 from myserve.frontend.output_processor import OutputProcessor
-from myserve.frontend.stream import RequestStream
+from myserve.frontend.stream import RequestStream, settle
 from myserve.wire.params import SamplingParams
 
 
@@ -25,6 +26,18 @@ class GenerationService(EngineCore):
         super().__init__(*args, **kwargs)
         self.processor = OutputProcessor(self.tokenizer, abort_choice=self.abort)
         self.sink = self.processor.process
+
+    async def update_adapter(self, name: str, path: str | None) -> str | None:
+        """Register LoRA adapter ``name`` from ``path`` (None: unregister it) on the engine thread;
+        its error, or None once done."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[str | None] = loop.create_future()
+
+        def done(error: str | None, _: dict[str, str]) -> None:
+            loop.call_soon_threadsafe(settle, future, error)
+
+        self.request_adapter_update(name, path, done)
+        return await future
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
         """Queue a request; returns the stream of its deltas. Raises on invalid or excess requests."""

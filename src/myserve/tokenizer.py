@@ -104,10 +104,12 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt text the chat template makes of ``messages`` (and ``tools``, for templates that
-        render them); ``chat_template`` replaces the tokenizer's own for this call, and
-        ``template_kwargs`` are extra template variables."""
+        render them); ``chat_template`` replaces the tokenizer's own for this call,
+        ``template_kwargs`` are extra template variables, and ``continue_final_message`` leaves the
+        last message open (no end-of-turn after it)."""
         template = chat_template or self.hf.chat_template
         if not template:
             raise ChatTemplateError(f"{self.source}: the tokenizer has no chat template; pass chat_template")
@@ -118,6 +120,7 @@ class Tokenizer:
                 chat_template=template,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 **(template_kwargs or {}),
             )
         except Exception as e:  # jinja errors, templates that raise_exception() on bad roles, bad kwargs

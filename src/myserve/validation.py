@@ -30,7 +30,12 @@ def validate_request(
         raise InvalidParams("prompt", "the prompt must contain at least one token")
     if any(t < 0 or t >= vocab_size for t in prompt):
         raise InvalidParams("prompt", f"prompt token ids must be in [0, {vocab_size})")
-    for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+    for name, ids in (
+        ("logit_bias", [t for t, _ in params.logit_bias]),
+        ("stop_token_ids", params.stop_token_ids),
+        ("allowed_token_ids", params.allowed_token_ids),
+        ("bad_words", [t for word in params.bad_words_ids for t in word]),
+    ):
         if any(t < 0 or t >= vocab_size for t in ids):
             raise InvalidParams(name, f"{name} token ids must be in [0, {vocab_size})")
     if len(params.stop_token_ids) > 16:

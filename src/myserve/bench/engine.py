@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +60,16 @@ def builtin_chat_prompts(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer.apply_chat_template(p.payload("chat")["messages"]) for p in builtin_prompts(n)]
 
 
-def bench_myserve(service, prompts: list[list[int]], max_tokens: int) -> dict:
+def bench_myserve(
+    service, prompts: list[list[int]], max_tokens: int, params: Callable[[int], SamplingParams] | None = None
+) -> dict:
     """Submit all prompts at once; wall time until every request finished, and TTFTs.
 
     Each stream is drained by its own thread so first-token times are taken when they happen.
+    ``params(i)``: request ``i``'s parameters (default: greedy, ``max_tokens``, EOS ignored).
     """
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = params or (lambda i: greedy)
     ttfts: list[float] = []
     counts: list[int] = []
     lock = threading.Lock()
@@ -81,7 +85,7 @@ def bench_myserve(service, prompts: list[list[int]], max_tokens: int) -> dict:
             counts.append(n)
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=drain, args=(service.submit(p, params), t0)) for p in prompts]
+    threads = [threading.Thread(target=drain, args=(service.submit(p, params(i)), t0)) for i, p in enumerate(prompts)]
     for t in threads:
         t.start()
     for t in threads:

@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
+from myserve.core.adapters import AdapterRegistry
 from myserve.core.pooler import resolve_pooler
 from myserve.core.replica import Replica, make_replica
 from myserve.runtime.compile_counter import compile_counts
@@ -20,6 +22,7 @@ from myserve.runtime.deployment import Deployment, executor_for, step_buckets
 from myserve.runtime.device import Device
 from myserve.runtime.executor import Executor
 from myserve.runtime.generation_config import generation_defaults
+from myserve.runtime.lora_files import LoraAdapter, empty_adapter, read_adapter
 from myserve.runtime.multihost import BroadcastingDevice, stop_followers
 
 logger = logging.getLogger(__name__)
@@ -54,7 +57,21 @@ def core_arguments(
         cfg.max_num_seqs,
         buckets.tokens,
     )
-    replicas = [make_replica(cfg, device, buckets, dep.tokenizer.eos_token_ids) for device in devices]
+    registry: AdapterRegistry | None = None
+    zeros: tuple[np.ndarray, ...] = ()
+    if cfg.enable_lora:
+        spec = dep.spec
+
+        def read(name: str, path: str) -> LoraAdapter:
+            return read_adapter(name, path, spec, cfg.max_lora_rank)
+
+        registry = AdapterRegistry(cfg.max_cpu_loras or cfg.max_loras, read)
+        for module in cfg.lora_modules:
+            name, path = module.split("=", 1)
+            registry.register(name, path)
+        zeros = empty_adapter(spec, cfg.max_lora_rank).flat()
+    eos = dep.tokenizer.eos_token_ids
+    replicas = [make_replica(cfg, device, buckets, eos, registry, zeros) for device in devices]
     return replicas, dict(
         vocab_size=dep.spec.vocab_size,
         num_pages=cfg.num_pages,
@@ -66,4 +83,5 @@ def core_arguments(
         pooler=resolve_pooler(dep.config.model, dep.checkpoint_dir, dep.spec.hidden_size),
         seed=cfg.seed,
         generation_defaults=generation_defaults(dep.config.model, dep.checkpoint_dir),
+        adapters=registry,
     )

@@ -19,12 +19,15 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Self, cast
 
+from myserve.core.adapters import AdapterRegistry, check_adapter
+from myserve.core.engine_admin import EngineAdmin
 from myserve.core.engine_stats import EngineCounters
 from myserve.core.pooling import finished_embeddings
 from myserve.core.replica import Replica, Request
 from myserve.core.runner import PlannedStep, StepResults
 from myserve.core.sequence import Sequence as Seq
 from myserve.core.step_timer import StepTimer
+from myserve.core.token_masks import TokenFilter
 from myserve.core.warmup import warm_up
 from myserve.grammar import LazyGrammars
 from myserve.tokenizer import Tokenizer
@@ -44,7 +47,7 @@ Sink = Callable[[list[RequestOutput]], None]
 """Where an engine iteration's token deltas go (called on the engine thread)."""
 
 
-class EngineCore(EngineCounters):
+class EngineCore(EngineCounters, EngineAdmin):
     """Continuous batching over the paged KV cache, driven by one background thread.
 
     The device work is done by one ``Replica`` per data-parallel row of the mesh (usually one).
@@ -65,8 +68,12 @@ class EngineCore(EngineCounters):
         pooler: Pooler | None = None,
         seed: int | None = None,
         generation_defaults: dict[str, float] | None = None,
+        adapters: AdapterRegistry | None = None,
     ):
         self.replicas = list(replicas)
+        self.adapters = adapters
+        """The LoRA adapters served (None: the engine serves none); touched on the engine thread only
+        once it runs."""
         self.generation_defaults = dict(generation_defaults or {})
         """Request defaults from the model's generation config (``runtime/generation_config.py``)."""
         self._seeds = random.Random(seed)
@@ -163,6 +170,7 @@ class EngineCore(EngineCounters):
         prompt = [int(t) for t in prompt_ids]
         limits = dict(vocab_size=self.vocab_size, max_model_len=self.max_model_len, pooler=self.pooler)
         validate_request(prompt, params, grammars=self.grammars, **limits)  # type: ignore[arg-type]
+        check_adapter(self.adapters, params.adapter)
         with self._pending_lock:
             if not admitted and self._pending + self._num_waiting() >= self.max_waiting:
                 raise Overloaded(f"the waiting queue is full ({self.max_waiting} requests)")
@@ -174,11 +182,6 @@ class EngineCore(EngineCounters):
     def abort(self, request_id: str, choice: int | None = None) -> None:
         """Abort a request, or one of its choices: freed at the start of the next engine step."""
         self._inbox.put(("abort", (request_id, choice)))
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prompt prefix, on the engine thread before its next step (running
-        sequences keep their pages; later requests compute their prompts afresh)."""
-        self._inbox.put(("reset_prefix_cache", None))
 
     # -- engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -263,9 +266,8 @@ class EngineCore(EngineCounters):
                 req = self._requests.get(request_id)
                 if req is not None:
                     self._finish_request(req, "abort", choice)
-            elif kind == "reset_prefix_cache":
-                forgotten = sum(r.allocator.reset_prefix_cache() for r in self.replicas)
-                logger.info("prefix cache reset: %d cached pages forgotten", forgotten)
+            else:
+                self._admin(kind, payload)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -280,12 +282,15 @@ class EngineCore(EngineCounters):
         self._requests[req.request_id] = req
         # All choices of a request on one replica: they share its prompt pages.
         req.replica = min(self.replicas, key=lambda r: r.load)
+        token_filter = TokenFilter(req.params, self.vocab_size) if req.params.masks_tokens else None
         for choice in range(req.params.n):
             parent = req.seqs[0] if req.seqs else None
             seed = self._seeds.getrandbits(32) if req.params.seed is None else None
             seq = Seq(req.request_id, choice, req.prompt_ids, req.params, max_len, parent=parent, seed=seed)
             seq.pool_type = self.pooler.type if req.params.pooling and self.pooler else None
             req.seqs.append(seq)
+            seq.token_filter = token_filter
+            seq.hash_root = self.adapters.hash_root(req.params.adapter) if self.adapters else None
             if req.params.grammar is not None:
                 matcher = self.grammars().matcher(req.params.grammar)
                 if req.params.grammar_after:
@@ -352,8 +357,8 @@ class EngineCore(EngineCounters):
 
     def _postprocess(self, results: StepResults) -> None:
         """Append a read step's tokens: advance grammars, deliver, finish sequences."""
-        for seq, start, lps, ids, tlps in results.prompt_scores:
-            seq.record_prompt_scores(start, lps, ids, tlps)
+        for seq, start, lps, ids, tlps, ranks in results.prompt_scores:
+            seq.record_prompt_scores(start, lps, ids, tlps, ranks)
         for seq, vector in finished_embeddings(results.pooled, self.pooler):
             owner = self._requests[seq.request_id]
             self._emit(RequestOutput(owner.request_id, 0, finish_reason="stop", embedding=vector))
@@ -394,7 +399,7 @@ class EngineCore(EngineCounters):
         """End one choice (any reason: stop, length, abort, error): the one path that releases what
         it holds (pages, penalty slot, grammar state) and closes the request after its last choice."""
         seq.finish_reason = reason
-        seq.matcher = seq.pending_matcher = None  # its grammar state goes with its pages
+        seq.matcher = seq.pending_matcher = seq.token_filter = None  # its mask state goes with its pages
         try:
             req.replica.scheduler.finish(seq)
         except Exception:

@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import zmq
@@ -92,7 +92,16 @@ def run_core(config: Config, links: Sequence[CoreLink]) -> None:
         send(msg.Died(f"engine failed to load: {type(e).__name__}: {e}"))
         _linger(inbox, outboxes)
         os._exit(1)
-    send(msg.Loaded(core.vocab_size, core.max_model_len, core.max_waiting, core.pooler, core.generation_defaults))
+    send(
+        msg.Loaded(
+            core.vocab_size,
+            core.max_model_len,
+            core.max_waiting,
+            core.pooler,
+            core.generation_defaults,
+            core.adapter_paths,
+        )
+    )
     last_stats = 0.0
     sender: dict[str, int] = {}
     """Request id -> the front end its outputs go to (when there are several)."""
@@ -162,6 +171,8 @@ def run_core(config: Config, links: Sequence[CoreLink]) -> None:
             core.abort(message.request_id, message.choice)
         elif isinstance(message, msg.ResetPrefixCache):
             core.reset_prefix_cache()
+        elif isinstance(message, msg.UpdateAdapter):
+            core.request_adapter_update(message.name, message.path, _answer(send, message.token))
         else:
             break
     core.shutdown()  # on a multi-host mesh this also ends the followers' loops
@@ -170,6 +181,15 @@ def run_core(config: Config, links: Sequence[CoreLink]) -> None:
     multihost.shutdown()
     _linger(inbox, outboxes)
     os._exit(code)
+
+
+def _answer(send: Callable[[msg.FromCore], None], token: str) -> Callable[[str | None, dict[str, str]], None]:
+    """Tells every front end how the adapter update ``token`` went, and the adapters served now."""
+
+    def done(error: str | None, adapters: dict[str, str]) -> None:
+        send(msg.AdaptersChanged(token, error, adapters))
+
+    return done
 
 
 def _failed(request_id: str, error: Exception):  # noqa: ANN202 - a RequestOutput

@@ -19,7 +19,10 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
+import numpy as np
+
 from myserve.config import EngineConfig
+from myserve.core.adapters import AdapterRegistry, AdapterSlots
 from myserve.core.pages import PageAllocator
 from myserve.core.runner import ModelRunner
 from myserve.core.scheduler import Scheduler
@@ -45,8 +48,17 @@ class Replica:
         return len(self.scheduler.running) + len(self.scheduler.waiting)
 
 
-def make_replica(cfg: EngineConfig, device: Device, buckets: Buckets, eos_ids: Sequence[int]) -> Replica:
-    """A replica whose runner sends its ops to ``device``, sized by the engine config."""
+def make_replica(
+    cfg: EngineConfig,
+    device: Device,
+    buckets: Buckets,
+    eos_ids: Sequence[int],
+    adapters: AdapterRegistry | None = None,
+    adapter_zeros: tuple[np.ndarray, ...] = (),
+) -> Replica:
+    """A replica whose runner sends its ops to ``device``, sized by the engine config; with
+    ``adapters`` (LoRA served) its own device slots for them, ``adapter_zeros`` being an empty
+    adapter's arrays (``LoraAdapter.flat()``)."""
     pages, budget = cfg.num_pages, cfg.max_num_batched_tokens
     assert pages is not None and budget is not None, "Deployment.load resolves the pool and the step budget"
     allocator = PageAllocator(pages, cfg.page_size, enable_prefix_cache=cfg.enable_prefix_caching)
@@ -57,9 +69,15 @@ def make_replica(cfg: EngineConfig, device: Device, buckets: Buckets, eos_ids: S
         max_prefill_chunk=budget,
         max_prefill_chunks=buckets.max_prefill_chunks,
         decode_steps_pages=buckets.decode_shape(1).width,
+        adapters=None if adapters is None else AdapterSlots(adapters, cfg.max_loras),
     )  # one token per decode until the several-token calls are built (the engine raises it then)
     runner = ModelRunner(
-        device, buckets=buckets, max_num_seqs=cfg.max_num_seqs, eos_ids=eos_ids, decode_steps=cfg.decode_steps
+        device,
+        buckets=buckets,
+        max_num_seqs=cfg.max_num_seqs,
+        eos_ids=eos_ids,
+        decode_steps=cfg.decode_steps,
+        adapter_zeros=adapter_zeros,
     )
     return Replica(allocator, scheduler, runner)
 

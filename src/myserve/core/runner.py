@@ -26,7 +26,7 @@ from myserve.runtime.buckets import Buckets
 from myserve.runtime.device import Device
 from myserve.runtime.sampling_rows import CONSTRAINED, MAX_TOP_LOGPROBS, SLOT, STEPS, SamplingRows, head_mode
 from myserve.runtime.step_layout import HostStep, Span, StepShape, layout
-from myserve.runtime.step_ops import SLOT_CHUNK, ClearSlot, CopyPage, Op, StepCall, WriteSlot
+from myserve.runtime.step_ops import SLOT_CHUNK, ClearSlot, CopyPage, Op, StepCall, WriteAdapter, WriteSlot
 from myserve.wire import params as wire_params
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,9 @@ class StepResults:
 
     sampled: dict[Seq, list[tuple[int, float, np.ndarray, np.ndarray]]] = dataclasses.field(default_factory=dict)
     """Sequences whose chunk ended their known tokens: (token, logprob, top ids, top logprobs)."""
-    prompt_scores: list[tuple[Seq, int, np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
+    prompt_scores: list[tuple[Seq, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(
+        default_factory=list
+    )
     """Scored prompt chunks: (sequence, start, logprob of each position's next token [n], top ids, top logprobs)."""
     pooled: list[tuple[Seq, int, int, np.ndarray | None]] = dataclasses.field(default_factory=list)
     """Chunks of embedding requests: (sequence, start, tokens, summed hidden states of its pooled
@@ -92,7 +94,8 @@ def span_of(chunk: ScheduledChunk, inflight_rows: dict[Seq, int]) -> Span:
         tokens, feed = [*tokens, 0], inflight_rows[seq]
     following = seq.tokens(start + 1, start + n + 1) if seq.scores_prompt(start) else None
     pool = seq.pool_range(start, n) if seq.pool_type is not None else None
-    return Span(tokens, start, seq.pages, chunk.samples, following, feed, pool)
+    adapter = -1 if seq.adapter_slot is None else seq.adapter_slot
+    return Span(tokens, start, seq.pages, chunk.samples, following, feed, pool, adapter)
 
 
 class ModelRunner:
@@ -106,8 +109,12 @@ class ModelRunner:
         max_num_seqs: int,
         eos_ids: Sequence[int] = (),
         decode_steps: int = 1,
+        adapter_zeros: tuple[np.ndarray, ...] = (),
     ):
-        """``decode_steps``: tokens per several-token decode call (1: none are built)."""
+        """``decode_steps``: tokens per several-token decode call (1: none are built);
+        ``adapter_zeros``: an empty adapter's arrays (``LoraAdapter.flat()`` shapes) when the model
+        has LoRA slots, written at warmup so the slot writer is built then."""
+        self.adapter_zeros = adapter_zeros
         self.device = device
         self.decode_steps = decode_steps
         self._loops_ready = False
@@ -164,7 +171,8 @@ class ModelRunner:
 
     def plan(self, batch: ScheduledBatch) -> PlannedStep:
         """One scheduler step as ops: page copies, slot fills, then the step call (host only)."""
-        ops: list[Op] = [CopyPage(src, dst) for src, dst in batch.copies]
+        ops: list[Op] = [WriteAdapter(slot, adapter.flat()) for slot, adapter in batch.adapter_writes]
+        ops += [CopyPage(src, dst) for src, dst in batch.copies]
         for seq in batch.fill_slots:
             ops.extend(self._fill_slot(seq))
         chunks = [*batch.decodes, *batch.prefills]
@@ -190,12 +198,17 @@ class ModelRunner:
         self, host: HostStep, shape: StepShape, sampling: Sequence[ScheduledChunk], steps: int = 1
     ) -> StepCall:
         packed = self._sampling_rows(sampling, shape.singles, several=steps > 1)
-        constrained = [(c.seq.matcher, i) for i, c in enumerate(sampling) if c.seq.matcher is not None]
+        masked = [(c.seq, i) for i, c in enumerate(sampling) if c.seq.matcher or c.seq.token_filter]
         bitmask = rows = None
-        if constrained:  # each constrained row's next-token mask, from its grammar state
-            rows = np.array([i for _, i in constrained], np.int32)
-            bitmask = allocate_bitmask(len(constrained), constrained[0][0].vocab_size)
-            fill_bitmask([(m, k) for k, (m, _) in enumerate(constrained)], bitmask)
+        if masked:  # each masked row's next-token mask: its grammar state, then its token filter
+            rows = np.array([i for _, i in masked], np.int32)
+            first = masked[0][0].matcher or masked[0][0].token_filter
+            assert first is not None
+            bitmask = allocate_bitmask(len(masked), first.vocab_size)
+            fill_bitmask([(s.matcher, k) for k, (s, _) in enumerate(masked) if s.matcher is not None], bitmask)
+            for k, (s, _) in enumerate(masked):
+                if s.token_filter is not None:
+                    s.token_filter.apply(bitmask[k], s.output_ids)
             packed.ints[rows, CONSTRAINED] = 1
         mode = head_mode(packed.ints, packed.floats, len(sampling))
         return StepCall(host.pack(), shape, packed.ints, packed.floats, bitmask, rows, mode, host.scored, steps)
@@ -226,10 +239,10 @@ class ModelRunner:
                 results.sampled[chunk.seq] = [(int(read.tokens[row]), float(read.logprobs[row]), *top)]
             if planned.scored and chunk.seq.scores_prompt(chunk.start):
                 assert read.scores is not None
-                lp, ids, tlp = read.scores
+                lp, ids, tlp, ranks = read.scores
                 n = chunk.num_tokens
                 results.prompt_scores.append(
-                    (chunk.seq, chunk.start, lp[at : at + n], ids[at : at + n], tlp[at : at + n])
+                    (chunk.seq, chunk.start, lp[at : at + n], ids[at : at + n], tlp[at : at + n], ranks[at : at + n])
                 )
         return results
 
@@ -262,6 +275,8 @@ class ModelRunner:
         zeros = np.zeros(SLOT_CHUNK, np.int32)
         slot = self.scratch_slot
         self.device.run([CopyPage(0, 0), ClearSlot(slot), WriteSlot(slot, zeros, 0, True)])
+        if self.adapter_zeros:  # the adapter-slot writer, with slot 0's zeros (nothing is resident yet)
+            self.device.run([WriteAdapter(0, self.adapter_zeros)])
         if later.count:  # wider context buckets, several-token calls: built while serving
             self.device.run([later])
         self.warmed_up = True

@@ -24,10 +24,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import TYPE_CHECKING
 
+from myserve.core.adapters import AdapterSlots
 from myserve.core.pages import PageAllocator, chain_hashes
 from myserve.core.sequence import SeqStatus, Sequence
 from myserve.core.slots import SlotPool
+
+if TYPE_CHECKING:
+    from myserve.runtime.lora_files import LoraAdapter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +66,8 @@ class ScheduledBatch:
     fill_slots: list[Sequence] = dataclasses.field(default_factory=list)
     """Sequences given a penalty slot this step: the slot must be filled from their tokens (prompt
     and any output from before a preemption) before the step samples."""
+    adapter_writes: list[tuple[int, LoraAdapter]] = dataclasses.field(default_factory=list)
+    """LoRA adapters to write into device slots before the step (``core/adapters.py``)."""
 
     @property
     def empty(self) -> bool:
@@ -81,10 +88,12 @@ class Scheduler:
         max_prefill_chunks: int | None = None,
         decode_steps: int = 1,
         decode_steps_pages: int | None = None,
+        adapters: AdapterSlots | None = None,
     ):
         """``decode_steps``: tokens a decode may produce per call when the step is decodes only and
         nothing needs the host between tokens (1: one per call); ``decode_steps_pages``: the most
-        pages such a sequence may hold (the several-token calls' page tables)."""
+        pages such a sequence may hold (the several-token calls' page tables); ``adapters``: the
+        LoRA slots a sequence naming an adapter needs while it runs (None: no adapters served)."""
         self.allocator = allocator
         self.decode_steps = decode_steps
         self.decode_steps_pages = decode_steps_pages
@@ -93,6 +102,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk
         self.max_prefill_chunks = max_prefill_chunks
+        self.adapters = adapters
         self.slots = SlotPool(max_num_seqs)  # at most max_num_seqs run, each holds at most one
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -123,6 +133,10 @@ class Scheduler:
         if seq.slot is not None:
             self.slots.release(seq.slot, seq)
             seq.slot = None
+        if seq.adapter_slot is not None:
+            assert self.adapters is not None
+            self.adapters.release(seq.adapter_slot)
+            seq.adapter_slot = None
 
     def _preempt(self, seq: Sequence) -> None:
         """Stop a running sequence: release what it holds and requeue it at the front for recompute."""
@@ -203,12 +217,17 @@ class Scheduler:
             if parent is not None and parent.status is not SeqStatus.FINISHED:
                 if parent.status is not SeqStatus.RUNNING or parent.num_computed < len(seq.prompt_ids):
                     continue
+                if not self._acquire_adapter(seq):
+                    continue
                 first = self._admit_sibling(seq, parent, copies)
             else:
                 if multi >= cap and seq.num_tokens > 1:
                     break  # its first chunk would be one chunk too many
+                if not self._acquire_adapter(seq):
+                    continue  # every adapter slot is in use by other adapters: later requests may go
                 first = self._admit(seq, budget)
             if first == 0:
+                self.release(seq)  # (its adapter slot)
                 break
             multi += first > 1
             self.waiting.remove(seq)
@@ -220,7 +239,17 @@ class Scheduler:
         prefills = [c for c in chunks.values() if c.num_tokens > 1 or c.seq.scores_prompt(c.start)]
         if self.decode_steps > 1 and decodes and not prefills and not preempted and not copies:
             decodes = [self._several(c) for c in decodes]
-        return ScheduledBatch(decodes, prefills, preempted, copies, fill_slots)
+        writes = self.adapters.take_pending() if self.adapters is not None else []
+        return ScheduledBatch(decodes, prefills, preempted, copies, fill_slots, writes)
+
+    def _acquire_adapter(self, seq: Sequence) -> bool:
+        """The slot of ``seq``'s adapter (if it names one); False when no slot can hold it now."""
+        name = seq.params.adapter
+        if name is None or seq.adapter_slot is not None:
+            return True
+        assert self.adapters is not None, "the engine core refuses adapters it does not serve"
+        seq.adapter_slot = self.adapters.acquire(name)
+        return seq.adapter_slot is not None
 
     def _several(self, chunk: ScheduledChunk) -> ScheduledChunk:
         """A decode of a decode-only step made several tokens long where nothing needs the host
@@ -260,7 +289,8 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Pages for ``seq``: its prefix-cached ones and those of a first chunk; the chunk's size, or 0 if short."""
-        hashes = chain_hashes(seq.tokens(0, seq.num_tokens), self.page_size)
+        root = {} if seq.hash_root is None else {"parent": seq.hash_root}
+        hashes = chain_hashes(seq.tokens(0, seq.num_tokens), self.page_size, **root)
         # A prompt that is scored (prompt logprobs) or mean/cls pooled must be computed whole: no cached pages.
         scored = (seq.params.prompt_logprobs is not None and not seq.output_ids) or seq.pools_every_token
         cached = [] if scored else self.allocator.match_prefix(hashes, seq.num_tokens)

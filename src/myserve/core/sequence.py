@@ -14,6 +14,7 @@ from myserve.wire.outputs import RequestOutput, TokenLogprob
 from myserve.wire.params import SamplingParams
 
 if TYPE_CHECKING:
+    from myserve.core.token_masks import TokenFilter
     from myserve.grammar import GrammarMatcher
 
 _admission_counter = itertools.count()
@@ -83,6 +84,12 @@ class Sequence:
         self.matcher: GrammarMatcher | None = None
         # A matcher waiting for ``params.grammar_after`` to appear in the output (reasoning first).
         self.pending_matcher: GrammarMatcher | None = None
+        # The request's allowed_token_ids / bad_words mask (shared by its choices), or None.
+        self.token_filter: TokenFilter | None = None
+        # The device slot of its LoRA adapter while it runs (``core/adapters.py``), and the root of
+        # its pages' hash chain (an adapter's pages are its own in the prefix cache).
+        self.adapter_slot: int | None = None
+        self.hash_root: bytes | None = None
         # An embedding request's pooling (``Pooler.type``: last, mean or cls), set at admission;
         # None for generation. Its chunks sample nothing: their hidden states are pooled instead.
         self.pool_type: str | None = None
@@ -108,8 +115,9 @@ class Sequence:
 
     @property
     def constrained(self) -> bool:
-        """Its next tokens are (or may soon be) masked by a grammar: a step's mask needs its last token."""
-        return self.matcher is not None or self.pending_matcher is not None
+        """Its next tokens are (or may soon be) masked by a grammar or a token filter: a step's mask
+        needs its last token."""
+        return self.matcher is not None or self.pending_matcher is not None or self.token_filter is not None
 
     def advance_grammar(self, token: int) -> bool:
         """Feed an appended output token to the grammar (activating a pending one once the output ends
@@ -168,10 +176,12 @@ class Sequence:
             return "length", None
         return None, None
 
-    def record_prompt_scores(self, start: int, lps: np.ndarray, ids: np.ndarray, tlps: np.ndarray) -> None:
+    def record_prompt_scores(
+        self, start: int, lps: np.ndarray, ids: np.ndarray, tlps: np.ndarray, ranks: np.ndarray
+    ) -> None:
         """Keep the logprob of each prompt token (after the first) that a scored chunk starting at
         ``start`` computed: ``lps[j]`` is the logprob of the token after position ``start + j``,
-        ``ids``/``tlps`` [n, K] the most likely tokens there."""
+        ``ids``/``tlps`` [n, K] the most likely tokens there, ``ranks[j]`` that token's rank."""
         if self.prompt_scores is None:
             self.prompt_scores = {}
         k = self.params.prompt_logprobs or 0
@@ -179,7 +189,7 @@ class Sequence:
         for j in range(min(len(lps), last - start)):
             pos = start + j
             top = tuple((int(i), float(v)) for i, v in zip(ids[j][:k], tlps[j][:k], strict=True))
-            self.prompt_scores[pos + 1] = TokenLogprob(self.prompt_ids[pos + 1], float(lps[j]), top)
+            self.prompt_scores[pos + 1] = TokenLogprob(self.prompt_ids[pos + 1], float(lps[j]), top, int(ranks[j]))
 
     def prompt_output(self, finish: str | None = None) -> RequestOutput:
         """The delta carrying the prompt's logprobs (first prompt token: None)."""
@@ -200,7 +210,7 @@ class Sequence:
         full = min(self.num_computed, self.num_known) // page_size
         if full > len(self.page_hashes):
             start = len(self.page_hashes) * page_size
-            parent = self.page_hashes[-1] if self.page_hashes else None
+            parent = self.page_hashes[-1] if self.page_hashes else self.hash_root
             new_tokens = self.tokens(start, full * page_size)
             kwargs = {} if parent is None else {"parent": parent}
             self.page_hashes.extend(chain_hashes(new_tokens, page_size, **kwargs))

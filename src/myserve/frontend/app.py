@@ -29,7 +29,7 @@ from myserve.frontend.guard import RequestGuard
 from myserve.frontend.metrics import Metrics
 from myserve.frontend.openapi import install_openapi
 from myserve.frontend.reasoning import FORMATS
-from myserve.frontend.routes import ROUTERS
+from myserve.frontend.routes import ROUTERS, lora
 from myserve.frontend.served_models import ServedModels
 from myserve.frontend.tool_parsers import PARSERS
 
@@ -59,6 +59,10 @@ class ServedModel:
     """A name of ``frontend/reasoning.py::FORMATS``: splits off ``reasoning_content``."""
     max_logprobs: int = 20
     """Most top logprobs a request may ask for (``server.max_logprobs``)."""
+    trust_request_chat_template: bool = False
+    """Whether requests may bring their own chat template (``server.trust_request_chat_template``)."""
+    return_tokens_as_token_ids: bool = False
+    """Logprobs name tokens ``token_id:<id>`` for every request (``server.return_tokens_as_token_ids``)."""
 
     def __post_init__(self) -> None:
         if not self.names:
@@ -84,6 +88,7 @@ def create_app(
     reasoning_parser: str | None = None,
     tracer: RequestTracer | None = None,
     cors: CORSPolicy | None = None,
+    responses_store_size: int = 256,
 ) -> FastAPI:
     """The OpenAI-compatible app for one model, ``service`` (which the caller starts and stops),
     answering to ``served_model_name`` (a name, or names: aliases); the options as ``ServedModel``'s
@@ -98,7 +103,14 @@ def create_app(
         enable_auto_tool_choice=enable_auto_tool_choice,
         reasoning_parser=reasoning_parser,
     )
-    return create_models_app([model], api_key=api_key, max_body_bytes=max_body_bytes, tracer=tracer, cors=cors)
+    return create_models_app(
+        [model],
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        tracer=tracer,
+        cors=cors,
+        responses_store_size=responses_store_size,
+    )
 
 
 def create_models_app(
@@ -108,13 +120,14 @@ def create_models_app(
     max_body_bytes: int = 4 * 1024 * 1024,
     tracer: RequestTracer | None = None,
     cors: CORSPolicy | None = None,
+    responses_store_size: int = 256,
 ) -> FastAPI:
     """The app for several models (or one): a request goes to the model its ``model`` names, the
     first model where it names none; they share the API key, the body limit, the CORS policy (None =
     vLLM's default: any origin), the drain, the metrics registry (every series labelled with its
-    model) and ``tracer`` (``frontend/tracing.py``: a span per generation or embeddings request; None:
-    no tracing)."""
-    state, metrics = ServerState(), Metrics()
+    model), ``tracer`` (``frontend/tracing.py``: a span per generation or embeddings request; None:
+    no tracing) and the Responses API's store of ``responses_store_size`` responses (0: none stored)."""
+    state, metrics = ServerState(responses_store_size), Metrics()
     contexts = [
         AppContext(
             m.engine,
@@ -125,6 +138,8 @@ def create_models_app(
             auto_parser=PARSERS[m.tool_call_parser] if m.enable_auto_tool_choice and m.tool_call_parser else None,
             reasoning=FORMATS[m.reasoning_parser] if m.reasoning_parser else None,
             max_logprobs=m.max_logprobs,
+            trust_request_chat_template=m.trust_request_chat_template,
+            return_tokens_as_token_ids=m.return_tokens_as_token_ids,
             state=state,
             tracer=tracer,
             app_metrics=metrics,
@@ -139,6 +154,7 @@ def create_models_app(
         for client in clients:  # each core's messages are read in this loop
             await client.receive_in_loop()
         yield
+        await state.responses.close()  # background responses end with the app (their streams close)
         for client in clients:
             await client.leave_loop()
 
@@ -153,5 +169,7 @@ def create_models_app(
     app.add_middleware(CORS, policy=cors or CORSPolicy())
     for router in ROUTERS:
         app.include_router(router)
+    if lora.enabled():  # vLLM's opt-in: loading adapters reads files the server can reach
+        app.include_router(lora.router)
     install_openapi(app, models.engines)
     return app

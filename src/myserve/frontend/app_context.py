@@ -17,7 +17,9 @@ from myserve.frontend.engine import Engine
 from myserve.frontend.errors import APIError
 from myserve.frontend.formatting import LogprobFormatter
 from myserve.frontend.metrics import Metrics, ModelMetrics
+from myserve.frontend.protocol import ChatTemplateFields
 from myserve.frontend.reasoning import ReasoningFormat
+from myserve.frontend.responses_store import ResponseStore
 from myserve.frontend.tool_parsers import ToolParser
 from myserve.frontend.tools import template_messages
 from myserve.tokenizer import ChatTemplateError, Tokenizer
@@ -27,12 +29,14 @@ if TYPE_CHECKING:
 
 
 class ServerState:
-    """Mutable server-wide state: draining flag for graceful shutdown, requests in flight (every
-    served model's: the models of one app share one)."""
+    """Mutable server-wide state: draining flag for graceful shutdown, requests in flight, stored
+    Responses API objects (every served model's: the models of one app share one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, responses_store_size: int = 256) -> None:
         self.draining = False
         self.in_flight = 0
+        self.responses = ResponseStore(responses_store_size)
+        """The Responses API objects kept for ``GET /v1/responses/{id}`` (``server.responses_store_size``)."""
 
 
 @dataclasses.dataclass
@@ -53,6 +57,11 @@ class AppContext:
     """Reads tool calls out of ``tool_choice: auto`` outputs (None: auto tool choice is off)."""
     reasoning: ReasoningFormat | None = None
     """Splits ``reasoning_content`` off chat outputs (None: no reasoning parser)."""
+    trust_request_chat_template: bool = False
+    """Whether a request may bring its own chat template (``server.trust_request_chat_template``,
+    vLLM's ``--trust-request-chat-template``): a template is code the server runs."""
+    return_tokens_as_token_ids: bool = False
+    """Logprobs name tokens ``token_id:<id>`` whatever the request asks (``server.return_tokens_as_token_ids``)."""
     max_logprobs: int = 20
     """Most top logprobs a request may ask for (``server.max_logprobs``, vLLM's ``--max-logprobs``)."""
     state: ServerState = dataclasses.field(default_factory=ServerState)
@@ -99,8 +108,19 @@ class AppContext:
             raise APIError(503, "the server is shutting down", code="server_draining")
         if not self.engine.ready.is_set():
             raise APIError(503, "the model is still loading", code="server_not_ready")
-        if model is not None and model != self.served_model_name and model not in self.aliases:
+        if model is not None and model not in self.names and model not in self.engine.adapter_paths:
             raise model_not_found(model)
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model, by any of its names)."""
+        return model if model is not None and model not in self.names and model in self.engine.adapter_paths else None
+
+    def adapter_cards(self) -> list[dict[str, Any]]:
+        """``/v1/models`` cards of the LoRA adapters served (vLLM's: the base model as ``parent``)."""
+        return [
+            {**self.model_card(), "id": name, "root": path, "parent": self.served_model_name}
+            for name, path in self.engine.adapter_paths.items()
+        ]
 
     def check_token_ids(self, ids: Iterable[int], param: str) -> None:
         """Token ids a client sent must index the model's vocabulary (its logits' width)."""
@@ -111,21 +131,49 @@ class AppContext:
     def render_text(
         self,
         messages: list,
-        add_generation_prompt: bool = True,
+        how: ChatTemplateFields | None = None,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """The chat template applied to ``messages`` (400 naming ``messages`` if it fails)."""
+        """The chat template applied to ``messages``, rendered as ``how`` asks (generation prompt,
+        continued final message, documents, a request's own template; None: the defaults), with
+        ``tools`` and extra ``template_kwargs``. 400 naming the field that made it fail."""
+        how = how or ChatTemplateFields()
+        template = self.chat_template
+        if how.chat_template is not None:
+            if not self.trust_request_chat_template:
+                message = "this server does not accept chat templates in requests (--trust-request-chat-template)"
+                raise APIError(400, message, param="chat_template", code="invalid_value")
+            template = how.chat_template
+        if how.continue_final_message and (not messages or messages[-1].role != "assistant"):
+            message = "continue_final_message needs the last message to be an assistant message"
+            raise APIError(400, message, param="continue_final_message", code="invalid_value")
+        variables = dict(template_kwargs or {})
+        if how.documents is not None:
+            variables["documents"] = how.documents
         try:
             return self.tokenizer.render_chat(
                 template_messages(messages),
-                add_generation_prompt,
+                how.add_generation_prompt,
                 tools=tools,
-                chat_template=self.chat_template,
-                template_kwargs=template_kwargs,
+                chat_template=template,
+                template_kwargs=variables,
+                continue_final_message=how.continue_final_message,
             )
         except ChatTemplateError as e:
-            raise APIError(400, str(e), param="messages") from None
+            raise APIError(400, str(e), param="chat_template" if how.chat_template else "messages") from None
+
+    def truncate(self, prompts: list[list[int]], keep: int | None) -> list[list[int]]:
+        """Each prompt cut to its last ``keep`` tokens (``truncate_prompt_tokens``; -1: the context
+        length; None or 0: uncut); 400 when ``keep`` exceeds the context length."""
+        if not keep:
+            return prompts
+        limit = self.engine.max_model_len
+        if keep > limit:
+            message = f"truncate_prompt_tokens ({keep}) exceeds the model's context length ({limit})"
+            raise APIError(400, message, param="truncate_prompt_tokens", code="invalid_value")
+        keep = limit if keep == -1 else keep
+        return [ids[-keep:] for ids in prompts]
 
     def encode_chat(self, text: str) -> list[int]:
         """A rendered chat's token ids: the template wrote BOS and friends itself, none are added."""

@@ -31,7 +31,7 @@ import zmq
 from myserve.errors import ConfigError
 from myserve.frontend.output_processor import OutputProcessor
 from myserve.frontend.peer_guard import PeerGuard
-from myserve.frontend.stream import RequestStream
+from myserve.frontend.stream import RequestStream, settle
 from myserve.grammar import LazyGrammars
 from myserve.tokenizer import Tokenizer
 from myserve.validation import validate_request
@@ -86,6 +86,8 @@ class EngineClient:
         self.pooler: Pooler | None = None
         """How the model makes embeddings, as the core said on loading (None: it makes none)."""
         self.generation_defaults: dict[str, float] = {}
+        self._adapters: dict[str, str] = {}
+        self._adapter_waits: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[str | None]]] = {}
         """Request defaults from the model's generation config, as the core said on loading."""
         self.max_waiting = config.engine.max_waiting
         self._stats: EngineStats | None = None
@@ -224,6 +226,11 @@ class EngineClient:
         self.close_sockets_dir()
 
     # -- front (any thread) -------------------------------------------------------------------
+    @property
+    def adapter_paths(self) -> dict[str, str]:
+        """The LoRA adapters the core serves (name -> path), as it said when loaded."""
+        return dict(self._adapters)
+
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
         """Queue a request; returns the stream of its deltas. Raises on invalid or excess requests."""
         if self.dead is not None:
@@ -260,6 +267,19 @@ class EngineClient:
     def reset_prefix_cache(self) -> None:
         """Ask the core to forget every cached prompt prefix."""
         self._send(msg.ResetPrefixCache())
+
+    async def update_adapter(self, name: str, path: str | None) -> str | None:
+        """Register LoRA adapter ``name`` from ``path`` in the core (None: unregister it); the
+        core's error, or None once done (every front end then knows the new set)."""
+        token = uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[str | None] = loop.create_future()
+        self._adapter_waits[token] = (loop, future)
+        try:
+            self._send(msg.UpdateAdapter(token, name, path))
+            return await future
+        finally:
+            self._adapter_waits.pop(token, None)
 
     def stats(self) -> EngineStats:
         """The core's counters as of its last report (at most ``STATS_INTERVAL_S`` old)."""
@@ -368,7 +388,14 @@ class EngineClient:
             self.max_waiting = message.max_waiting
             self.pooler = message.pooler
             self.generation_defaults = message.generation_defaults
+            self._adapters = dict(message.adapters)
             self._loaded.set()
+        elif isinstance(message, msg.AdaptersChanged):
+            self._adapters = dict(message.adapters)
+            waiting = self._adapter_waits.get(message.token)
+            if waiting is not None:
+                loop, future = waiting
+                loop.call_soon_threadsafe(settle, future, message.error)
         elif isinstance(message, msg.Ready):
             self.ready.set()
             self._started.set()

@@ -35,6 +35,11 @@ class Engine(Protocol):
         ...
 
     @property
+    def adapter_paths(self) -> dict[str, str]:
+        """The LoRA adapters served (name -> path); empty when none are."""
+        ...
+
+    @property
     def max_model_len(self) -> int:
         """Prompt plus completion tokens the engine holds per sequence."""
         ...
@@ -50,6 +55,10 @@ class Engine(Protocol):
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt prefix (before the engine's next step)."""
+        ...
+
+    async def update_adapter(self, name: str, path: str | None) -> str | None:
+        """Register LoRA adapter ``name`` from ``path`` (None: unregister it); the error, or None."""
         ...
 
     def stats(self) -> EngineStats:

@@ -69,10 +69,37 @@ class LogprobFormatter:
             "text_offset": offsets,
         }
 
+    def prompt_logprobs(self, prompt_ids: list[int], scores: tuple[TokenLogprob | None, ...], k: int) -> list:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{token id: {logprob,
+        rank, decoded_token}}`` for the prompt token and the top ``k`` there."""
+        out: list[dict[str, dict] | None] = []
+        for token_id, score in zip(prompt_ids, scores, strict=True):
+            if score is None:
+                out.append(None)
+                continue
+            entries = {str(token_id): self._vllm_entry(token_id, score.logprob, score.rank)}
+            for rank, (t, lp) in enumerate(score.top[:k], start=1):
+                entries.setdefault(str(t), self._vllm_entry(t, lp, rank))
+            out.append(entries)
+        return out
+
+    def _vllm_entry(self, token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self.text(token_id)}
+
     def prompt_items(
-        self, prompt_ids: list[int], scores: tuple[TokenLogprob | None, ...]
+        self, prompt_ids: list[int], scores: tuple[TokenLogprob | None, ...], k: int | None = None
     ) -> list[tuple[int, float | None, tuple[tuple[int, float], ...] | None]]:
-        """Echoed prompt tokens as completion items (the first token has no logprob)."""
+        """Echoed prompt tokens as completion items (the first token has no logprob), with at most
+        ``k`` top logprobs each (None: all the engine sent)."""
         return [
-            (t, None, None) if s is None else (t, s.logprob, s.top) for t, s in zip(prompt_ids, scores, strict=True)
+            (t, None, None) if s is None else (t, s.logprob, s.top[:k]) for t, s in zip(prompt_ids, scores, strict=True)
         ]
+
+
+class TokenIdFormatter(LogprobFormatter):
+    """Logprobs naming each token ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``: a token
+    that is not valid UTF-8 on its own stays identifiable)."""
+
+    def raw(self, token_id: int) -> bytes:
+        """``token_id:<id>`` as bytes."""
+        return f"token_id:{token_id}".encode()

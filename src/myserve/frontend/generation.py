@@ -4,6 +4,8 @@ parameters, submitting one engine request per prompt, and the response (JSON or 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 from collections.abc import Callable
 from typing import Protocol
 
@@ -18,6 +20,8 @@ from myserve.frontend.stream import RequestStream
 from myserve.grammar import GrammarSpec
 from myserve.wire.outputs import ContextLengthExceeded, EngineDead, Overloaded
 from myserve.wire.params import InvalidParams, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest
 """The two request bodies that generate text."""
@@ -35,22 +39,61 @@ class Admitted(Protocol):
         """The first refused field it sets, if any."""
         ...
 
+    @property
+    def ignored_fields(self) -> tuple[str, ...]:
+        """Body fields no field reads."""
+        ...
 
-def admit(context: AppContext, req: Admitted) -> float | None:
+
+def admit(context: AppContext, req: Admitted, request: Request | None = None) -> float | None:
     """The checks every generation route starts with: 503 unless ready, 404 for another model's
     name, 400 for a field this server accepts but does not implement (the protocol's tables).
+    Fields the body holds that no field reads are logged once and named in the response's
+    ``guard.IGNORED_FIELDS_HEADER`` (through ``request``'s state: ``guard.py`` writes the header).
     Returns the request's deadline, which runs from its arrival."""
     expires = context.deadline()
     context.check_ready(req.model)
     refused = req.unsupported()
     if refused is not None:
         raise APIError(400, refused.message, param=refused.field, code="unsupported_parameter")
+    ignored = req.ignored_fields
+    if ignored:
+        path = request.url.path if request is not None else "request"
+        logger.warning("%s: the following fields were present in the request but ignored: %s", path, ignored)
+        if request is not None:
+            request.state.ignored_fields = ignored
     return expires
+
+
+def max_tokens_of(req: GenerationRequest, given: int | None, field: str = "max_tokens") -> int | None:
+    """The request's output limit: ``given`` (its ``field``), else llama-server's ``n_predict`` (-1:
+    up to the context length), else ``given``'s default."""
+    if req.n_predict is not None and field not in req.model_fields_set:
+        return None if req.n_predict < 0 else max(req.n_predict, 1)
+    return given
+
+
+def _bad_words_ids(words: list[str], encode: Callable[[str], list[int]]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of ``bad_words``: each word as written (leading blanks dropped) and with one
+    leading space, the second kept only when it is another token sequence of the same length (the
+    word's word-initial form, not the same word split otherwise)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(encode(word.lstrip()))
+        if bare:
+            out.append(bare)
+        spaced = tuple(encode(" " + word.lstrip()))
+        if spaced and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
+            out.append(spaced)
+    return tuple(dict.fromkeys(out))
 
 
 def grammar_param(req: GenerationRequest) -> str:
     """The request field a grammar came from, for errors about it."""
-    return "structured_outputs" if req.structured_outputs is not None else "response_format"
+    for field in ("structured_outputs", "grammar", "json_schema"):
+        if getattr(req, field) is not None:
+            return field
+    return "response_format"
 
 
 def sampling_params(
@@ -64,7 +107,12 @@ def sampling_params(
     grammar_after: tuple[int, ...] = (),
     skip_special_tokens: bool | None = None,
 ) -> SamplingParams:
-    """The request's ``SamplingParams`` with OpenAI's defaults; 400 naming the field it refuses."""
+    """The request's ``SamplingParams`` with OpenAI's defaults; 400 naming the field it refuses.
+
+    ``prompt_logprobs``: what the route needs scored (completions' echo); the request's own
+    ``prompt_logprobs`` field asks too (the larger of the two is computed)."""
+    if req.prompt_logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, req.prompt_logprobs)
     for asked, field in ((logprobs, "logprobs"), (prompt_logprobs, "prompt_logprobs")):
         if asked is not None and asked > context.max_logprobs:
             message = f"{field} ({asked}) exceeds the server's max_logprobs ({context.max_logprobs})"
@@ -73,6 +121,8 @@ def sampling_params(
     # What the request leaves out: the model's generation config, else OpenAI's defaults.
     # (max_new_tokens applies per prompt, within its context: ``_submit_all``.)
     default = context.engine.generation_defaults
+    context.check_token_ids(req.allowed_token_ids or (), "allowed_token_ids")
+    encode = functools.partial(context.tokenizer.encode, add_special_tokens=False)
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -89,7 +139,10 @@ def sampling_params(
             seed=req.seed,
             n=req.n,
             stop=stop,
+            include_stop_str_in_output=req.include_stop_str_in_output,
             stop_token_ids=tuple(req.stop_token_ids or ()),
+            allowed_token_ids=tuple(dict.fromkeys(req.allowed_token_ids or ())),
+            bad_words_ids=_bad_words_ids(req.bad_words or [], encode),
             ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens,
             logprobs=logprobs,
@@ -97,6 +150,7 @@ def sampling_params(
             skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
             grammar=grammar,
             grammar_after=grammar_after,
+            adapter=context.adapter_of(req.model),
         )
     except InvalidParams as e:
         raise APIError(400, str(e), param=e.param, code="invalid_value") from None
@@ -121,13 +175,26 @@ async def respond(
     """Submit ``response``'s prompts, then answer with one JSON body or a stream of SSE events.
 
     ``grammar_field``: the request field named by errors about the grammar."""
+    answer = submit_answer(context, request, response, grammar_field, answer_class)
+    if not stream:
+        return await answer.json(request)
+    return StreamingResponse(answer.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def submit_answer[A: CompletionResponse](
+    context: AppContext,
+    request: Request,
+    response: ResponseContext,
+    grammar_field: str | None,
+    answer_class: Callable[[ResponseContext, list[RequestStream], AppContext], A],
+) -> A:
+    """Submit ``response``'s prompts; the answer that reads their outputs (its trace span started).
+    ``respond`` answers with it at once; a background Responses request reads it in a task of its own."""
     streams = _submit_all(context, response, grammar_field)
     answer = answer_class(response, streams, context)
     if context.tracer is not None:
         answer.span = context.tracer.start(request.headers, response)
-    if not stream:
-        return await answer.json(request)
-    return StreamingResponse(answer.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return answer
 
 
 def _submit_all(context: AppContext, response: ResponseContext, grammar_field: str | None) -> list[RequestStream]:

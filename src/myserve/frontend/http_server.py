@@ -52,6 +52,8 @@ def served_model(config: Config, engine: Engine, names: str | Sequence[str]) -> 
         enable_auto_tool_choice=config.server.enable_auto_tool_choice,
         reasoning_parser=config.server.reasoning_parser,
         max_logprobs=config.server.max_logprobs,
+        trust_request_chat_template=config.server.trust_request_chat_template,
+        return_tokens_as_token_ids=config.server.return_tokens_as_token_ids,
     )
 
 
@@ -71,7 +73,14 @@ def app_for_models(config: Config, served: Sequence[ServedModel]) -> FastAPI:
         allowed_headers=s.allowed_headers,
         allow_credentials=s.allow_credentials,
     )
-    return create_models_app(served, api_key=s.api_key, max_body_bytes=s.max_body_bytes, tracer=tracer, cors=cors)
+    return create_models_app(
+        served,
+        api_key=s.api_key,
+        max_body_bytes=s.max_body_bytes,
+        tracer=tracer,
+        cors=cors,
+        responses_store_size=s.responses_store_size,
+    )
 
 
 def otlp_tracer(endpoint: str) -> RequestTracer:

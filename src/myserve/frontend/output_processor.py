@@ -29,7 +29,7 @@ class _Choice:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams):
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens)
-        self.stops = StopChecker(params.stop)
+        self.stops = StopChecker(params.stop, include=params.include_stop_str_in_output)
         self.tokens = 0
         """Tokens delivered, up to the one that ended the choice."""
         self.done = False
@@ -94,7 +94,9 @@ class OutputProcessor:
         choice.tokens += len(out.token_ids)
         finish, stop_reason = out.finish_reason, out.stop_reason
         text = ""
-        if out.token_ids and finish != "stop":  # the core ends on EOS or a stop id: neither is text
+        # The core ends on EOS or a stop id: neither is text, unless a stop id's text is asked for.
+        kept_stop_id = _keeps_stop_id(req.params, out.stop_reason)
+        if out.token_ids and (finish != "stop" or kept_stop_id):
             text, stopped = choice.stops.feed(choice.detok.add(list(out.token_ids)))
             if stopped:
                 finish, stop_reason = "stop", choice.stops.matched
@@ -107,3 +109,9 @@ class OutputProcessor:
                 tail, _ = choice.stops.feed(choice.detok.finish())
                 text += tail + choice.stops.flush()
         return dataclasses.replace(out, text=text, finish_reason=finish, stop_reason=stop_reason)
+
+
+def _keeps_stop_id(params: SamplingParams, stop_reason: int | str | None) -> bool:
+    """Whether a choice that a stop token id ended keeps that token's text
+    (``include_stop_str_in_output``, as vLLM: EOS is never text)."""
+    return params.include_stop_str_in_output and isinstance(stop_reason, int)

@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from myserve.wire.params import MAX_TOP_LOGPROBS
 
@@ -55,10 +55,26 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     UNSUPPORTED: ClassVar[tuple[Unsupported, ...]] = ()
+    _ignored: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_ignored(cls, data: Any, handler: Any) -> Any:
+        # The body's top-level keys that no field reads: answered without them, but named (vLLM logs
+        # them; ``generation.admit`` logs them once and the response's header names them).
+        model = handler(data)
+        if isinstance(data, dict) and isinstance(model, _Request):
+            model._ignored = tuple(k for k in data if k not in cls.model_fields)
+        return model
 
     def unsupported(self) -> Unsupported | None:
         """The first field of ``UNSUPPORTED`` this request sets to a refused value, if any."""
         return next((u for u in self.UNSUPPORTED if u.refused(getattr(self, u.field))), None)
+
+    @property
+    def ignored_fields(self) -> tuple[str, ...]:
+        """The top-level fields of the body that this server does not read (unknown to it)."""
+        return self._ignored
 
 
 class StreamOptions(_Request):
@@ -111,12 +127,41 @@ class _Sampling(_Request):
     """OpenAI's output format: text, json_object or json_schema (``frontend/structured.py``)."""
     structured_outputs: dict[str, Any] | None = None
     """vLLM's constraint: one of json, json_object, regex, choice, grammar (``frontend/structured.py``)."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string (or stop token id's text) that ended a choice in its text."""
+    bad_words: list[str] | None = None
+    """Words never generated: the last token of each word's tokenization (with and without a leading
+    space) is banned where the output already ends with the tokens before it (vLLM's)."""
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
+    """Only these token ids may be sampled (inside the vocabulary: checked by the app)."""
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    """The logprob of each prompt token (after the first) with the top k there, as vLLM returns
+    them; not with ``stream``."""
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    """Keep only the prompt's last this many tokens; -1: the model's context length."""
+    return_tokens_as_token_ids: bool = False
+    """Logprobs name tokens as ``token_id:<id>`` (tokens that are not valid UTF-8 on their own stay
+    identifiable)."""
+    # llama-server's own fields, mapped onto ours (``frontend/structured.py``, ``max_tokens``).
+    grammar: str | None = None
+    """llama-server's GBNF grammar (as ``structured_outputs.grammar``)."""
+    json_schema: dict[str, Any] | None = None
+    """llama-server's JSON schema constraint (as ``structured_outputs.json``)."""
+    n_predict: Annotated[int, Field(ge=-1, lt=_INT64_END)] | None = None
+    """llama-server's ``max_tokens`` (-1: up to the context length); used when ``max_tokens`` is not given."""
 
     @field_validator("stream_options")
     @classmethod
     def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
         if value is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):  # vLLM's rule: they come in the one body
+            raise ValueError("prompt_logprobs are not available when stream is true")
         return value
 
 
@@ -227,7 +272,31 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatTemplateFields(_Request):
+    """How messages are rendered with the chat template (vLLM's fields, on chat and ``/tokenize``)."""
+
+    add_generation_prompt: bool = True
+    """End the prompt with the template's opening of an assistant turn."""
+    continue_final_message: bool = False
+    """Leave the final (assistant) message open so the model continues it (assistant prefill);
+    needs ``add_generation_prompt`` false."""
+    documents: list[dict[str, str]] | None = None
+    """Documents for templates that render them (retrieval-augmented generation)."""
+    chat_template: str | None = None
+    """A Jinja chat template for this request only (refused unless the server trusts request
+    templates: ``server.trust_request_chat_template``)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (e.g. ``{"enable_thinking": false}`` for Qwen3)."""
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _not_with_generation_prompt(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return value
+
+
+class ChatCompletionRequest(ChatTemplateFields, _Sampling):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -240,9 +309,11 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    """Passed to the chat template as ``reasoning_effort`` (templates such as gpt-oss's read it)."""
     # vLLM extras
-    chat_template_kwargs: dict[str, Any] | None = None
-    """Extra variables for the chat template (e.g. ``{"enable_thinking": false}`` for Qwen3)."""
+    echo: bool = False
+    """Start the answer with the final message's content when it has the answer's role (assistant)."""
     # Declared to be refused (UNSUPPORTED); the types only admit what OpenAI documents.
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -251,7 +322,6 @@ class ChatCompletionRequest(_Sampling):
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
     store: bool | None = None
-    reasoning_effort: str | None = None
     verbosity: str | None = None
 
     UNSUPPORTED = (
@@ -262,12 +332,18 @@ class ChatCompletionRequest(_Sampling):
         Unsupported("prediction", _given, "predicted outputs are not supported"),
         Unsupported("web_search_options", _given, "web search is not supported"),
         Unsupported("store", lambda v: v is True, "store is not supported: completions are not stored"),
-        Unsupported("reasoning_effort", _given, "reasoning_effort is not supported"),
         Unsupported("verbosity", _given, "verbosity is not supported"),
     )
 
+    def template_variables(self) -> dict[str, Any]:
+        """Variables the chat template sees beyond messages and tools."""
+        extra: dict[str, Any] = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            extra["reasoning_effort"] = self.reasoning_effort
+        return extra
 
-class TokenizeRequest(_Request):
+
+class TokenizeRequest(ChatTemplateFields):
     """``POST /tokenize``: a prompt, or messages rendered with the chat template."""
 
     # The schema states what the route enforces: exactly one of prompt and messages.
@@ -284,7 +360,6 @@ class TokenizeRequest(_Request):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Request):

@@ -50,5 +50,5 @@ class RequestLog:
             usage.completion_tokens,
             ttft,
             time.perf_counter() - self.t0,
-            ",".join(self.finish_reasons) or ("abort" if status in ("disconnected", "timeout") else "-"),
+            ",".join(self.finish_reasons) or ("abort" if status in ("disconnected", "timeout", "cancelled") else "-"),
         )

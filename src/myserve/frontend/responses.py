@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from myserve.frontend.app_context import AppContext
 from myserve.frontend.chat_output import ChoiceMessage, ChoiceParser, finish_reason
 from myserve.frontend.errors import APIError
-from myserve.frontend.formatting import usage_json
+from myserve.frontend.formatting import TokenIdFormatter, usage_json
 from myserve.frontend.output_streams import merged, sum_usage, until
 from myserve.frontend.request_log import RequestLog
 from myserve.frontend.sse import sse_event
@@ -68,6 +68,12 @@ class ResponseContext:
     """Event-loop time after which the request is aborted (None: never)."""
     choice_parser: Callable[[], ChoiceParser] | None = None
     """Chat: makes each choice's reasoning / tool-call parser (None: the text is the content)."""
+    chat_echo: str = ""
+    """Chat with ``echo``: the final message's content, put before each choice's content."""
+    prompt_logprobs: int | None = None
+    """vLLM's ``prompt_logprobs`` field: top logprobs per prompt token in the body (None: not asked)."""
+    token_ids_as_text: bool = False
+    """Logprobs name tokens ``token_id:<id>`` (``return_tokens_as_token_ids``)."""
     request_id: str = dataclasses.field(init=False)
     """``chatcmpl-…``, ``cmpl-…`` or ``resp_…``; the engine requests are ``<request_id>-<prompt index>``."""
     created: int = dataclasses.field(init=False, default_factory=lambda: int(time.time()))
@@ -89,6 +95,8 @@ class CompletionResponse:
 
     def __init__(self, ctx: ResponseContext, streams: list[RequestStream], server: AppContext):
         self.ctx, self.streams, self.server = ctx, streams, server
+        self.fmt = TokenIdFormatter(server.tokenizer) if ctx.token_ids_as_text else server.fmt
+        """Logprobs' shapes (the server's, cached per token; or tokens as ids, for this response)."""
         self._parsers: dict[int, ChoiceParser] = {}
         """Each choice's parser (chat with a reasoning or tool-call parser), made at its first output."""
         self.log = RequestLog(ctx.request_id, sum(len(p) for p in ctx.prompts), ctx.t0)
@@ -162,12 +170,19 @@ class CompletionResponse:
                 self._finished("disconnected")
         if disconnected:
             return Response(status_code=499)
+        started = time.perf_counter()
+        response = JSONResponse(self._final_body(collect))
+        self.server.metrics.frontend_seconds.inc(time.perf_counter() - started)
+        return response
+
+    def _final_body(self, collect: asyncio.Future[list[tuple[int, RequestOutput]]]) -> dict[str, Any]:
+        """The JSON body once ``collect`` (``_collect``) is done, the request counted: 504 if it met
+        the deadline, 500 for an engine error."""
         try:
             outputs = collect.result()
         except TimeoutError:
             self._finished("timeout")
             raise self._timeout_error() from None
-        started = time.perf_counter()
         error = next((out.error for _, out in outputs if out.final and out.error), None)
         if error:
             self._finished("error")
@@ -175,9 +190,7 @@ class CompletionResponse:
         usage = sum_usage([out.usage for _, out in outputs if out.final])
         body = self._body(outputs, usage)
         self._finished("ok", usage)
-        response = JSONResponse(body)
-        self.server.metrics.frontend_seconds.inc(time.perf_counter() - started)
-        return response
+        return body
 
     def _body(self, outputs: list[tuple[int, RequestOutput]], usage: Usage) -> dict[str, Any]:
         """The JSON body of every output (engine errors already answered)."""
@@ -205,7 +218,17 @@ class CompletionResponse:
         if firsts:
             self.server.metrics.ttft.observe(min(firsts) - self.ctx.t0)
         obj = "chat.completion" if self.ctx.kind == "chat" else "text_completion"
-        return {**self._envelope(obj), "choices": body_choices, "usage": usage_json(usage)}
+        body = {**self._envelope(obj), "choices": body_choices, "usage": usage_json(usage)}
+        if self.ctx.kind == "chat" and self.ctx.prompt_logprobs is not None:  # vLLM's: one prompt, in the body
+            body["prompt_logprobs"] = self._prompt_logprobs(0, next((c["prompt"] for c in choices.values()), None))
+        return body
+
+    def _prompt_logprobs(self, prompt: int, scores: Any) -> list | None:
+        """vLLM's ``prompt_logprobs`` of prompt ``prompt`` (None if the engine sent none)."""
+        assert self.ctx.prompt_logprobs is not None
+        if scores is None:
+            return None
+        return self.fmt.prompt_logprobs(self.ctx.prompts[prompt], scores, self.ctx.prompt_logprobs)
 
     async def _collect(self) -> list[tuple[int, RequestOutput]]:
         """Every output of every stream, noted as it comes (a request cut short counts what it got);
@@ -221,20 +244,25 @@ class CompletionResponse:
         if self.ctx.kind == "chat":
             parser = self._parsers.get(index)
             message = c["message"].json(parser) if c["message"] else {"role": "assistant", "content": c["text"]}
+            if self.ctx.chat_echo and message.get("content") is not None:
+                message["content"] = self.ctx.chat_echo + message["content"]
             return {
                 "index": index,
                 "message": message,
-                "logprobs": self.server.fmt.chat(c["logprobs"]) if logprobs_on else None,
+                "logprobs": self.fmt.chat(c["logprobs"]) if logprobs_on else None,
                 "finish_reason": finish_reason(c["finish"], parser),
             }
         prefix = self.ctx.echo_texts[index // self.ctx.n] if self.ctx.echo_texts else ""
         logprobs_json = None
         if logprobs_on:
             prompt = self.ctx.prompts[index // self.ctx.n]
-            items = self.server.fmt.prompt_items(prompt, c["prompt"]) if c["prompt"] else []
+            items = self.fmt.prompt_items(prompt, c["prompt"], self.ctx.params.logprobs) if c["prompt"] else []
             generated = [(e.token_id, e.logprob, e.top) for e in c["logprobs"]]
-            logprobs_json = self.server.fmt.completion_items(items + generated, 0 if items else len(prefix))
-        return {"index": index, "text": prefix + c["text"], "logprobs": logprobs_json, "finish_reason": c["finish"]}
+            logprobs_json = self.fmt.completion_items(items + generated, 0 if items else len(prefix))
+        choice = {"index": index, "text": prefix + c["text"], "logprobs": logprobs_json, "finish_reason": c["finish"]}
+        if self.ctx.prompt_logprobs is not None:  # vLLM's, on each choice
+            choice["prompt_logprobs"] = self._prompt_logprobs(index // self.ctx.n, c["prompt"])
+        return choice
 
     # -- server-sent events -------------------------------------------------------------------
     async def events(self) -> AsyncIterator[bytes]:
@@ -299,7 +327,7 @@ class CompletionResponse:
         """The chunks of one output of prompt ``prompt``."""
         index = prompt * self.ctx.n + out.choice
         events = []
-        if out.prompt_logprobs is not None and self.ctx.echo_texts:
+        if out.prompt_logprobs is not None and self.ctx.echo_texts and self.ctx.kind == "completion":
             events.append(self._chunk([self._scored_echo(prompt, index, out, self._offsets)]))
         choice = self._delta(index, out, self._offsets)
         if choice.get("delta") or choice.get("text") or out.finish_reason or choice["logprobs"]:
@@ -321,7 +349,7 @@ class CompletionResponse:
         """Chat: each choice's ``role`` delta. Completions with echo (no logprobs): each prompt's text."""
         indices = range(len(self.ctx.prompts) * self.ctx.n)
         if self.ctx.kind == "chat":
-            delta = {"role": "assistant", "content": ""}
+            delta = {"role": "assistant", "content": self.ctx.chat_echo}
             return [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None} for i in indices]
         if self.ctx.echo_texts and self.ctx.params.logprobs is None:  # with logprobs: sent with the prompt's scores
             for i in indices:
@@ -337,8 +365,8 @@ class CompletionResponse:
         assert self.ctx.echo_texts is not None and out.prompt_logprobs is not None
         echo = self.ctx.echo_texts[prompt]
         offsets[index] = len(echo)
-        items = self.server.fmt.prompt_items(self.ctx.prompts[prompt], out.prompt_logprobs)
-        lp_json = self.server.fmt.completion_items(items) if self.ctx.params.logprobs is not None else None
+        items = self.fmt.prompt_items(self.ctx.prompts[prompt], out.prompt_logprobs, self.ctx.params.logprobs)
+        lp_json = self.fmt.completion_items(items) if self.ctx.params.logprobs is not None else None
         return {"index": index, "text": echo, "logprobs": lp_json, "finish_reason": None}
 
     def _delta(self, index: int, out: RequestOutput, offsets: dict[int, int]) -> dict[str, Any]:
@@ -353,7 +381,7 @@ class CompletionResponse:
             return {
                 "index": index,
                 "delta": delta,
-                "logprobs": self.server.fmt.chat(lp) if with_logprobs else None,
+                "logprobs": self.fmt.chat(lp) if with_logprobs else None,
                 "finish_reason": finish_reason(out.finish_reason, parser),
             }
         start = offsets.get(index, 0)
@@ -361,7 +389,7 @@ class CompletionResponse:
         return {
             "index": index,
             "text": out.text,
-            "logprobs": self.server.fmt.completion(lp, start) if with_logprobs else None,
+            "logprobs": self.fmt.completion(lp, start) if with_logprobs else None,
             "finish_reason": out.finish_reason,
         }
 

@@ -14,11 +14,16 @@ Stream: ``response.created``, ``response.in_progress``; per item ``response.outp
 ``response.reasoning_text.delta``, ``response.function_call_arguments.delta``), their ``.done``
 events, ``response.output_item.done``; then ``response.completed`` (or ``response.incomplete`` when
 ``max_output_tokens`` cut it short). An engine error or the deadline sends an ``error`` event.
+
+A stored response is the final object (the JSON body, or the ``response.completed`` event's),
+handed to ``on_final``; a background one is read by ``detached``, with no client waiting.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from myserve.frontend.chat_output import ChoiceDelta
@@ -29,6 +34,8 @@ from myserve.wire.outputs import RequestOutput, Usage
 
 
 def _new_id(prefix: str) -> str:
+    # uuid4 is 122 bits from os.urandom (what ``secrets`` reads): ids cannot be guessed, and a stored
+    # response is found by its id alone (so are response ids: ``ResponseContext``).
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
@@ -135,14 +142,19 @@ def usage_json(usage: Usage) -> dict[str, Any]:
 class ResponsesAnswer(CompletionResponse):
     """A chat request's outputs answered in the Responses API's shapes (``ResponseContext.kind`` is
     ``"responses"``; one prompt, one choice). ``echo``: the request's fields that the response
-    object repeats (``instructions``, ``tools``, ``text``...)."""
+    object repeats (``instructions``, ``tools``, ``text``, ``store``...). ``on_final``: given the
+    final response object (completed or incomplete) when there is one: what is stored."""
 
-    def __init__(self, *args: Any, echo: dict[str, Any]):
+    def __init__(
+        self, *args: Any, echo: dict[str, Any], on_final: Callable[[dict[str, Any]], None] | None = None
+    ) -> None:
         super().__init__(*args)
         self.echo = echo
+        self.on_final = on_final
         self.items = OutputItems()
         self._finish: str | None = None
         self._sequence = 0
+        self._settled = False  # counted and its streams closed (``_finished``)
 
     def _choice_delta(self, out: RequestOutput) -> ChoiceDelta:
         self._finish = out.finish_reason or self._finish
@@ -151,26 +163,60 @@ class ResponsesAnswer(CompletionResponse):
             return ChoiceDelta(content=out.text, order=[("content", out.text)] if out.text else [])
         return parser.feed(out.text, final=out.finish_reason is not None)
 
-    def _response(self, status: str, usage: Usage | None) -> dict[str, Any]:
-        """The ``response`` object; ``status`` in_progress, then completed or incomplete."""
-        if status != "in_progress" and self._finish == "length":
+    def response_object(self, status: str, error: APIError | None = None) -> dict[str, Any]:
+        """The response object before or without a final one: ``status`` queued, in_progress,
+        cancelled or failed (with ``error``'s code and message); no output, no usage."""
+        return self._response(status, None, error)
+
+    def _response(self, status: str, usage: Usage | None, error: APIError | None = None) -> dict[str, Any]:
+        """The ``response`` object; ``status`` in_progress, then completed (incomplete when the
+        output met ``max_output_tokens``), or one of ``response_object``'s."""
+        if status == "completed" and self._finish == "length":
             status = "incomplete"
+        final = status in ("completed", "incomplete")
         return {
             "id": self.ctx.request_id,
             "object": "response",
             "created_at": self.ctx.created,
             "status": status,
-            "error": None,
+            "error": {"code": error.code or "server_error", "message": error.message} if error else None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "model": self.ctx.model,
-            "output": [_copy(item) for item in self.items.items] if status != "in_progress" else [],
+            "output": [_copy(item) for item in self.items.items] if final else [],
             "usage": usage_json(usage) if usage is not None else None,
-            "store": False,
-            "background": False,
             "truncation": "disabled",
             "metadata": {},
             **self.echo,
         }
+
+    def _final(self, usage: Usage) -> dict[str, Any]:
+        """The completed (or incomplete) response object, handed to ``on_final``."""
+        response = self._response("completed", usage)
+        if self.on_final is not None:
+            self.on_final(response)
+        return response
+
+    # -- no client (background) ---------------------------------------------------------------
+    async def detached(self) -> dict[str, Any]:
+        """Every output, read with no client to answer: the final response object (``on_final``
+        has it too); ``APIError`` at the deadline or for an engine error. Cancelled, it leaves the
+        request to ``abandon``."""
+        collect = asyncio.ensure_future(self._collect())
+        try:
+            await collect
+        except TimeoutError:
+            pass  # ``_final_body`` answers it
+        return self._final_body(collect)
+
+    def abandon(self, status: str = "cancelled") -> None:
+        """Close the streams (aborting what still runs) and count the request, unless that is done:
+        a background response cancelled (its task may never have started) or failed in the front end."""
+        if not self._settled:
+            self._finished(status)
+
+    def _finished(self, status: str, usage: Usage | None = None) -> None:
+        self._settled = True
+        super()._finished(status, usage)
 
     # -- one JSON body ------------------------------------------------------------------------
     def _body(self, outputs: list[tuple[int, RequestOutput]], usage: Usage) -> dict[str, Any]:
@@ -178,7 +224,7 @@ class ResponsesAnswer(CompletionResponse):
             if not out.final:
                 self.items.add(self._choice_delta(out))
         self.items.close()
-        return self._response("completed", usage)
+        return self._final(usage)
 
     # -- server-sent events -------------------------------------------------------------------
     def _event(self, payload: dict[str, Any]) -> bytes:
@@ -200,7 +246,7 @@ class ResponsesAnswer(CompletionResponse):
 
     def _closing_events(self, usage: Usage) -> list[bytes]:
         closing = [self._event(e) for e in self.items.close()]
-        response = self._response("completed", usage)
+        response = self._final(usage)
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         return [*closing, self._event({"type": kind, "response": response})]
 

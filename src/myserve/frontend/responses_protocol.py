@@ -8,21 +8,24 @@ A Responses request is a chat in other clothes: ``instructions`` become a system
 ``ChatCompletionRequest``, so the chat template, sampling, grammars, tool-call and reasoning
 parsing are the chat route's own (``routes/chat.py::prepare_chat``).
 
-Nothing is stored: ``store`` absent, null or false is served, ``store: true`` is a 400, and so are
-the fields that need stored responses (``previous_response_id``, ``conversation``, item references).
-Input ``reasoning`` items are dropped (chat templates do not render past reasoning).
+Responses are stored as OpenAI's are (``store`` absent or null means true) while the server keeps
+any (``server.responses_store_size`` > 0; else ``store: true`` is a 400): ``previous_response_id``
+continues a stored response's conversation, given to ``chat_request`` as ``history`` (chat messages:
+what ``input_messages`` and ``conversation_after`` made of that response). ``conversation`` objects
+and item references are not supported. Input ``reasoning`` items are dropped (chat templates do not
+render past reasoning).
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 
 from myserve.frontend.errors import APIError
 from myserve.frontend.protocol import _INT64_END, ChatCompletionRequest, Int64, Unsupported, _given, _Request
-
-_NO_STORAGE = "responses are not stored, so {} is not supported"
 
 
 class InputText(_Request):
@@ -111,14 +114,17 @@ class ResponsesRequest(_Request):
     parallel_tool_calls: bool | None = None
     stream: bool = False
     store: bool | None = None
-    """Absent, null or false: nothing is stored (the only mode); true is refused."""
+    """Keep the response for ``GET /v1/responses/{id}`` and ``previous_response_id``; absent or null:
+    true if the server stores responses."""
+    background: bool | None = None
+    """Answer at once with a ``queued`` response and generate in the server (needs ``store``)."""
+    previous_response_id: str | None = None
+    """A stored response whose conversation (input and output) this request continues."""
     seed: Int64 | None = None
     """An extra, as on chat completions: seeded sampling."""
     # Declared to be refused (UNSUPPORTED).
     reasoning: dict[str, Any] | None = None
-    previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
-    background: bool | None = None
     include: list[str] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     max_tool_calls: int | None = None
@@ -126,10 +132,7 @@ class ResponsesRequest(_Request):
     top_logprobs: int | None = None
 
     UNSUPPORTED = (
-        Unsupported("store", lambda v: v is True, _NO_STORAGE.format("store true") + " (leave it out or send false)"),
-        Unsupported("previous_response_id", _given, _NO_STORAGE.format("previous_response_id")),
-        Unsupported("conversation", _given, _NO_STORAGE.format("conversation")),
-        Unsupported("background", bool, _NO_STORAGE.format("background")),
+        Unsupported("conversation", _given, "conversation objects are not supported (previous_response_id is)"),
         Unsupported("prompt", _given, "prompt templates are not supported"),
         Unsupported("include", bool, "include is not supported"),
         Unsupported("truncation", lambda v: v == "auto", "truncation auto is not supported"),
@@ -144,15 +147,32 @@ class ResponsesRequest(_Request):
     )
 
 
-def chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """``instructions`` and ``input`` as chat messages: function calls join the assistant message
-    before them (or make one), function outputs become ``tool`` messages, reasoning is dropped."""
-    messages: list[dict[str, Any]] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
-    if isinstance(req.input, str):
-        return [*messages, {"role": "user", "content": req.input}]
-    for item in req.input:
+def chat_messages(req: ResponsesRequest, history: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The chat a request runs: ``instructions`` as a system message, then ``input_messages``."""
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    return [*system, *input_messages(req, history)]
+
+
+def input_messages(req: ResponsesRequest, history: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """``history`` (a previous response's conversation, copied) followed by ``input`` as chat
+    messages: function calls join the assistant message before them (or make one), function outputs
+    become ``tool`` messages, reasoning is dropped."""
+    items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    return _add_items(copy.deepcopy(list(history)), items)
+
+
+_OUTPUT_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
+
+
+def conversation_after(messages: Sequence[dict[str, Any]], output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` (copied) followed by a response's ``output`` items, read as the input items a
+    client would send back (OpenAI's ``previous_response_id`` continues exactly that)."""
+    return _add_items(copy.deepcopy(list(messages)), _OUTPUT_ITEMS.validate_python(output))
+
+
+def _add_items(messages: list[dict[str, Any]], items: Sequence[InputItem]) -> list[dict[str, Any]]:
+    """``messages`` with ``items`` appended as chat messages (in place)."""
+    for item in items:
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             messages.append({"role": role, "content": item.text()})
@@ -179,9 +199,9 @@ def response_format(text: TextConfig | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {k: fmt[k] for k in keys if k in fmt}}
 
 
-def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completions request that answers ``req`` (400 naming the Responses field if the
-    translation does not validate)."""
+def chat_request(req: ResponsesRequest, history: Sequence[dict[str, Any]] = ()) -> ChatCompletionRequest:
+    """The chat completions request that answers ``req``, continuing ``history`` (chat messages: a
+    previous response's conversation); 400 naming the Responses field if it does not validate."""
     choice: Any = req.tool_choice
     if isinstance(choice, FunctionChoice):
         choice = {"type": "function", "function": {"name": choice.name}}
@@ -190,7 +210,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     ]
     body = {
         "model": req.model,
-        "messages": chat_messages(req),
+        "messages": chat_messages(req, history),
         "max_completion_tokens": req.max_output_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,

@@ -50,13 +50,20 @@ class ServedModels:
         if model is None:
             return self.default
         context = self._by_name.get(model)
+        if context is None:  # a LoRA adapter of one of the models (loaded by the engine, so looked up late)
+            context = next((c for c in self.contexts if model in c.engine.adapter_paths), None)
         if context is None:
             raise model_not_found(model)
         return context
 
     def cards(self) -> list[dict[str, Any]]:
-        """``/v1/models``: one card per name (aliases too), models in order."""
-        return [context.model_card(name) for context in self.contexts for name in context.names]
+        """``/v1/models``: one card per name (aliases too), models in order, each followed by its
+        LoRA adapters'."""
+        return [
+            card
+            for context in self.contexts
+            for card in [*(context.model_card(name) for name in context.names), *context.adapter_cards()]
+        ]
 
 
 def served_models(request: Request) -> ServedModels:

@@ -17,10 +17,11 @@ class StopChecker:
     When several stop strings occur, the one that is *completed* first wins (generation would have
     stopped right there), and among those completed by the same character the one that starts first.
     So the output does not depend on how the text was split into deltas. The stop string itself and
-    anything after it are dropped (OpenAI's behaviour).
+    anything after it are dropped (OpenAI's behaviour); with ``include`` the stop string is kept and
+    only what follows it is dropped (vLLM's ``include_stop_str_in_output``).
     """
 
-    def __init__(self, stop: Sequence[str] = ()) -> None:
+    def __init__(self, stop: Sequence[str] = (), include: bool = False) -> None:
         # An empty stop string would match before any text; OpenAI-compatible servers ignore it.
         self.stop: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop if s))
         """The stop strings, deduplicated, empty ones dropped."""
@@ -28,6 +29,7 @@ class StopChecker:
         """The stop string that ended the sequence (vLLM's ``stop_reason``), or None."""
         self._max_held = max((len(s) for s in self.stop), default=1) - 1
         self._held = ""
+        self._include = include
 
     @property
     def stopped(self) -> bool:
@@ -55,7 +57,7 @@ class StopChecker:
         if match is not None:
             start, self.matched = match
             self._held = ""
-            return text[:start], True
+            return text[: start + len(self.matched) if self._include else start], True
         cut = len(text) - self._hold_length(text)
         self._held = text[cut:]
         return text[:cut], False

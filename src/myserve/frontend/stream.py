@@ -96,3 +96,9 @@ def _put_all(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
     for stream, output in batch:
         assert stream._async_queue is not None
         stream._async_queue.put_nowait(output)
+
+
+def settle[T](future: asyncio.Future[T], value: T) -> None:
+    """Give ``future`` its result unless it is already done (cancelled by a caller that left)."""
+    if not future.done():
+        future.set_result(value)

@@ -15,7 +15,7 @@ Whether the grammar compiles is checked by the engine when the request is submit
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Protocol
 
 from myserve.frontend.errors import APIError
 from myserve.grammar import GrammarSpec
@@ -87,11 +87,28 @@ def from_structured_outputs(value: dict[str, Any] | None) -> GrammarSpec | None:
     return GrammarSpec("regex" if kind == "regex" else "grammar", item)
 
 
-def request_grammar(
-    response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None
-) -> GrammarSpec | None:
-    """The one constraint a request asks for; asking for two is a 400."""
-    a, b = from_response_format(response_format), from_structured_outputs(structured_outputs)
-    if a is not None and b is not None:
-        raise _bad("structured_outputs", "give response_format or structured_outputs, not both")
-    return a or b
+class Constrained(Protocol):
+    """The fields of a request body that may constrain its output."""
+
+    response_format: dict[str, Any] | None
+    structured_outputs: dict[str, Any] | None
+    grammar: str | None
+    json_schema: dict[str, Any] | None
+
+
+def request_grammar(req: Constrained) -> GrammarSpec | None:
+    """The one constraint a request asks for (OpenAI's ``response_format``, vLLM's
+    ``structured_outputs``, or llama-server's ``grammar`` or ``json_schema``); two is a 400."""
+    asked = {
+        "response_format": from_response_format(req.response_format),
+        "structured_outputs": from_structured_outputs(req.structured_outputs),
+        # llama-server's: an empty grammar is none; GBNF compiles as structured_outputs.grammar does.
+        "grammar": GrammarSpec("grammar", req.grammar) if req.grammar else None,
+        "json_schema": None
+        if req.json_schema is None
+        else GrammarSpec("json_schema", schema_text(req.json_schema, "json_schema")),
+    }
+    given = [field for field, spec in asked.items() if spec is not None]
+    if len(given) > 1:
+        raise _bad(given[-1], f"give one of {', '.join(given)}, not several")
+    return asked[given[0]] if given else None

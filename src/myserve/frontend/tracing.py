@@ -109,7 +109,7 @@ class RequestSpan:
 
     def end(self, status: str, usage: Usage, log: RequestLog) -> None:
         """Record the outcome (``CompletionResponse._finished``'s status: ok, error, timeout,
-        disconnected), the tokens and latencies, and end the span."""
+        disconnected, or cancelled: a background response), the tokens and latencies, and end the span."""
         attributes: dict[str, str | int | float | list[str]] = {
             "gen_ai.usage.input_tokens": usage.prompt_tokens,
             "gen_ai.usage.output_tokens": usage.completion_tokens,

@@ -36,7 +36,9 @@ import numpy as np
 from haliax import Axis, NamedArray
 from jax.sharding import NamedSharding
 
+from myserve.models import lora as lora_ops
 from myserve.models.axes import BATCH, POS, ModelAxes
+from myserve.models.lora import LoraLayer
 from myserve.models.moe import MoeBlock, moe_mlp
 from myserve.models.narrow import NarrowWeight
 from myserve.models.quant import QuantizedWeight, linear
@@ -83,6 +85,7 @@ class DecoderLayer(eqx.Module):
     post_attn_norm: NamedArray | None = None  # (embed): on the attention output (sandwich norms)
     post_mlp_norm: NamedArray | None = None  # (embed): on the MLP output (sandwich norms)
     moe: MoeBlock | None = None  # the experts of a MoE layer (models/moe.py), instead of gate_up/down
+    lora: LoraLayer | None = None  # adapter stacks, when the engine serves LoRA adapters (models/lora.py)
 
 
 def _add(x: NamedArray, bias: NamedArray | None) -> NamedArray:
@@ -173,8 +176,13 @@ def decoder_block(
         assert isinstance(layer_idx, int), "a traced layer index needs its kind"
         kind = spec.layer_kind(layer_idx)
     ax, eps, f32 = ModelAxes.of(spec), spec.rms_norm_eps, spec.norm_unit_offset
+    lora, mask = layer.lora, None
+    if lora is not None and batch.adapters is not None:  # each token's adapter slot (none: all zeros)
+        mask = lora_ops.slot_mask(batch.adapters, lora.qkv_a.axes[0].size, x.dtype)
     h = rms_norm(x, layer.attn_norm, ax.Embed, eps, f32)
     qkv = _add(linear(h, layer.qkv_proj, ax.Embed), layer.qkv_bias)
+    if lora is not None and mask is not None:
+        qkv = qkv + lora_ops.delta(h, lora.qkv_a, lora.qkv_b, mask, ax.Embed)
     qkv_raw = _raw(qkv, BATCH, POS, "kv_heads", "qkv", "head_size")  # [B, T, KVH, G + 2, D]
     b, t, kvh, _, d = qkv_raw.shape
     g = spec.q_per_kv
@@ -192,7 +200,10 @@ def decoder_block(
     )  # fmt: skip
     out = out[None]  # the step's one row of T tokens
     out_axes = (h.resolve_axis(BATCH), h.resolve_axis(POS), ax.KVHeads, ax.QPerKV, ax.HeadSize)
-    o = linear(hax.named(out.reshape(b, t, kvh, g, d), out_axes), layer.o_proj, (ax.KVHeads, ax.QPerKV, ax.HeadSize))
+    heads = hax.named(out.reshape(b, t, kvh, g, d), out_axes)
+    o = linear(heads, layer.o_proj, (ax.KVHeads, ax.QPerKV, ax.HeadSize))
+    if lora is not None and mask is not None:
+        o = o + lora_ops.delta(heads, lora.o_a, lora.o_b, mask, (ax.KVHeads, ax.QPerKV, ax.HeadSize))
     x = x + _post_norm(_add(o, layer.o_bias), layer.post_attn_norm, spec)
     h = rms_norm(x, layer.mlp_norm, ax.Embed, eps, f32)
     if layer.moe is not None:
@@ -200,8 +211,13 @@ def decoder_block(
         return x + _post_norm(moe, layer.post_mlp_norm, spec), cache
     assert layer.gate_up_proj is not None and layer.down_proj is not None
     gate_up = _add(linear(h, layer.gate_up_proj, ax.Embed), layer.gate_up_bias)
+    if lora is not None and mask is not None:
+        gate_up = gate_up + lora_ops.delta(h, lora.gate_up_a, lora.gate_up_b, mask, ax.Embed)
     gate, up = gate_up[ax.GateUp, 0], gate_up[ax.GateUp, 1]
-    mlp = _add(linear(_activation(gate, spec.hidden_act) * up, layer.down_proj, ax.Mlp), layer.down_bias)
+    inner = _activation(gate, spec.hidden_act) * up
+    mlp = _add(linear(inner, layer.down_proj, ax.Mlp), layer.down_bias)
+    if lora is not None and mask is not None:
+        mlp = mlp + lora_ops.delta(inner, lora.down_a, lora.down_b, mask, ax.Mlp)
     return x + _post_norm(mlp, layer.post_mlp_norm, spec), cache
 
 

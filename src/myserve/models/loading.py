@@ -24,6 +24,7 @@ from myserve.models.axes import ModelAxes
 from myserve.models.checkpoint import ResolvedCheckpoint
 from myserve.models.gguf import GGUFSource
 from myserve.models.llama import DecoderLayer, LlamaModel, Weight
+from myserve.models.lora import LoraLayer, stack_axes
 from myserve.models.moe import MoeBlock
 from myserve.models.narrow import NarrowWeight
 from myserve.models.narrow_host import BlockLayout
@@ -224,6 +225,7 @@ def load_model(
     quantization: str = "none",
     abstract: bool = False,
     group_size: int = 128,
+    lora: tuple[int, int] = (0, 0),
 ) -> LlamaModel:
     """Build a ``LlamaModel`` from a tensor source, every weight placed on ``mesh`` by ``mapping``.
 
@@ -232,7 +234,8 @@ def load_model(
     dense matmuls and the head as int8 with activations quantized per token (``models/quant.py``).
     ``abstract=True`` reads nothing: every weight is a ``jax.ShapeDtypeStruct`` with the sharding it
     would have (enough to lower the steps early). ``group_size``: elements per scale of weights
-    quantized here (0: one per output channel).
+    quantized here (0: one per output channel). ``lora``: (slots, max rank) of the LoRA stacks each
+    layer holds (``models/lora.py``; zeros until an adapter is written into a slot), or (0, 0): none.
     """
     spec = source.spec
     ax = ModelAxes.of(spec)
@@ -286,6 +289,13 @@ def load_model(
                 **{
                     field: expert_weight(field, tuple(f"model.layers.{i}.{s}" for s in suffixes), axes, combine)
                     for field, (suffixes, axes, combine) in moe_table.items()
+                }
+            )
+        if lora[0]:
+            fields["lora"] = LoraLayer(
+                **{
+                    name: placer.put(np.zeros(tuple(a.size for a in axes), np.float32), axes)
+                    for name, axes in stack_axes(spec, *lora).items()
                 }
             )
         return DecoderLayer(**fields)  # type: ignore[arg-type]

@@ -72,6 +72,9 @@ class RaggedBatch(eqx.Module):
     """The same rows as the TPU kernel's sequences (``kernel_meta``), when it is used."""
     decode_kernel: bool = eqx.field(static=True, default=False)
     """The single view runs on the GPU decode kernel (``ops/gpu_attention.py``)."""
+    adapters: jax.Array | None = None
+    """[1, T] the LoRA slot of each token's sequence (-1: the base model; ``models/lora.py``);
+    None: no adapter applies."""
 
     def with_kernel(self, kernel: KernelMeta) -> RaggedBatch:
         """This batch with the TPU kernel's metadata attached."""
@@ -91,6 +94,7 @@ class RaggedBatch(eqx.Module):
             self.chunk_pages,
             kernel,
             decode_kernel,
+            self.adapters,
         )
 
 

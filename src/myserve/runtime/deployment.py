@@ -146,7 +146,14 @@ class Deployment:
             # Each data-parallel replica reads its own copy onto its devices (per tensor, never whole).
             models = tuple(
                 load_model(
-                    source, m, mapping, dtype, backend, quantization, group_size=config.model.quantization_group_size
+                    source,
+                    m,
+                    mapping,
+                    dtype,
+                    backend,
+                    quantization,
+                    group_size=config.model.quantization_group_size,
+                    lora=lora_stacks(config),
                 )
                 for m in replica_meshes(mesh)
             )
@@ -275,6 +282,7 @@ def _prebuild(
             config.model.quantization,
             abstract=True,
             group_size=config.model.quantization_group_size,
+            lora=lora_stacks(config),
         )
         futures.append(pool.submit(executor_for(config, model, replica_mesh, mapping).build_all, now))
     pool.shutdown(wait=False)  # the thread ends when its builds are done
@@ -285,3 +293,9 @@ def step_buckets(config: Config, max_model_len: int) -> Buckets:
     """A deployment's step shapes (``Buckets.from_config``); w8a8 steps are at least MIN_ROWS tokens."""
     min_tokens = MIN_ROWS if config.model.quantization == "w8a8" else 1
     return Buckets.from_config(config.engine, max_model_len, min_tokens)
+
+
+def lora_stacks(config: Config) -> tuple[int, int]:
+    """(slots, max rank) of the LoRA stacks the model's layers hold, or (0, 0) without adapters."""
+    engine = config.engine
+    return (engine.max_loras, engine.max_lora_rank) if engine.enable_lora else (0, 0)

@@ -31,9 +31,10 @@ class StepRead(NamedTuple):
     """int32 [N1, K]: each row's most likely tokens; None unless the read asked for them (``tops``)."""
     top_logprobs: np.ndarray | None
     """float32 [N1, K]: their log-probabilities, descending; None as ``top_ids``."""
-    scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+    scores: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None
     """For scored prompt tokens: (logprob of the following token [T], top ids [T, K], top
-    logprobs [T, K]); None unless the read asked for them (``scored``)."""
+    logprobs [T, K], the following token's rank [T], 1 = most likely); None unless the read asked
+    for them (``scored``)."""
     pooled: np.ndarray | None = None
     """float32 [N1, embed]: each pooling row's summed hidden states; None unless asked (``pooled``)."""
 

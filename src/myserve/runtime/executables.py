@@ -201,6 +201,6 @@ def out_trees(cache: Cache) -> dict[str, jax.tree_util.PyTreeDef]:
     return {
         "forward": jax.tree_util.tree_structure((ForwardOutput(0, 0, 0, 0, 0, 0), zeros)),  # type: ignore[arg-type]
         "head": jax.tree_util.tree_structure((SampleOutput(0, 0, 0, 0), 0, 0)),  # type: ignore[arg-type]
-        "score": jax.tree_util.tree_structure((0, 0, 0)),
+        "score": jax.tree_util.tree_structure((0, 0, 0, 0)),
         "loop": jax.tree_util.tree_structure((SampleOutput(0, 0, 0, 0), zeros, 0, 0)),  # type: ignore[arg-type]
     }

@@ -37,6 +37,7 @@ from myserve.runtime.model_step import (
     decode_loop,
     forward_step,
     head_step,
+    lora_leaf_indices,
     score_step,
     split_model,
 )
@@ -45,7 +46,7 @@ from myserve.runtime.sampling_rows import MAX_TOP_LOGPROBS, SamplingRows
 from myserve.runtime.step_arrays import pack_step
 from myserve.runtime.step_cache import StepCache
 from myserve.runtime.step_layout import StepShape, layout
-from myserve.runtime.step_ops import ClearSlot, CompileSteps, CopyPage, Op, Progress, StepCall
+from myserve.runtime.step_ops import ClearSlot, CompileSteps, CopyPage, Op, Progress, StepCall, WriteAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,13 @@ def _write_slot(
     prompt_mask = prompt_mask.at[slot, ids].max(valid & to_prompt)
     counts = counts.at[slot, ids].add((valid & ~to_prompt).astype(counts.dtype))
     return counts, prompt_mask
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_adapter(
+    stacks: tuple[jax.Array, ...], slot: jax.Array, arrays: tuple[jax.Array, ...]
+) -> tuple[jax.Array, ...]:
+    return tuple(s.at[slot].set(a.astype(s.dtype)) for s, a in zip(stacks, arrays, strict=True))
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -118,6 +126,9 @@ class Executor:
         """The penalty slot of rows without penalties (the last)."""
 
         self.outer, self.treedef, self.layers = split_model(model)
+        self._lora_leaves = lora_leaf_indices(model)
+        """Positions of the LoRA stacks among a layer's leaves (``LoraLayer`` field order; none
+        without adapters)."""
         backend = model.attention_backend  # picks the cache's layout (the kernel reads its own)
         self.cache_sharding = kv_cache_sharding(mapping, mesh, backend)
         # Penalty state is small next to the cache: replicated, so every row's slot is local.
@@ -173,6 +184,8 @@ class Executor:
             elif isinstance(op, ClearSlot):
                 args = (self.counts, self.prompt_mask, np.int32(op.slot))
                 self.counts, self.prompt_mask = self._small_op(_clear_slot, args)
+            elif isinstance(op, WriteAdapter):
+                self._write_adapter(op)
             else:
                 args = (
                     self.counts,
@@ -184,6 +197,22 @@ class Executor:
                 )
                 self.counts, self.prompt_mask = self._small_op(_write_slot, args)
         return outputs
+
+    def _write_adapter(self, op: WriteAdapter) -> None:
+        """Put an adapter's arrays into slot ``op.slot`` of every layer's LoRA stacks (the layers'
+        leaves at ``_lora_leaves``, donated and replaced)."""
+        at = self._lora_leaves
+        assert at, "a WriteAdapter needs a model loaded with LoRA stacks"
+        stacks = tuple(leaves[j] for leaves in self.layers for j in at)
+        written = self._small_op(_write_adapter, (stacks, np.int32(op.slot), op.arrays))
+        it = iter(written)
+        layers = []
+        for leaves in self.layers:
+            new = list(leaves)
+            for j in at:
+                new[j] = next(it)
+            layers.append(tuple(new))
+        self.layers = tuple(layers)
 
     def _small_op(self, fn: Any, args: tuple[Any, ...], static: tuple[Any, ...] = ()) -> Any:
         """A page copy or penalty-slot write, through its executable built on first use (warmup's):
@@ -276,7 +305,7 @@ class Executor:
             logprobs=got[1],
             top_ids=got[2] if tops else None,
             top_logprobs=got[3] if tops else None,
-            scores=(got[end - 3], got[end - 2], got[end - 1]) if scored else None,
+            scores=(got[end - 4], got[end - 3], got[end - 2], got[end - 1]) if scored else None,
             pooled=got[-1] if pooled else None,
         )
 

@@ -69,7 +69,7 @@ class StepOutput(NamedTuple):
 
     sampled: SampleOutput
     """tokens [N1], logprobs [N1], top ids and top logprobs [N1, K] (no columns in ``argmax`` mode)."""
-    scores: tuple[jax.Array, jax.Array, jax.Array] | None
+    scores: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None
     """(logprob of the following token [T], top ids [T, K], top logprobs [T, K]); None when nothing is scored."""
     pooled: jax.Array | np.ndarray
     """float32 [N1, embed]: per pooling row (a span's index), the sum of its pooled tokens' final
@@ -233,6 +233,7 @@ def decode_loop(
             AttentionView(view.idx, pos[:, None], jnp.where(active, pos + 1, 0), view.pages),
             batch.blocks,
             chunk_pages=shape.chunk_pages,
+            adapters=batch.adapters,
         )
         x, cache = _forward(shape, treedef, cache_sharding, outer, layers, cache, tokens, step_batch)
         hidden = x.rearrange((BATCH, POS, "embed")).array[0]
@@ -280,11 +281,18 @@ def _sample_rows(
 
 
 @jax.jit
-def score_step(outer: LlamaModel, hidden: jax.Array, following: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def score_step(
+    outer: LlamaModel, hidden: jax.Array, following: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Prompt scores of one step: the logprob of each flat token's following token (``following``
-    [T], -1 where not scored) with the top K, from ``hidden`` [T, embed]."""
+    [T], -1 where not scored) with the top K, and its rank (1 + the tokens more likely), from
+    ``hidden`` [T, embed]."""
     logits = outer.logits(outer.norm(hax.named(hidden[None], (BATCH, POS, "embed")))).array[0]  # [T, V]
-    return token_logprobs(logits, jnp.maximum(following, 0), MAX_TOP_LOGPROBS)
+    targets = jnp.maximum(following, 0)
+    chosen, top_ids, top_lps = token_logprobs(logits, targets, MAX_TOP_LOGPROBS)
+    target_logit = jnp.take_along_axis(logits, targets[:, None], axis=-1)
+    ranks = 1 + jnp.sum(logits > target_logit, axis=-1, dtype=jnp.int32)
+    return chosen, top_ids, top_lps, ranks
 
 
 def _pool(outer: LlamaModel, x: hax.NamedArray, pool_rows: jax.Array, rows: int) -> jax.Array:
@@ -344,6 +352,17 @@ def step_logits(
     tokens, batch, *_ = unpack_step(flat, shape)
     x, cache = _forward(shape, treedef, cache_sharding, outer, layers, cache, tokens, batch)
     return _all_logits(outer, x), cache
+
+
+def lora_leaf_indices(model: LlamaModel) -> tuple[int, ...]:
+    """Where a layer's LoRA stacks sit among its flattened leaves (``split_model``'s), in
+    ``LoraLayer`` field order; empty when the layers hold none."""
+    layer = model.layers[0]
+    if layer.lora is None:
+        return ()
+    leaves = jax.tree_util.tree_leaves(layer)
+    ids = {id(leaf): j for j, leaf in enumerate(leaves)}
+    return tuple(ids[id(leaf)] for leaf in jax.tree_util.tree_leaves(layer.lora))
 
 
 def split_model(

@@ -78,6 +78,7 @@ class StepShape:
             (t,),  # following (scored prompt positions' next token, -1 elsewhere)
             (t,),  # feed (the previous step's sampling row whose token this token is, -1 elsewhere)
             (t,),  # pool_rows (the pooling row a token's hidden state is summed into, -1 elsewhere)
+            (1, t),  # adapters (the LoRA slot of each token's sequence, -1: the base model)
         )  # fmt: skip
 
 
@@ -97,6 +98,8 @@ class Span:
     pool: tuple[int, int] | None = None
     """An embedding request's span: the tokens (first, stop offsets in the span) whose final hidden
     states are summed into its pooling row (the span's index in the step)."""
+    adapter: int = -1
+    """The LoRA slot its tokens go through (-1: the base model)."""
 
     def blocks(self, block_tokens: int) -> int:
         """Blocks of ``block_tokens`` this span takes in the block view (0: it is a single-view row)."""
@@ -150,6 +153,7 @@ def layout(spans: Sequence[Span], shape: StepShape, page_size: int) -> HostStep:
     following = np.full(t, -1, np.int32)
     feed = np.full(t, -1, np.int32)
     pool_rows = np.full(t, -1, np.int32)
+    adapters = np.full(t, -1, np.int32)
     lengths = [len(span.token_ids) for span in spans]
     ends = list(itertools.accumulate(lengths))  # flat index after each span
     singles = [i for i, n in enumerate(lengths) if n == 1]
@@ -175,6 +179,8 @@ def layout(spans: Sequence[Span], shape: StepShape, page_size: int) -> HostStep:
                 n_block += 1
         if span.feed >= 0:
             feed[end - 1] = span.feed
+        if span.adapter >= 0:
+            adapters[at:end] = span.adapter
         if span.following is not None:
             following[at : at + len(span.following)] = span.following
             scored = True
@@ -190,6 +196,7 @@ def layout(spans: Sequence[Span], shape: StepShape, page_size: int) -> HostStep:
     arrays = [
         tokens, positions[None], np.array([ends[-1] if ends else 0], np.int32), write_pages[None],
         s_idx, s_pos, s_kv, s_pages, b_idx, b_pos, b_kv, b_pages, sample_idx, following, feed, pool_rows,
+        adapters[None],
     ]  # fmt: skip
     return HostStep(arrays, sample_rows, scored, pooled)
 

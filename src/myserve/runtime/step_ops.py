@@ -88,7 +88,15 @@ class StepCall(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True
     then one of one-token rows only, and each row decodes its own ``STEPS`` tokens of them."""
 
 
-Op = CopyPage | ClearSlot | WriteSlot | CompileSteps | StepCall
+class WriteAdapter(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
+    """Write a LoRA adapter into a device slot of every layer's stacks (``models/lora.py``):
+    ``arrays`` is ``LoraAdapter.flat()``, every layer's fields in order (same shapes each time)."""
+
+    slot: int
+    arrays: tuple[np.ndarray, ...]
+
+
+Op = CopyPage | ClearSlot | WriteSlot | WriteAdapter | CompileSteps | StepCall
 """The ops are msgspec Structs, tagged by class name, so that a multi-host leader sends them to its
 followers as typed data (``runtime/step_channel.py``), never as pickle."""
 

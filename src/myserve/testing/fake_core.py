@@ -133,7 +133,12 @@ class FakeDevice:
                     break  # the row stops: later iterations are garbage the host never reads
         k = rows.MAX_TOP_LOGPROBS
         t = op.shape.tokens
-        scores = (np.zeros(t, np.float32), np.zeros((t, k), np.int32), np.zeros((t, k), np.float32))
+        scores = (
+            np.zeros(t, np.float32),
+            np.zeros((t, k), np.int32),
+            np.zeros((t, k), np.float32),
+            np.ones(t, np.int32),
+        )
         if steps == 1:
             tops = np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)
             return StepRead(tokens[0], np.zeros(n, np.float32), *tops, scores, fake_pooled(op))

@@ -39,6 +39,15 @@ class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True
     """Front -> core: forget every cached prompt prefix (``/reset_prefix_cache``)."""
 
 
+class UpdateAdapter(msgspec.Struct, tag="update_adapter", array_like=True):
+    """Front -> core: register LoRA adapter ``name`` from ``path`` (None: unregister it); the core
+    answers every front end with ``AdaptersChanged`` carrying ``token``."""
+
+    token: str
+    name: str
+    path: str | None = None
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """Front -> core: stop (in-flight requests are aborted) and exit 0."""
 
@@ -53,6 +62,8 @@ class Loaded(msgspec.Struct, tag="loaded", array_like=True):
     """How the model makes embeddings; None when it serves none."""
     generation_defaults: dict[str, float] = msgspec.field(default_factory=dict)
     """Request defaults from the model's generation config (temperature, top_p, max_new_tokens...)."""
+    adapters: dict[str, str] = msgspec.field(default_factory=dict)
+    """The LoRA adapters served (name -> path)."""
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -72,6 +83,15 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True):
     stats: EngineStats
 
 
+class AdaptersChanged(msgspec.Struct, tag="adapters", array_like=True):
+    """Core -> every front end: the answer to ``UpdateAdapter`` ``token`` (``error`` None: done) and
+    the adapters served now."""
+
+    token: str
+    error: str | None
+    adapters: dict[str, str]
+
+
 class Died(msgspec.Struct, tag="died", array_like=True):
     """Core -> front: the engine stopped on an error (every request was failed first)."""
 
@@ -80,8 +100,8 @@ class Died(msgspec.Struct, tag="died", array_like=True):
     """The deployment could not load because of its configuration: a one-line error, exit 2."""
 
 
-ToCore = AddRequest | AbortRequest | ResetPrefixCache | Shutdown
-FromCore = Loaded | Ready | Outputs | Heartbeat | Died
+ToCore = AddRequest | AbortRequest | ResetPrefixCache | UpdateAdapter | Shutdown
+FromCore = Loaded | Ready | Outputs | Heartbeat | AdaptersChanged | Died
 
 encoder = msgspec.msgpack.Encoder()
 to_core = msgspec.msgpack.Decoder(ToCore)

@@ -27,6 +27,8 @@ class TokenLogprob:
     logprob: float
     top: tuple[tuple[int, float], ...]
     """(token id, logprob) pairs, most likely first; as many as the request asked for."""
+    rank: int | None = None
+    """The token's rank in the vocabulary by logprob (1: the most likely); prompt tokens only."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,9 @@ class SamplingParams:
     n: int = 1
     """Number of choices generated for the prompt."""
     stop: tuple[str, ...] = ()
-    """Strings that end generation; they are not included in the output."""
+    """Strings that end generation; not included in the output unless ``include_stop_str_in_output``."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string (or a stop token id's text) that ended a choice in its text."""
     stop_token_ids: tuple[int, ...] = ()
     """Token ids that end generation (in addition to EOS unless ``ignore_eos``)."""
     ignore_eos: bool = False
@@ -55,9 +57,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None
     """Constrains the output (a JSON schema, a regex, ...): ``grammar.py``."""
+    allowed_token_ids: tuple[int, ...] = ()
+    """Only these tokens may be sampled (empty: any); applied as a token mask, like a grammar's."""
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    """Token sequences never generated: the last token of each is banned where the output ends with
+    the ones before it (vLLM's ``bad_words``, tokenized by the front end)."""
     grammar_after: tuple[int, ...] = ()
     """The grammar applies only after the output contains these tokens (a reasoning block's end
     marker); empty: from the first token."""
+    adapter: str | None = None
+    """The LoRA adapter the request runs through (its served name); None: the base model."""
     pooling: PoolingParams | None = None
     """An embedding request: the prompt is pooled into one vector and nothing is generated
     (``wire/pooling.py``); the sampling fields are then unused."""
@@ -105,10 +114,17 @@ class SamplingParams:
         check(all(s for s in self.stop), "stop", "stop strings must not be empty")
         check(len(self.stop) <= 16, "stop", "at most 16 stop strings")
         check(not self.grammar_after or self.grammar is not None, "grammar_after", "grammar_after needs a grammar")
+        check(len(self.bad_words_ids) <= 256, "bad_words", "at most 256 bad words")
+        check(all(self.bad_words_ids), "bad_words", "a bad word must be at least one token")
         if self.pooling is not None:
             check(self.n == 1, "n", "an embedding request has one choice")
             dims = self.pooling.dimensions
             check(dims is None or dims >= 1, "dimensions", "dimensions must be at least 1")
+
+    @property
+    def masks_tokens(self) -> bool:
+        """Whether a token mask beyond a grammar's applies (``allowed_token_ids``, ``bad_words_ids``)."""
+        return bool(self.allowed_token_ids or self.bad_words_ids)
 
     @staticmethod
     def bias_from_mapping(bias: Mapping[str, float] | Mapping[int, float] | None) -> tuple[tuple[int, float], ...]:

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from myserve.frontend.app_context import AppContext
 from myserve.frontend.chat_output import ChoiceParser
 from myserve.frontend.errors import APIError
-from myserve.frontend.generation import admit, grammar_param, respond, sampling_params
+from myserve.frontend.generation import admit, grammar_param, max_tokens_of, respond, sampling_params
 from myserve.frontend.protocol import ChatCompletionRequest
 from myserve.frontend.reasoning import ReasoningParser, State
 from myserve.frontend.responses import ResponseContext
@@ -26,7 +26,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request, models: Models) -> Response:
     context = models.resolve(req.model)
-    expires = admit(context, req)
+    expires = admit(context, req, request)
     response, param = prepare_chat(context, req, expires)
     return await respond(context, request, response, req.stream, param)
 
@@ -44,9 +44,11 @@ def prepare_chat(
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
         message = f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"
         raise APIError(400, message, param="top_logprobs", code="invalid_value")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens: int | None = req.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = max_tokens_of(req, req.max_tokens)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    grammar = request_grammar(req.response_format, req.structured_outputs)
+    grammar = request_grammar(req)
     plan = plan_tools(req, context.auto_parser)
     if plan.grammar is not None:
         if grammar is not None:
@@ -58,7 +60,7 @@ def prepare_chat(
                 code="invalid_value",
             )
         grammar = plan.grammar
-    text = context.render_text(req.messages, True, plan.template_tools, req.chat_template_kwargs)
+    text = context.render_text(req.messages, req, plan.template_tools, req.template_variables())
     reasoning = context.reasoning
     state: State = reasoning.initial_state(text) if reasoning else "content"
     # With a reasoning parser, a grammar constrains only what follows the reasoning block.
@@ -75,13 +77,22 @@ def prepare_chat(
     response = ResponseContext(
         kind=kind,
         model=req.model,  # the name the client used (an alias stays an alias)
-        prompts=[context.encode_chat(text)],
+        prompts=context.truncate([context.encode_chat(text)], req.truncate_prompt_tokens),
         params=params,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         deadline=expires,
         choice_parser=_choice_parsers(context, req, plan, state),
+        chat_echo=_echo(req),
+        prompt_logprobs=req.prompt_logprobs,
+        token_ids_as_text=req.return_tokens_as_token_ids or context.return_tokens_as_token_ids,
     )
     return response, "tools" if plan.grammar is not None else grammar_param(req)
+
+
+def _echo(req: ChatCompletionRequest) -> str:
+    """With ``echo``, the final message's content when it is the answer's role's (vLLM's)."""
+    last = req.messages[-1]
+    return last.text() if req.echo and last.role == "assistant" else ""
 
 
 def _choice_parsers(

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from myserve.frontend.errors import APIError
-from myserve.frontend.generation import admit, grammar_param, respond, sampling_params
+from myserve.frontend.generation import admit, grammar_param, max_tokens_of, respond, sampling_params
 from myserve.frontend.protocol import CompletionRequest
 from myserve.frontend.responses import ResponseContext
 from myserve.frontend.served_models import Models
@@ -22,17 +22,19 @@ router = APIRouter()
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request, models: Models) -> Response:
     context = models.resolve(req.model)
-    expires = admit(context, req)
+    expires = admit(context, req, request)
     tokenizer = context.tokenizer
     prompts = completion_prompts(req.prompt, tokenizer.encode, "prompt")
     if isinstance(req.prompt, list) and not isinstance(req.prompt[0], str):  # the client's token ids,
         context.check_token_ids((t for p in prompts for t in p), "prompt")  # checked before echo decodes them
+    prompts = context.truncate(prompts, req.truncate_prompt_tokens)
+    max_tokens = max_tokens_of(req, req.max_tokens)
     # echo with logprobs scores the prompt; echo with max_tokens 0 returns only the prompt.
     prompt_logprobs = None
-    if req.echo and (req.logprobs is not None or req.max_tokens == 0):
+    if req.echo and (req.logprobs is not None or max_tokens == 0):
         prompt_logprobs = req.logprobs or 0
-    grammar = request_grammar(req.response_format, req.structured_outputs)
-    params = sampling_params(context, req, req.max_tokens, req.logprobs, prompt_logprobs, grammar=grammar)
+    grammar = request_grammar(req)
+    params = sampling_params(context, req, max_tokens, req.logprobs, prompt_logprobs, grammar=grammar)
     response = ResponseContext(
         kind="completion",
         model=req.model,
@@ -41,6 +43,8 @@ async def completions(req: CompletionRequest, request: Request, models: Models) 
         echo_texts=[tokenizer.decode(p) for p in prompts] if req.echo else None,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         deadline=expires,
+        prompt_logprobs=req.prompt_logprobs,
+        token_ids_as_text=req.return_tokens_as_token_ids or context.return_tokens_as_token_ids,
     )
     return await respond(context, request, response, req.stream, grammar_param(req))
 

@@ -26,7 +26,7 @@ router = APIRouter()
 @router.post("/v1/embeddings")
 async def embeddings(req: EmbeddingRequest, request: Request, models: Models) -> Response:
     context = models.resolve(req.model)
-    expires = admit(context, req)
+    expires = admit(context, req, request)
     pooler = check_embeds(context)
     if req.dimensions is not None and (why := pooler.check_dimensions(req.dimensions)):
         raise APIError(400, why, param="dimensions", code="invalid_value")
@@ -61,11 +61,4 @@ def embedding_inputs(
         context.check_token_ids((t for ids in inputs for t in ids), field)
     if any(not ids for ids in inputs):
         raise APIError(400, "an input must contain at least one token", param=field, code="invalid_value")
-    if keep is not None:
-        limit = context.engine.max_model_len
-        if keep > limit:
-            message = f"truncate_prompt_tokens ({keep}) exceeds the model's context length ({limit})"
-            raise APIError(400, message, param="truncate_prompt_tokens", code="invalid_value")
-        keep = limit if keep == -1 else keep
-        inputs = [ids[-keep:] if keep else ids for ids in inputs]
-    return inputs
+    return context.truncate(inputs, keep)

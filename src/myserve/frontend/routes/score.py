@@ -28,7 +28,7 @@ _PARAMS = SamplingParams(pooling=PoolingParams(normalize=True))
 @router.post("/score", include_in_schema=False)
 async def score(req: ScoreRequest, request: Request, models: Models) -> Response:
     context = models.resolve(req.model)
-    expires = admit(context, req)
+    expires = admit(context, req, request)
     check_embeds(context)
     first = [req.text_1] if isinstance(req.text_1, str) else req.text_1
     second = [req.text_2] if isinstance(req.text_2, str) else req.text_2
@@ -52,7 +52,7 @@ async def score(req: ScoreRequest, request: Request, models: Models) -> Response
 @router.post("/v2/rerank", include_in_schema=False)
 async def rerank(req: RerankRequest, request: Request, models: Models) -> Response:
     context = models.resolve(req.model)
-    expires = admit(context, req)
+    expires = admit(context, req, request)
     check_embeds(context)
     if not req.documents:
         raise APIError(400, "documents must not be empty", param="documents", code="invalid_value")

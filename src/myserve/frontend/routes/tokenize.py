@@ -20,7 +20,7 @@ async def tokenize(req: TokenizeRequest, models: Models) -> dict:
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
     if req.messages is not None:
-        ids = context.encode_chat(context.render_text(req.messages, req.add_generation_prompt))
+        ids = context.encode_chat(context.render_text(req.messages, req, template_kwargs=req.chat_template_kwargs))
     else:
         ids = context.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
     return {"tokens": ids, "count": len(ids), "max_model_len": context.engine.max_model_len}
