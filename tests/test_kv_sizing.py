@@ -90,3 +90,16 @@ def test_a_context_the_pool_cannot_hold_is_refused_naming_both() -> None:
         plan(EngineConfig(gpu_memory_utilization=0.1), platform="gpu", bytes_limit=8 * GIB, weight_bytes=GIB)
     with pytest.raises(ConfigError, match="does not report its memory"):
         plan(EngineConfig(), platform="tpu")
+
+
+def test_the_peak_after_warmup_is_held_to_the_share() -> None:
+    """The post-warmup line: the devices' largest peak against the allocator's limit (the share the
+    core asked for); none on a CPU, which reports no peak."""
+    from myserve.runtime.kv_sizing import peak_report
+
+    assert peak_report([{}, {}], 0.9) is None
+    devices = [{"peak_bytes_in_use": n * GIB, "bytes_limit": 72 * GIB} for n in (30, 40)]
+    line, over = peak_report(devices, 0.9)
+    assert not over and "peak 40.00 GiB of the 72.00 GiB gpu_memory_utilization 0.9 allows" in line
+    line, over = peak_report([{"peak_bytes_in_use": 73 * GIB, "bytes_limit": 72 * GIB}], 0.9)
+    assert over and "raise --gpu-memory-utilization" in line

@@ -84,4 +84,5 @@ def core_arguments(
         seed=cfg.seed,
         generation_defaults=generation_defaults(dep.config.model, dep.checkpoint_dir),
         adapters=registry,
+        memory_utilization=cfg.gpu_memory_utilization,
     )

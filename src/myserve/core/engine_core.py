@@ -69,8 +69,11 @@ class EngineCore(EngineCounters, EngineAdmin):
         seed: int | None = None,
         generation_defaults: dict[str, float] | None = None,
         adapters: AdapterRegistry | None = None,
+        memory_utilization: float = 0.9,
     ):
         self.replicas = list(replicas)
+        self.memory_utilization = memory_utilization
+        """``engine.gpu_memory_utilization``: the share of a device the peak after warmup is held to."""
         self.adapters = adapters
         """The LoRA adapters served (None: the engine serves none); touched on the engine thread only
         once it runs."""
@@ -138,7 +141,13 @@ class EngineCore(EngineCounters, EngineAdmin):
         """
         runners = [r.runner for r in self.replicas if not r.runner.warmed_up]
         if warmup and runners:
-            warm_up(runners, self._compile_counts, since=self.warmup_since, progress=progress)
+            warm_up(
+                runners,
+                self._compile_counts,
+                since=self.warmup_since,
+                progress=progress,
+                memory_utilization=self.memory_utilization,
+            )
         self._thread = threading.Thread(target=self._loop, name="myserve-engine", daemon=True)
         self._thread.start()
         self.ready.set()

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from myserve.core.runner import ModelRunner
+from myserve.runtime.kv_sizing import peak_report
 
 logger = logging.getLogger(__name__)
 
@@ -23,9 +24,11 @@ def warm_up(
     *,
     since: tuple[float, int, int] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    memory_utilization: float = 0.9,
 ) -> None:
     """Build every runner's step shapes. ``progress(done, total)`` is told of each shape built; by
-    default a tqdm bar shows it. ``since``: (perf_counter, compiled, loaded) when the builds began."""
+    default a tqdm bar shows it. ``since``: (perf_counter, compiled, loaded) when the builds began.
+    Then the devices' peak memory is logged against ``memory_utilization`` (where they report it)."""
     t0 = time.perf_counter()
     per_runner = runners[0].buckets.compile_ops()[0].count
     total = per_runner * len(runners)
@@ -59,3 +62,7 @@ def warm_up(
         loaded,
         time.perf_counter() - t0,
     )
+    memory = peak_report([s for runner in runners for s in runner.device.memory_stats()], memory_utilization)
+    if memory is not None:
+        line, over = memory
+        (logger.warning if over else logger.info)(line)

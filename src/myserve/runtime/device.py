@@ -62,6 +62,11 @@ class Device(Protocol):
         shutdown, so that no thread keeps compiling for a stopped engine)."""
         ...
 
+    def memory_stats(self) -> list[dict[str, int]]:
+        """Each device's allocator figures (``peak_bytes_in_use``, ``bytes_limit``); empty dicts, or
+        none, where the platform reports none."""
+        ...
+
     def step_ready(self, shape: StepShape) -> bool:
         """Whether the forward executable of ``shape`` is built, without waiting (one of a narrower
         context bucket is built in the background after ready)."""

@@ -282,6 +282,11 @@ class Executor:
         """Cancel the background builds not yet started (the one under way ends on its own)."""
         self._executables.stop_background()
 
+    def memory_stats(self) -> list[dict[str, int]]:
+        """Each device's allocator figures (``peak_bytes_in_use``, ``bytes_limit``...); empty
+        dicts where the platform reports none (the CPU)."""
+        return [dict(d.memory_stats() or {}) for d in self.mesh.devices.flat]
+
     def step_ready(self, shape: StepShape) -> bool:
         """Whether the forward of ``shape`` is built (without waiting)."""
         return self._executables.ready(("forward", shape))

@@ -7,7 +7,8 @@ pool's shape while the weights load, so the size must be known first).
   pool and the steps' activations; the pool takes what the weights' bytes (from the checkpoint's
   headers) and an estimate of the activations (``activation_bytes``) leave. On a GPU the core
   process asks XLA's allocator for that fraction of the device (``XLA_PYTHON_CLIENT_MEM_FRACTION``,
-  unless set) instead of its default 75 %. After warmup the engine logs the peak it measured.
+  unless set) instead of its default 75 %. After warmup the engine logs the peak the devices'
+  allocators measured against that share, with a warning when it went over (``peak_report``).
 - CPU: ``VLLM_CPU_KVCACHE_SPACE`` GiB when set (vLLM's CPU variable), else 4 GiB or a quarter of
   the available memory, whichever is less, and never more pages than ``max_num_seqs`` sequences
   of ``max_model_len`` tokens can hold (host memory is shared with everything else).
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from myserve.config import EngineConfig
 from myserve.errors import ConfigError
@@ -156,3 +157,28 @@ def plan_pages(
             f"{max(budget, 0) / GIB:.2f} GiB, from {source}): raise {flag} or lower --max-model-len"
         )
     return MemoryPlan(pages, one_page, budget, source)
+
+
+def peak_report(stats: Sequence[Mapping[str, int]], utilization: float) -> tuple[str, bool] | None:
+    """The post-warmup line on device memory: the largest ``peak_bytes_in_use`` of ``stats`` (each
+    device's allocator figures) against ``utilization`` of the device (the allocator's
+    ``bytes_limit`` is that share when the core set ``XLA_PYTHON_CLIENT_MEM_FRACTION``), and whether
+    the peak went over; None where no device reports a peak (the CPU)."""
+    reported = [s for s in stats if s.get("peak_bytes_in_use")]
+    if not reported:
+        return None
+    peak = max(s["peak_bytes_in_use"] for s in reported)
+    limits = [s["bytes_limit"] for s in reported if s.get("bytes_limit")]
+    if not limits:
+        return f"device memory after warmup: peak {peak / GIB:.2f} GiB", False
+    allowed = min(limits)
+    over = peak > allowed
+    line = (
+        f"device memory after warmup: peak {peak / GIB:.2f} GiB of the {allowed / GIB:.2f} GiB "
+        f"gpu_memory_utilization {utilization} allows"
+    )
+    if over:
+        line += (
+            ": over it (raise --gpu-memory-utilization, or lower --kv-cache-memory-bytes or --max-num-batched-tokens)"
+        )
+    return line, over

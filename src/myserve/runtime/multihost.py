@@ -107,6 +107,10 @@ class BroadcastingDevice:
         """This process's background builds, stopped (``Executor.stop_background_builds``)."""
         self.executor.stop_background_builds()
 
+    def memory_stats(self) -> list[dict[str, int]]:
+        """This process's devices' allocator figures (``Executor.memory_stats``)."""
+        return self.executor.memory_stats()
+
     def step_ready(self, shape: StepShape) -> bool:
         """Whether this process has built the forward of ``shape`` (a follower that has not yet
         waits for its own build when the step comes)."""

@@ -152,6 +152,10 @@ class FakeDevice:
     def stop_background_builds(self) -> None:
         """Nothing is built here: nothing to stop."""
 
+    def memory_stats(self) -> list[dict[str, int]]:
+        """No allocator here: nothing to report."""
+        return []
+
     def step_ready(self, shape: Any) -> bool:
         """Nothing is built here: every shape is ready."""
         return True
