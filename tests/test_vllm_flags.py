@@ -82,6 +82,7 @@ def test_every_same_flag_sets_its_key(flag) -> None:
         "model.max_model_len",
         "engine.kv_cache_memory_bytes",
         "model.override_generation_config",
+        "engine.speculative_method",
     ), (flag.name, value)
 
 
@@ -124,10 +125,13 @@ def test_flags_with_no_meaning_here_are_logged(caplog: pytest.LogCaptureFixture)
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--speculative-config", "{}"], "--speculative-config {}: not supported yet"),
         (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: only 1 is supported"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: only auto is supported"),
-        (["--speculative-config", "{}"], "--speculative-config {}: not supported yet"),
+        (
+            ["--speculative-config", '{"model": "/draft", "num_speculative_tokens": 3}'],
+            "--speculative-config: a draft model is not supported yet",
+        ),
+        (["--speculative-config", '{"method": "eagle"}'], "--speculative-config: method 'eagle' is not supported"),
     ],
 )
 def test_unsupported_flags_are_refused_naming_the_flag(argv: list[str], message: str) -> None:

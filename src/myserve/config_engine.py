@@ -72,6 +72,14 @@ class EngineConfig:
     """Adapters kept read on the host (least recently used dropped); null = max_loras."""
     lora_modules: tuple[str, ...] = ()
     """Adapters served from the start, as name=path (a PEFT directory)."""
+    speculative_method: str = "none"
+    """Speculative decoding: none, or ngram (drafts looked up in the sequence itself: prompt lookup)."""
+    num_speculative_tokens: int = 4
+    """Draft tokens a speculating decode proposes and verifies in one step (speculative_method not none)."""
+    prompt_lookup_max: int = 5
+    """ngram: the longest n-gram at the sequence's end looked up."""
+    prompt_lookup_min: int = 1
+    """ngram: the shortest n-gram at the sequence's end looked up."""
 
     def __post_init__(self) -> None:
         # Power of two so that page/offset arithmetic is shifts and kernels tile evenly.
@@ -101,6 +109,11 @@ class EngineConfig:
                 "=" in module and all(module.split("=", 1)), f"engine.lora_modules: expected name=path, got {module!r}"
             )
         check(self.enable_lora or not self.lora_modules, "engine.lora_modules needs engine.enable_lora")
+        check_choice("engine.speculative_method", self.speculative_method, ("none", "ngram"))
+        k = self.num_speculative_tokens
+        check(1 <= k <= 16, f"engine.num_speculative_tokens must be in [1, 16], got {k}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        check(1 <= lo <= hi, f"engine.prompt_lookup_min ({lo}) must be >= 1 and <= prompt_lookup_max ({hi})")
         buckets = list(self.token_buckets)
         check(
             all(b >= 1 for b in buckets) and buckets == sorted(set(buckets)),

@@ -159,6 +159,35 @@ def _lora_module(text: str) -> str:
     return text
 
 
+_SPECULATIVE_KEYS = {
+    "method": "engine.speculative_method",
+    "num_speculative_tokens": "engine.num_speculative_tokens",
+    "prompt_lookup_max": "engine.prompt_lookup_max",
+    "prompt_lookup_min": "engine.prompt_lookup_min",
+}
+
+
+def _speculative(text: str) -> dict[str, object]:
+    """``--speculative-config``'s JSON as config overrides (ngram only: a draft model is refused)."""
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError:
+        given = None
+    if not isinstance(given, dict):
+        raise ConfigError(f"--speculative-config: expected a JSON object, got {text!r}")
+    if given.get("model") is not None and given.get("method", "draft_model") != "ngram":
+        raise ConfigError('--speculative-config: a draft model is not supported yet; use {"method": "ngram", ...}')
+    method = given.get("method", "ngram")
+    if method not in ("ngram", "[ngram]"):
+        raise ConfigError(f"--speculative-config: method {method!r} is not supported (only ngram)")
+    unknown = sorted(set(given) - set(_SPECULATIVE_KEYS) - {"model"})
+    if unknown:
+        raise ConfigError(f"--speculative-config: unsupported keys {', '.join(unknown)}")
+    overrides: dict[str, object] = {key: given[name] for name, key in _SPECULATIVE_KEYS.items() if name in given}
+    overrides["engine.speculative_method"] = "ngram"
+    return overrides
+
+
 def add_config_flags(p: argparse.ArgumentParser) -> None:
     """The flags that choose and size the model and engine (``--config``, ``--hf-checkpoint``,
     ``--set`` and the vLLM-style ones): shared by ``serve`` and ``run_batch``; read by
@@ -227,6 +256,11 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help='adapters served from the start: name=path, or JSON {"name": ..., "path": ...}',
     )
+    p.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}\'',
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key")
 
 
@@ -240,6 +274,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
     check_other_flags(args)
     overrides = {key: value for flag, key in _FLAGS.items() if (value := getattr(args, flag, None)) is not None}
+    if getattr(args, "speculative_config", None) is not None:
+        overrides.update(_speculative(args.speculative_config))
     model = _model_of(args)
     if model is not None:
         overrides["model.checkpoint"] = model

@@ -78,7 +78,8 @@ def core_arguments(
         max_model_len=dep.max_model_len,
         max_waiting=cfg.max_waiting,
         on_shutdown=stop_followers if leader else None,
-        async_scheduling=cfg.async_scheduling,
+        # A speculating decode needs its sequence's tokens known: its steps are read before the next is planned.
+        async_scheduling=cfg.async_scheduling and cfg.speculative_method == "none",
         compile_counts=compile_counts,
         pooler=resolve_pooler(dep.config.model, dep.checkpoint_dir, dep.spec.hidden_size),
         seed=cfg.seed,

@@ -337,7 +337,7 @@ class EngineCore(EngineCounters, EngineAdmin):
             t = timer.lap("dispatch", t)
             self._steps += 1
             self._max_decode_batch = max(self._max_decode_batch, len(batch.decodes))
-            self._prompt_computed += sum(c.num_tokens for c in batch.prefills)
+            self._prompt_computed += sum(c.num_tokens for c in batch.prefills if not c.draft)
         previous = self._inflight
         if self.async_scheduling:
             self._inflight = (self._iteration, dispatched) if dispatched else None
@@ -373,7 +373,7 @@ class EngineCore(EngineCounters, EngineAdmin):
             self._emit(RequestOutput(owner.request_id, 0, finish_reason="stop", embedding=vector))
             self._finish_seq(owner, seq, "stop")
         for seq, samples in results.sampled.items():
-            seq.num_inflight -= len(samples)
+            seq.num_inflight -= results.spent.get(seq, len(samples))
             req = self._requests.get(seq.request_id)
             if req is None or seq.finish_reason is not None:
                 continue  # finished or aborted while its token was in flight: the token is dropped

@@ -52,4 +52,14 @@ class EngineCounters:
             grammar_matchers=matchers_alive(),
             penalty_slots_used=sum(r.scheduler.slots.num_used for r in self.replicas),
             prefix_cache_queries=queries,
+            spec_drafts=sum(r.runner.spec_drafts for r in self.replicas),
+            spec_draft_tokens=sum(r.runner.spec_draft_tokens for r in self.replicas),
+            spec_accepted_tokens=sum(r.runner.spec_accepted for r in self.replicas),
+            spec_accepted_per_pos=_summed([r.runner.spec_accepted_per_pos for r in self.replicas]),
         )
+
+
+def _summed(counts: list[list[int]]) -> tuple[int, ...]:
+    """Per-position counts of several replicas added up (lists of any lengths)."""
+    width = max((len(c) for c in counts), default=0)
+    return tuple(sum(c[i] for c in counts if i < len(c)) for i in range(width))

@@ -16,6 +16,7 @@ single-replica engine unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -23,6 +24,7 @@ import numpy as np
 
 from myserve.config import EngineConfig
 from myserve.core.adapters import AdapterRegistry, AdapterSlots
+from myserve.core.ngram import propose
 from myserve.core.pages import PageAllocator
 from myserve.core.runner import ModelRunner
 from myserve.core.scheduler import Scheduler
@@ -70,6 +72,7 @@ def make_replica(
         max_prefill_chunks=buckets.max_prefill_chunks,
         decode_steps_pages=buckets.decode_shape(1).width,
         adapters=None if adapters is None else AdapterSlots(adapters, cfg.max_loras),
+        speculate=None if cfg.speculative_method == "none" else functools.partial(_ngram_draft, cfg),
     )  # one token per decode until the several-token calls are built (the engine raises it then)
     runner = ModelRunner(
         device,
@@ -94,3 +97,10 @@ class Request:
         self.error: str | None = None
         """Set when the engine failed it: its closing delta carries the message."""
         self.replica: Replica  # set at admission
+
+
+def _ngram_draft(cfg: EngineConfig, seq: Seq) -> list[int]:
+    """A sequence's prompt-lookup draft (``core/ngram.py``) with the engine's settings."""
+    return propose(
+        seq.tokens(0, seq.num_known), cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min
+    )

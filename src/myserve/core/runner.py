@@ -69,6 +69,9 @@ class StepResults:
         default_factory=list
     )
     """Scored prompt chunks: (sequence, start, logprob of each position's next token [n], top ids, top logprobs)."""
+    spent: dict[Seq, int] = dataclasses.field(default_factory=dict)
+    """Tokens in flight a sequence's samples account for, where not one per sample (a speculating
+    decode: one, whatever the draft gave)."""
     pooled: list[tuple[Seq, int, int, np.ndarray | None]] = dataclasses.field(default_factory=list)
     """Chunks of embedding requests: (sequence, start, tokens, summed hidden states of its pooled
     tokens [embed], or None when none of its tokens pools)."""
@@ -86,6 +89,10 @@ def span_of(chunk: ScheduledChunk, inflight_rows: dict[Seq, int]) -> Span:
     decode planned while the step sampling its token runs): the device feeds it from that step's
     sampling row, ``inflight_rows[seq]``."""
     seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+    adapter = -1 if seq.adapter_slot is None else seq.adapter_slot
+    if chunk.draft:  # its known last token, then the draft: every position samples
+        tokens = [*seq.tokens(start, start + 1), *chunk.draft]
+        return Span(tokens, start, seq.pages, True, adapter=adapter, sample_count=chunk.sample_count)
     tokens = seq.tokens(start, start + n)
     feed = -1
     if len(tokens) < n:
@@ -94,7 +101,6 @@ def span_of(chunk: ScheduledChunk, inflight_rows: dict[Seq, int]) -> Span:
         tokens, feed = [*tokens, 0], inflight_rows[seq]
     following = seq.tokens(start + 1, start + n + 1) if seq.scores_prompt(start) else None
     pool = seq.pool_range(start, n) if seq.pool_type is not None else None
-    adapter = -1 if seq.adapter_slot is None else seq.adapter_slot
     return Span(tokens, start, seq.pages, chunk.samples, following, feed, pool, adapter)
 
 
@@ -128,6 +134,10 @@ class ModelRunner:
         self.warmed_up = False
         self._inflight_rows: dict[Seq, int] = {}
         """Sampling row of each sequence in the last planned step (whose tokens may be in flight)."""
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted = 0
+        """Speculating decodes verified, their draft tokens, and the draft tokens that held."""
+        self.spec_accepted_per_pos: list[int] = []
+        """Draft tokens that held, by position in the draft (vLLM's per-position counter)."""
 
     # -- penalty slots ------------------------------------------------------------------------
     @staticmethod
@@ -145,12 +155,15 @@ class ModelRunner:
 
     # -- steps --------------------------------------------------------------------------------
     def _sampling_rows(self, chunks: Sequence[ScheduledChunk], rows: int, several: bool = False) -> SamplingRows:
-        """The packed sampling rows of a step: row ``i`` samples for ``chunks[i]``. ``several``: a
-        several-token decode call, whose rows carry their token counts and their EOS and stop ids
-        (where the device stops them; banned only under ``min_tokens``)."""
+        """The packed sampling rows of a step: ``chunks[i]``'s rows in order (one, or one per position
+        of a speculating decode, each at its own output position). ``several``: a several-token
+        decode call, whose rows carry their token counts and their EOS and stop ids (where the device
+        stops them; banned only under ``min_tokens``)."""
         packed = SamplingRows.empty(rows, self.scratch_slot)
-        seqs = [chunk.seq for chunk in chunks]
-        generated = [len(seq.output_ids) + seq.num_inflight for seq in seqs]  # the token in flight is generated
+        expanded = [(chunk, j) for chunk in chunks for j in range(chunk.sample_count)]
+        seqs = [chunk.seq for chunk, _ in expanded]
+        # The token in flight is generated; a draft's position j samples output token j after.
+        generated = [len(c.seq.output_ids) + c.seq.num_inflight + j for c, j in expanded]
         params = [seq.params for seq in seqs]
         packed.set_leading(params, [seq.seed for seq in seqs], [seq.choice for seq in seqs], generated)
         for i, (seq, p, done) in enumerate(zip(seqs, params, generated, strict=True)):
@@ -159,7 +172,7 @@ class ModelRunner:
                 packed.set_bias(i, ids, values)
             stops = (() if p.ignore_eos else self.eos_ids) + p.stop_token_ids
             if several:
-                packed.ints[i, STEPS] = chunks[i].steps
+                packed.ints[i, STEPS] = expanded[i][0].steps
                 if stops:
                     packed.set_banned(i, stops, steps=max(0, p.min_tokens - done))
             elif done < p.min_tokens:
@@ -198,7 +211,8 @@ class ModelRunner:
         self, host: HostStep, shape: StepShape, sampling: Sequence[ScheduledChunk], steps: int = 1
     ) -> StepCall:
         packed = self._sampling_rows(sampling, shape.singles, several=steps > 1)
-        masked = [(c.seq, i) for i, c in enumerate(sampling) if c.seq.matcher or c.seq.token_filter]
+        row_seqs = [c.seq for c in sampling for _ in range(c.sample_count)]
+        masked = [(seq, i) for i, seq in enumerate(row_seqs) if seq.matcher or seq.token_filter]
         bitmask = rows = None
         if masked:  # each masked row's next-token mask: its grammar state, then its token filter
             rows = np.array([i for _, i in masked], np.int32)
@@ -210,7 +224,7 @@ class ModelRunner:
                 if s.token_filter is not None:
                     s.token_filter.apply(bitmask[k], s.output_ids)
             packed.ints[rows, CONSTRAINED] = 1
-        mode = head_mode(packed.ints, packed.floats, len(sampling))
+        mode = head_mode(packed.ints, packed.floats, len(row_seqs))
         return StepCall(host.pack(), shape, packed.ints, packed.floats, bitmask, rows, mode, host.scored, steps)
 
     def dispatch(self, planned: PlannedStep) -> PlannedStep:
@@ -234,6 +248,8 @@ class ModelRunner:
                     (int(read.tokens[i, row]), float(read.logprobs[i, row]), *_tops(read, planned.tops, i, row))
                     for i in range(chunk.steps)
                 ]
+            elif row is not None and chunk.draft:
+                self._verify(chunk, read, row, planned.tops, results)
             elif row is not None:
                 top = (read.top_ids[row], read.top_logprobs[row]) if planned.tops else (_NO_TOP, _NO_TOP)  # type: ignore[index]
                 results.sampled[chunk.seq] = [(int(read.tokens[row]), float(read.logprobs[row]), *top)]
@@ -245,6 +261,33 @@ class ModelRunner:
                     (chunk.seq, chunk.start, lp[at : at + n], ids[at : at + n], tlp[at : at + n], ranks[at : at + n])
                 )
         return results
+
+    def _verify(self, chunk: ScheduledChunk, read: Any, row: int, tops: bool, results: StepResults) -> None:
+        """A speculating decode's samples, one per position from ``row``: position j's sample is the
+        token after draft token j-1, so the draft holds while each sample equals the next draft
+        token; the samples up to the first that differs (or the one after the whole draft) are the
+        new tokens, exactly those plain decodes would have sampled (the same rows, seeds and
+        positions). The sequence's computed tokens end where the draft stopped holding."""
+        seq, draft = chunk.seq, chunk.draft
+        got = [int(t) for t in read.tokens[row : row + 1 + len(draft)]]
+        held = next((j for j, d in enumerate(draft) if got[j] != d), len(draft))
+        results.sampled[seq] = [
+            (got[j], float(read.logprobs[row + j]), *self._row_tops(read, tops, row + j)) for j in range(held + 1)
+        ]
+        results.spent[seq] = 1  # the scheduler counted one token in flight
+        seq.num_computed = chunk.start + held + 1
+        seq.speculating = False
+        self.spec_drafts += 1
+        self.spec_draft_tokens += len(draft)
+        self.spec_accepted += held
+        if len(self.spec_accepted_per_pos) < len(draft):
+            self.spec_accepted_per_pos += [0] * (len(draft) - len(self.spec_accepted_per_pos))
+        for j in range(held):
+            self.spec_accepted_per_pos[j] += 1
+
+    @staticmethod
+    def _row_tops(read: Any, tops: bool, row: int) -> tuple[np.ndarray, np.ndarray]:
+        return (read.top_ids[row], read.top_logprobs[row]) if tops else (_NO_TOP, _NO_TOP)
 
     def _built(self, shape: StepShape) -> bool:
         """Whether a step may run in ``shape``: its forward is built (one of a narrower context

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from myserve.core.adapters import AdapterSlots
@@ -45,12 +46,21 @@ class ScheduledChunk:
     steps: int = 1
     """Tokens a one-token decode chunk produces in this call (> 1: a several-token decode call,
     its pages reserved; the sequence's tokens up to ``start + steps - 1`` count as computed)."""
+    draft: tuple[int, ...] = ()
+    """A speculating decode's draft tokens, after its last known token (``num_tokens`` counts
+    them): each position samples, and the draft is kept as far as the samples agree with it."""
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the sequence's last known token, so its logits give a new token
         (never for an embedding request's chunk, whose hidden states are pooled instead)."""
-        return self.start + self.num_tokens == self.seq.num_tokens and self.seq.pool_type is None
+        known_end = self.start + self.num_tokens - len(self.draft)
+        return known_end == self.seq.num_tokens and self.seq.pool_type is None
+
+    @property
+    def sample_count(self) -> int:
+        """Sampling rows this chunk takes: one, or one per position of a speculating decode."""
+        return 1 + len(self.draft)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +99,14 @@ class Scheduler:
         decode_steps: int = 1,
         decode_steps_pages: int | None = None,
         adapters: AdapterSlots | None = None,
+        speculate: Callable[[Sequence], list[int]] | None = None,
     ):
         """``decode_steps``: tokens a decode may produce per call when the step is decodes only and
         nothing needs the host between tokens (1: one per call); ``decode_steps_pages``: the most
         pages such a sequence may hold (the several-token calls' page tables); ``adapters``: the
-        LoRA slots a sequence naming an adapter needs while it runs (None: no adapters served)."""
+        LoRA slots a sequence naming an adapter needs while it runs (None: no adapters served);
+        ``speculate(seq)``: draft tokens for a decode (``core/ngram.py``; None: no speculation)."""
+        self.speculate = speculate
         self.allocator = allocator
         self.decode_steps = decode_steps
         self.decode_steps_pages = decode_steps_pages
@@ -234,6 +247,8 @@ class Scheduler:
             self._start_running(seq, fill_slots)
             chunks[seq] = ScheduledChunk(seq, seq.num_computed, first)
             budget -= first
+        if self.speculate is not None:
+            budget, multi = self._speculate(chunks, budget, multi, cap)
         # Decodes: one-token chunks that score no prompt position (the runner lays out both kinds alike).
         decodes = [c for c in chunks.values() if c.num_tokens == 1 and not c.seq.scores_prompt(c.start)]
         prefills = [c for c in chunks.values() if c.num_tokens > 1 or c.seq.scores_prompt(c.start)]
@@ -241,6 +256,27 @@ class Scheduler:
             decodes = [self._several(c) for c in decodes]
         writes = self.adapters.take_pending() if self.adapters is not None else []
         return ScheduledBatch(decodes, prefills, preempted, copies, fill_slots, writes)
+
+    def _speculate(self, chunks: dict[Sequence, ScheduledChunk], budget: int, multi: int, cap: int) -> tuple[int, int]:
+        """Turn decodes that may speculate into a draft's worth of positions, oldest first, while the
+        step has sampling rows (one per position: at most ``max_num_seqs`` in all), token budget and
+        free pages for them (never preempting); the budget and multi-token chunks left."""
+        spare = self.max_num_seqs - sum(c.sample_count for c in chunks.values() if c.samples)
+        assert self.speculate is not None
+        for seq, chunk in sorted(chunks.items(), key=lambda item: item[0].admitted_at):
+            if spare <= 0 or budget <= 0 or multi >= cap:
+                break
+            if chunk.num_tokens != 1 or not chunk.samples or not seq.may_speculate:
+                continue
+            room = seq.max_len - seq.num_tokens - 1  # the token after the draft is sampled too
+            draft = self.speculate(seq)[: min(spare, budget, room)]
+            need = self._pages_needed(seq, 1 + len(draft))
+            if not draft or not self.allocator.can_allocate(need):
+                continue
+            seq.pages.extend(self.allocator.allocate(need))
+            chunks[seq] = ScheduledChunk(seq, chunk.start, 1 + len(draft), draft=tuple(draft))
+            spare, budget, multi = spare - len(draft), budget - len(draft), multi + 1
+        return budget, multi
 
     def _acquire_adapter(self, seq: Sequence) -> bool:
         """The slot of ``seq``'s adapter (if it names one); False when no slot can hold it now."""
@@ -317,7 +353,11 @@ class Scheduler:
             seq = chunk.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue  # finished or aborted before the step was dispatched
-            seq.num_computed = max(seq.num_computed, chunk.start + chunk.num_tokens + chunk.steps - 1)
+            if chunk.draft:  # only the known token is surely computed: the reader keeps what agreed
+                seq.num_computed = max(seq.num_computed, chunk.start + 1)
+                seq.speculating = True
+            else:
+                seq.num_computed = max(seq.num_computed, chunk.start + chunk.num_tokens + chunk.steps - 1)
             if chunk.samples:
                 seq.num_inflight += chunk.steps
             for page, page_hash in seq.update_page_hashes(self.page_size):

@@ -90,6 +90,9 @@ class Sequence:
         # its pages' hash chain (an adapter's pages are its own in the prefix cache).
         self.adapter_slot: int | None = None
         self.hash_root: bytes | None = None
+        # A speculating decode of it is in flight: its tokens are unknown until the reader decides
+        # how much of the draft held (the engine reads that step before planning the next).
+        self.speculating = False
         # An embedding request's pooling (``Pooler.type``: last, mean or cls), set at admission;
         # None for generation. Its chunks sample nothing: their hidden states are pooled instead.
         self.pool_type: str | None = None
@@ -117,7 +120,26 @@ class Sequence:
     def constrained(self) -> bool:
         """Its next tokens are (or may soon be) masked by a grammar or a token filter: a step's mask
         needs its last token."""
-        return self.matcher is not None or self.pending_matcher is not None or self.token_filter is not None
+        return (
+            self.matcher is not None
+            or self.pending_matcher is not None
+            or self.token_filter is not None
+            or self.speculating
+        )
+
+    @property
+    def may_speculate(self) -> bool:
+        """Whether its next decode may verify a draft: its tokens are all known, nothing masks its
+        samples, no penalty state would need the draft's tokens, and min_tokens is reached (each
+        position then samples exactly as a plain decode at that position would)."""
+        p = self.params
+        return (
+            self.num_inflight == 0
+            and not self.constrained
+            and not p.uses_penalties
+            and self.pool_type is None
+            and len(self.output_ids) >= p.min_tokens
+        )
 
     def advance_grammar(self, token: int) -> bool:
         """Feed an appended output token to the grammar (activating a pending one once the output ends

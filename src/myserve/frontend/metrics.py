@@ -149,25 +149,42 @@ class EngineCounters(Collector):
         ("vllm:num_preemptions", "Cumulative number of preemption from the engine."),
         ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
         ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+        ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+        ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+        ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
     )
+    PER_POSITION = ("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.")
 
     def __init__(self, models: list[ModelMetrics]):
         self.models = models
 
     def describe(self) -> list[Metric]:
         """The families, without samples (for the registry's name check)."""
-        return [CounterMetricFamily(name, doc, labels=["model_name"]) for name, doc in self.FAMILIES]
+        return [
+            *(CounterMetricFamily(name, doc, labels=["model_name"]) for name, doc in self.FAMILIES),
+            CounterMetricFamily(*self.PER_POSITION, labels=["model_name", "position"]),
+        ]
 
     def collect(self) -> list[Metric]:
         """Every model's counts now."""
         families = self.describe()
+        *totals, per_position = families
         for model in self.models:
             s = model.engine.stats()
-            for family, value in zip(
-                families, (s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hit_tokens), strict=True
-            ):
+            values = (
+                s.num_preemptions,
+                s.prefix_cache_queries,
+                s.prefix_cache_hit_tokens,
+                s.spec_drafts,
+                s.spec_draft_tokens,
+                s.spec_accepted_tokens,
+            )
+            for family, value in zip(totals, values, strict=True):
                 assert isinstance(family, CounterMetricFamily)
                 family.add_metric([model.name], value)
+            assert isinstance(per_position, CounterMetricFamily)
+            for position, count in enumerate(s.spec_accepted_per_pos):
+                per_position.add_metric([model.name, str(position)], count)
         return families
 
 

@@ -100,6 +100,9 @@ class Span:
     states are summed into its pooling row (the span's index in the step)."""
     adapter: int = -1
     """The LoRA slot its tokens go through (-1: the base model)."""
+    sample_count: int = 1
+    """Sampling rows of a span that samples: its last token's, or (a speculating decode) one per
+    position of its draft as well, its last ``sample_count`` tokens'."""
 
     def blocks(self, block_tokens: int) -> int:
         """Blocks of ``block_tokens`` this span takes in the block view (0: it is a single-view row)."""
@@ -111,8 +114,9 @@ def count(spans: Sequence[Span], block_tokens: int) -> tuple[int, int, int]:
     """(tokens, one-token spans, blocks) of a step: what its shape must hold."""
     tokens = sum(len(s.token_ids) for s in spans)
     singles = sum(1 for s in spans if len(s.token_ids) == 1)
+    rows = sum(s.sample_count for s in spans if s.samples)  # the single view's N1 is the sampling rows too
     blocks = sum(s.blocks(block_tokens) for s in spans)
-    return tokens, singles, blocks
+    return tokens, max(singles, rows), blocks
 
 
 @dataclasses.dataclass
@@ -189,10 +193,15 @@ def layout(spans: Sequence[Span], shape: StepShape, page_size: int) -> HostStep:
             # at least one token per span.
             pool_rows[at + span.pool[0] : at + span.pool[1]] = i
             pooled = True
-    sampling = [end - 1 for span, end in zip(spans, ends, strict=True) if span.samples]
+    sampling = [
+        end - span.sample_count + j
+        for span, end in zip(spans, ends, strict=True)
+        if span.samples
+        for j in range(span.sample_count)
+    ]
     sample_idx[: len(sampling)] = sampling
-    rows = iter(range(len(sampling)))
-    sample_rows = [next(rows) if span.samples else None for span in spans]
+    firsts = itertools.accumulate((s.sample_count for s in spans if s.samples), initial=0)
+    sample_rows = [next(firsts) if span.samples else None for span in spans]
     arrays = [
         tokens, positions[None], np.array([ends[-1] if ends else 0], np.int32), write_pages[None],
         s_idx, s_pos, s_kv, s_pages, b_idx, b_pos, b_kv, b_pages, sample_idx, following, feed, pool_rows,

@@ -107,3 +107,11 @@ class EngineStats:
     """Penalty slots owned by running sequences."""
     prefix_cache_queries: int = 0
     """Prompt tokens looked up in the prefix cache so far (``prefix_cache_hit_tokens`` of them found)."""
+    spec_drafts: int = 0
+    """Speculating decodes verified (drafts)."""
+    spec_draft_tokens: int = 0
+    """Draft tokens proposed in them."""
+    spec_accepted_tokens: int = 0
+    """Draft tokens that held (the samples agreed)."""
+    spec_accepted_per_pos: tuple[int, ...] = ()
+    """Draft tokens that held, by position in their draft."""

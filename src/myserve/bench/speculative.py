@@ -1,0 +1,115 @@
+"""``python -m myserve.bench.speculative``: one stream's decode speed with prompt-lookup (ngram)
+speculative decoding against without, engine level, in one process.
+
+Two engines of the same model, one speculating (``--k`` draft tokens, n-grams up to
+``--lookup-max``), the other not, answer the same greedy requests one at a time, in alternating
+rounds, on prompts whose answers repeat their input (a code edit, a JSON echo, quoting a text):
+the case prompt lookup is for. Reports each engine's tokens/s, the ratio of the medians, and the
+speculating engine's acceptance rate (draft tokens that held / proposed) and tokens per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from myserve.wire.params import SamplingParams
+
+CODE = """def mean(values):
+    total = 0
+    for v in values:
+        total += v
+    return total / len(value)
+"""
+RECORD = {"id": 4182, "name": "Ada Lovelace", "role": "analyst", "tags": ["math", "engines", "notes"], "active": True}
+TEXT = (
+    "The engine was designed to weave algebraic patterns just as the Jacquard loom weaves flowers and "
+    "leaves. It could act upon other things besides number, were objects found whose mutual "
+    "relations could be expressed by those of the abstract science of operations."
+)
+PROMPTS = [
+    f"Fix the bug in this function and reply with the whole corrected function only:\n\n{CODE}",
+    f"Reply with exactly this JSON object, unchanged:\n\n{json.dumps(RECORD)}",
+    f'Quote this passage word for word, then say in one sentence what it is about:\n\n"{TEXT}"',
+]
+
+
+def one_stream(service, prompt: list[int], max_tokens: int) -> tuple[float, int]:
+    """One greedy request alone: decode tokens/s after its first token, and the tokens."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    first, n = None, 0
+    for out in service.submit(prompt, params):
+        if out.token_ids:
+            n += len(out.token_ids)
+            if first is None:
+                first = time.perf_counter()
+    end = time.perf_counter()
+    assert first is not None
+    return (n - 1) / (end - first) if n > 1 else 0.0, n
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m myserve.bench.speculative", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", default=None, help="HF directory or .gguf (default: the bundled SmolLM2)")
+    parser.add_argument("--k", type=int, default=4, help="draft tokens per speculating decode")
+    parser.add_argument("--lookup-max", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override (both engines)"
+    )
+    parser.add_argument("--output", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+
+    from myserve.testing import start_service
+
+    checkpoint = None if args.checkpoint is None else Path(args.checkpoint)
+    plain = start_service(checkpoint, *args.set)
+    spec = start_service(
+        checkpoint,
+        *args.set,
+        "engine.speculative_method=ngram",
+        f"engine.num_speculative_tokens={args.k}",
+        f"engine.prompt_lookup_max={args.lookup_max}",
+    )
+    try:
+        prompts = [plain.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+        one_stream(plain, prompts[0], 4)  # first requests pay one-off costs
+        one_stream(spec, prompts[0], 4)
+        runs: dict[str, list[float]] = {"plain": [], "ngram": []}
+        before = spec.stats()
+        for _ in range(args.rounds):
+            for prompt in prompts:
+                runs["plain"].append(one_stream(plain, prompt, args.max_tokens)[0])
+                runs["ngram"].append(one_stream(spec, prompt, args.max_tokens)[0])
+        after = spec.stats()
+    finally:
+        plain.shutdown()
+        spec.shutdown()
+    proposed = after.spec_draft_tokens - before.spec_draft_tokens
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    generated = after.generated_tokens - before.generated_tokens
+    steps = after.steps - before.steps
+    medians = {name: statistics.median(values) for name, values in runs.items()}
+    result = {
+        "k": args.k,
+        "max_tokens": args.max_tokens,
+        "decode_tokens_per_s": runs,
+        "median_decode_tokens_per_s": medians,
+        "ngram_vs_plain": medians["ngram"] / medians["plain"],
+        "acceptance_rate": accepted / proposed if proposed else 0.0,
+        "drafts": after.spec_drafts - before.spec_drafts,
+        "tokens_per_step": generated / steps if steps else 0.0,
+    }
+    print(json.dumps(result, indent=2))
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
