@@ -384,6 +384,8 @@ class EngineCore(EngineCounters, EngineAdmin):
             for token, logprob, top_ids, top_lps in samples:
                 if seq.finish_reason is None:  # a several-token call's tokens after its end are dropped
                     self._append(req, seq, token, logprob, top_ids, top_lps)
+            if seq in results.spent:  # a verified draft: its rejected positions' pages go back
+                req.replica.scheduler.trim_pages(seq)
 
     def _append(self, req: Request, seq: Seq, token: int, logprob: float, top_ids, top_lps) -> None:
         params = seq.params

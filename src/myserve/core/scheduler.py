@@ -278,6 +278,16 @@ class Scheduler:
             spare, budget, multi = spare - len(draft), budget - len(draft), multi + 1
         return budget, multi
 
+    def trim_pages(self, seq: Sequence) -> None:
+        """Give back the pages a verified draft reserved beyond the sequence's tokens (its rejected
+        positions' KV is dropped with them)."""
+        if seq.status is not SeqStatus.RUNNING:
+            return
+        keep = -(-seq.num_tokens // self.page_size)
+        if len(seq.pages) > keep:
+            self.allocator.release(seq.pages[keep:])
+            del seq.pages[keep:]
+
     def _acquire_adapter(self, seq: Sequence) -> bool:
         """The slot of ``seq``'s adapter (if it names one); False when no slot can hold it now."""
         name = seq.params.adapter
