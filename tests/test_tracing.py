@@ -116,7 +116,7 @@ from myserve.frontend.app import ServedModel
 from myserve.frontend.http_server import app_for_models
 
 class Loading:  # an engine still loading: the app is built and answers, generation gets 503
-    tokenizer, vocab_size, max_model_len, ready = None, 0, 0, threading.Event()
+    tokenizer, vocab_size, max_model_len, ready, adapter_paths = None, 0, 0, threading.Event(), {}
     def stats(self): raise AssertionError("not scraped")
 
 app = app_for_models(Config(), [ServedModel(engine=Loading(), names=("m",))])

@@ -57,7 +57,7 @@ def fake_pooled(op: Any) -> Any:
         size = math.prod(dims)
         parts.append(op.batch[at : at + size].reshape(dims))
         at += size
-    tokens, positions, pool_rows = parts[0], parts[1][0], parts[-1]
+    tokens, positions, pool_rows = parts[0], parts[1][0], parts[15]  # (StepShape.array_shapes order)
     vectors = np.stack([np.ones_like(tokens), tokens, positions, np.zeros_like(tokens)], axis=1).astype(np.float32)
     pooled = np.zeros((op.shape.singles + 1, FAKE_HIDDEN), np.float32)
     np.add.at(pooled, np.where(pool_rows >= 0, pool_rows, op.shape.singles), vectors)
