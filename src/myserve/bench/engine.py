@@ -60,6 +60,14 @@ def builtin_chat_prompts(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer.apply_chat_template(p.payload("chat")["messages"]) for p in builtin_prompts(n)]
 
 
+def wait_built(*services) -> None:
+    """Until every engine's background builds (wider context buckets, several-token calls) are
+    done: measured while they compile, an engine shares the CPU with the compiler."""
+    for service in services:
+        for replica in service.replicas:
+            replica.runner.device.background_builds_done(timeout=None)
+
+
 def bench_myserve(
     service, prompts: list[list[int]], max_tokens: int, params: Callable[[int], SamplingParams] | None = None
 ) -> dict:

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from myserve.bench.engine import bench_myserve, builtin_chat_prompts
+from myserve.bench.engine import bench_myserve, builtin_chat_prompts, wait_built
 from myserve.models.spec import ModelSpec
 
 _SHAPES = {  # module -> (in, out) of ``spec``
@@ -91,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"engine.lora_modules=[{modules}]",
         )
         try:
+            wait_built(plain, lora)
             prompts = builtin_chat_prompts(plain.tokenizer, args.concurrency)
 
             def mixed(i: int) -> SamplingParams:

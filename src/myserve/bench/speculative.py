@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from myserve.bench.engine import wait_built
 from myserve.wire.params import SamplingParams
 
 CODE = """def mean(values):
@@ -57,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--checkpoint", default=None, help="HF directory or .gguf (default: the bundled SmolLM2)")
     parser.add_argument("--k", type=int, default=4, help="draft tokens per speculating decode")
     parser.add_argument("--lookup-max", type=int, default=5)
+    parser.add_argument("--lookup-min", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
@@ -75,8 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "engine.speculative_method=ngram",
         f"engine.num_speculative_tokens={args.k}",
         f"engine.prompt_lookup_max={args.lookup_max}",
+        f"engine.prompt_lookup_min={args.lookup_min}",
     )
     try:
+        wait_built(plain, spec)
         prompts = [plain.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
         one_stream(plain, prompts[0], 4)  # first requests pay one-off costs
         one_stream(spec, prompts[0], 4)
@@ -97,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     medians = {name: statistics.median(values) for name, values in runs.items()}
     result = {
         "k": args.k,
+        "lookup": [args.lookup_min, args.lookup_max],
         "max_tokens": args.max_tokens,
         "decode_tokens_per_s": runs,
         "median_decode_tokens_per_s": medians,
