@@ -285,7 +285,8 @@ class Executor:
     def memory_stats(self) -> list[dict[str, int]]:
         """Each device's allocator figures (``peak_bytes_in_use``, ``bytes_limit``...); empty
         dicts where the platform reports none (the CPU)."""
-        return [dict(d.memory_stats() or {}) for d in self.mesh.devices.flat]
+        here = jax.process_index()  # another process's devices of a multi-host mesh report nothing here
+        return [dict(d.memory_stats() or {}) for d in self.mesh.devices.flat if d.process_index == here]
 
     def step_ready(self, shape: StepShape) -> bool:
         """Whether the forward of ``shape`` is built (without waiting)."""
