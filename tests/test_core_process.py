@@ -197,7 +197,7 @@ def test_two_front_ends_share_the_port_and_the_core_and_merge_their_metrics(two_
     long = _body(max_tokens=300, ignore_eos=True)
     streamer = threading.Thread(target=lambda: results.append(_stream_texts(server.url, [long] * 8)))
     streamer.start()
-    time.sleep(1.0)
+    _wait_requests(server.url, 8)  # every stream in (one arriving after the signal would get a 503)
     server.proc.send_signal(signal.SIGTERM)
     streamer.join(timeout=60)
     assert server.exit_code(30) == 0, server.log[-3000:]
@@ -216,12 +216,7 @@ def test_a_dead_core_ends_every_front_end(two_fronts) -> None:
     streamer.start()
     # The core dies once the streams run (a fixed pause was too short on a loaded machine: the
     # streams had not connected, and met a closed port).
-    deadline = time.monotonic() + 60
-    while "vllm:num_requests_running{" not in (m := httpx.get(f"{server.url}/metrics").text) or re.search(
-        r"^vllm:num_requests_running\{[^}]*\} 0\.0$", m, re.M
-    ):
-        assert time.monotonic() < deadline, "the streams never started"
-        time.sleep(0.1)
+    _wait_requests(server.url, 1)
     os.kill(server.core, signal.SIGKILL)
     killed = time.monotonic()
     assert server.exit_code() == 1, server.log[-2000:]
@@ -259,3 +254,13 @@ def test_a_request_the_front_end_admitted_is_never_refused_by_the_core(tiny_chec
         assert finishes == ["length"] * 8
     finally:
         client.shutdown()
+
+
+def _wait_requests(url: str, n: int) -> None:
+    """Until the engine holds at least ``n`` requests (running or waiting, from its metrics): a
+    fixed pause is too short on a loaded machine."""
+    deadline = time.monotonic() + 60
+    pattern = re.compile(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", re.M)
+    while sum(float(v) for v in pattern.findall(httpx.get(f"{url}/metrics").text)) < n:
+        assert time.monotonic() < deadline, f"fewer than {n} requests ever reached the engine"
+        time.sleep(0.1)
