@@ -60,6 +60,24 @@ def builtin_chat_prompts(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer.apply_chat_template(p.payload("chat")["messages"]) for p in builtin_prompts(n)]
 
 
+def add_pair_args(parser: argparse.ArgumentParser, rounds: int = 3) -> None:
+    """The flags of a benchmark of two engines of one model: ``--checkpoint``, ``--rounds``,
+    ``--set`` (both engines) and ``--output``."""
+    parser.add_argument("--checkpoint", default=None, help="HF directory or .gguf (default: the bundled SmolLM2)")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override (both engines)"
+    )
+    parser.add_argument("--output", default=None, help="write the results as JSON here")
+
+
+def report(result: dict, output: str | None) -> None:
+    """Print ``result`` as JSON, and write it to ``output`` when given."""
+    print(json.dumps(result, indent=2))
+    if output:
+        Path(output).write_text(json.dumps(result, indent=2))
+
+
 def wait_built(*services) -> None:
     """Until every engine's background builds (wider context buckets, several-token calls) are
     done: measured while they compile, an engine shares the CPU with the compiler."""
@@ -110,9 +128,9 @@ def bench_myserve(
     }
 
 
-def bench_single_decode(service, prompt: list[int], max_tokens: int) -> dict:
-    """One request alone: decode tokens/s after its first token."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+def bench_single_decode(service, prompt: list[int], max_tokens: int, ignore_eos: bool = True) -> dict:
+    """One greedy request alone: decode tokens/s after its first token."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     t0 = time.perf_counter()
     first, n = None, 0
     for out in service.submit(prompt, params):

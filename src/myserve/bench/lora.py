@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from myserve.bench.engine import bench_myserve, builtin_chat_prompts, wait_built
+from myserve.bench.engine import add_pair_args, bench_myserve, builtin_chat_prompts, report, wait_built
 from myserve.models.spec import ModelSpec
 
 _SHAPES = {  # module -> (in, out) of ``spec``
@@ -57,16 +57,11 @@ def write_random_adapter(spec: ModelSpec, directory: Path, rank: int, seed: int)
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m myserve.bench.lora", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", default=None, help="HF directory or .gguf (default: the bundled SmolLM2)")
     parser.add_argument("--adapters", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override (both engines)"
-    )
-    parser.add_argument("--output", default=None, help="write the results as JSON here")
+    add_pair_args(parser)
     args = parser.parse_args(argv)
 
     from myserve.models.checkpoint import resolve_checkpoint
@@ -120,9 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "lora_base_vs_base": medians["lora-base"] / medians["base"],
         "lora_mixed_vs_base": medians["lora-mixed"] / medians["base"],
     }
-    print(json.dumps(result, indent=2))
-    if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=2))
+    report(result, args.output)
     return 0
 
 

@@ -13,12 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from myserve.bench.engine import wait_built
-from myserve.wire.params import SamplingParams
+from myserve.bench.engine import add_pair_args, bench_single_decode, report, wait_built
 
 CODE = """def mean(values):
     total = 0
@@ -39,32 +37,13 @@ PROMPTS = [
 ]
 
 
-def one_stream(service, prompt: list[int], max_tokens: int) -> tuple[float, int]:
-    """One greedy request alone: decode tokens/s after its first token, and the tokens."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    first, n = None, 0
-    for out in service.submit(prompt, params):
-        if out.token_ids:
-            n += len(out.token_ids)
-            if first is None:
-                first = time.perf_counter()
-    end = time.perf_counter()
-    assert first is not None
-    return (n - 1) / (end - first) if n > 1 else 0.0, n
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m myserve.bench.speculative", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", default=None, help="HF directory or .gguf (default: the bundled SmolLM2)")
     parser.add_argument("--k", type=int, default=4, help="draft tokens per speculating decode")
     parser.add_argument("--lookup-max", type=int, default=5)
     parser.add_argument("--lookup-min", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override (both engines)"
-    )
-    parser.add_argument("--output", default=None, help="write the results as JSON here")
+    add_pair_args(parser)
     args = parser.parse_args(argv)
 
     from myserve.testing import start_service
@@ -82,14 +61,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         wait_built(plain, spec)
         prompts = [plain.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
-        one_stream(plain, prompts[0], 4)  # first requests pay one-off costs
-        one_stream(spec, prompts[0], 4)
+        for service in (plain, spec):  # first requests pay one-off costs
+            bench_single_decode(service, prompts[0], 4, ignore_eos=False)
         runs: dict[str, list[float]] = {"plain": [], "ngram": []}
         before = spec.stats()
         for _ in range(args.rounds):
             for prompt in prompts:
-                runs["plain"].append(one_stream(plain, prompt, args.max_tokens)[0])
-                runs["ngram"].append(one_stream(spec, prompt, args.max_tokens)[0])
+                for name, service in (("plain", plain), ("ngram", spec)):
+                    decode = bench_single_decode(service, prompt, args.max_tokens, ignore_eos=False)
+                    runs[name].append(decode["decode_tokens_per_s"])
         after = spec.stats()
     finally:
         plain.shutdown()
@@ -110,9 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "drafts": after.spec_drafts - before.spec_drafts,
         "tokens_per_step": generated / steps if steps else 0.0,
     }
-    print(json.dumps(result, indent=2))
-    if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=2))
+    report(result, args.output)
     return 0
 
 
