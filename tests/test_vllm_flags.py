@@ -98,6 +98,8 @@ def test_every_same_flag_sets_its_key(flag) -> None:
         (["--convert", "embed"], "model.task", "embed"),
         (["--task", "embedding"], "model.task", "embed"),
         (["--dtype", "half"], "model.dtype", "float16"),
+        (['--speculative-config', '{"model": "/d", "num_speculative_tokens": 3}'], 'engine.speculative_model', '/d'),
+        (["--speculative-config", '{"model": "/draft"}'], "engine.speculative_method", "draft_model"),
         (["--enable-lora"], "engine.enable_lora", True),
         (
             ["--enable-lora", "--lora-modules", "a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}'],
@@ -127,10 +129,7 @@ def test_flags_with_no_meaning_here_are_logged(caplog: pytest.LogCaptureFixture)
     [
         (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: only 1 is supported"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: only auto is supported"),
-        (
-            ["--speculative-config", '{"model": "/draft", "num_speculative_tokens": 3}'],
-            "--speculative-config: a draft model is not supported yet",
-        ),
+        (["--speculative-config", '{"method": "draft_model"}'], "--speculative-config: a draft model needs"),
         (["--speculative-config", '{"method": "eagle"}'], "--speculative-config: method 'eagle' is not supported"),
     ],
 )

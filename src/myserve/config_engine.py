@@ -73,7 +73,10 @@ class EngineConfig:
     lora_modules: tuple[str, ...] = ()
     """Adapters served from the start, as name=path (a PEFT directory)."""
     speculative_method: str = "none"
-    """Speculative decoding: none, or ngram (drafts looked up in the sequence itself: prompt lookup)."""
+    """Speculative decoding: none, ngram (drafts looked up in the sequence itself: prompt lookup), or
+    draft_model (a smaller model with the same vocabulary, speculative_model, drafts each token)."""
+    speculative_model: str | None = None
+    """draft_model: the draft's checkpoint (a directory or a hub id, as model.checkpoint)."""
     num_speculative_tokens: int = 4
     """Draft tokens a speculating decode proposes and verifies in one step (speculative_method not none)."""
     prompt_lookup_max: int = 5
@@ -109,7 +112,11 @@ class EngineConfig:
                 "=" in module and all(module.split("=", 1)), f"engine.lora_modules: expected name=path, got {module!r}"
             )
         check(self.enable_lora or not self.lora_modules, "engine.lora_modules needs engine.enable_lora")
-        check_choice("engine.speculative_method", self.speculative_method, ("none", "ngram"))
+        check_choice("engine.speculative_method", self.speculative_method, ("none", "ngram", "draft_model"))
+        check(
+            (self.speculative_method == "draft_model") == (self.speculative_model is not None),
+            "engine.speculative_model names the draft of engine.speculative_method=draft_model (and only then)",
+        )
         k = self.num_speculative_tokens
         check(1 <= k <= 16, f"engine.num_speculative_tokens must be in [1, 16], got {k}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max

@@ -168,23 +168,29 @@ _SPECULATIVE_KEYS = {
 
 
 def _speculative(text: str) -> dict[str, object]:
-    """``--speculative-config``'s JSON as config overrides (ngram only: a draft model is refused)."""
+    """``--speculative-config``'s JSON as config overrides: ``{"method": "ngram", ...}`` (prompt
+    lookup) or ``{"model": DIR, "num_speculative_tokens": k}`` (a draft model)."""
     try:
         given = json.loads(text)
     except json.JSONDecodeError:
         given = None
     if not isinstance(given, dict):
         raise ConfigError(f"--speculative-config: expected a JSON object, got {text!r}")
-    if given.get("model") is not None and given.get("method", "draft_model") != "ngram":
-        raise ConfigError('--speculative-config: a draft model is not supported yet; use {"method": "ngram", ...}')
-    method = given.get("method", "ngram")
-    if method not in ("ngram", "[ngram]"):
-        raise ConfigError(f"--speculative-config: method {method!r} is not supported (only ngram)")
+    model = given.get("model")
+    method = given.get("method", "ngram" if model is None else "draft_model")
+    if method == "[ngram]":
+        method = "ngram"
+    if method not in ("ngram", "draft_model"):
+        raise ConfigError(f"--speculative-config: method {method!r} is not supported (ngram or draft_model)")
+    if method == "draft_model" and not isinstance(model, str):
+        raise ConfigError('--speculative-config: a draft model needs "model": a checkpoint directory or hub id')
     unknown = sorted(set(given) - set(_SPECULATIVE_KEYS) - {"model"})
     if unknown:
         raise ConfigError(f"--speculative-config: unsupported keys {', '.join(unknown)}")
     overrides: dict[str, object] = {key: given[name] for name, key in _SPECULATIVE_KEYS.items() if name in given}
-    overrides["engine.speculative_method"] = "ngram"
+    overrides["engine.speculative_method"] = method
+    if method == "draft_model":
+        overrides["engine.speculative_model"] = model
     return overrides
 
 

@@ -93,9 +93,9 @@ SAME = [
     Flag("--max-cpu-loras", "same", "engine.max_cpu_loras", "adapters kept read on the host", "8"),
     Flag(
         "--speculative-config",
-        "partly",
+        "same",
         "engine.speculative_method",
-        "method ngram (prompt lookup); not a draft model yet",
+        "ngram (prompt lookup) or a draft model with the same vocabulary",
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}',
     ),
     Flag("--num-scheduler-steps", "same", "engine.decode_steps", "decode tokens per device call", "4"),

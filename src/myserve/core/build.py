@@ -71,7 +71,15 @@ def core_arguments(
             registry.register(name, path)
         zeros = empty_adapter(spec, cfg.max_lora_rank).flat()
     eos = dep.tokenizer.eos_token_ids
-    replicas = [make_replica(cfg, device, buckets, eos, registry, zeros) for device in devices]
+    # A draft model's executor per replica: its weights and its own cache of the same page ids.
+    drafts: list[Device | None] = [None] * len(devices)
+    if dep.draft is not None:
+        pairs = zip(dep.draft.models, dep.meshes, strict=True)
+        drafts = [executor_for(dep.config, model, mesh, dep.draft.mapping) for model, mesh in pairs]
+    replicas = [
+        make_replica(cfg, device, buckets, eos, registry, zeros, draft_device=d)
+        for device, d in zip(devices, drafts, strict=True)
+    ]
     return replicas, dict(
         vocab_size=dep.spec.vocab_size,
         num_pages=cfg.num_pages,

@@ -139,7 +139,7 @@ class EngineCore(EngineCounters, EngineAdmin):
 
         ``progress(done, total)`` is called per compiled shape; by default a tqdm bar shows it.
         """
-        runners = [r.runner for r in self.replicas if not r.runner.warmed_up]
+        runners = [b for r in self.replicas for b in r.builders if not b.warmed_up]
         if warmup and runners:
             warm_up(
                 runners,
@@ -158,8 +158,8 @@ class EngineCore(EngineCounters, EngineAdmin):
         self._inbox.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout=30)
-        for replica in self.replicas:
-            replica.runner.device.stop_background_builds()
+        for builder in (b for replica in self.replicas for b in replica.builders):
+            builder.device.stop_background_builds()
         if self._on_shutdown is not None and not (self._thread is not None and self._thread.is_alive()):
             self._on_shutdown()
             self._on_shutdown = None

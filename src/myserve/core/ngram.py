@@ -11,8 +11,12 @@ nothing and decodes as usual. Host only, no model.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from myserve.core.sequence import Sequence as SequenceState
 
 
 def propose(tokens: Sequence[int], k: int, n_max: int, n_min: int = 1) -> list[int]:
@@ -33,3 +37,18 @@ def propose(tokens: Sequence[int], k: int, n_max: int, n_min: int = 1) -> list[i
             start = int(full[-1] if full.size else hits[0]) + n
             return [int(t) for t in seq[start : start + k]]
     return []
+
+
+class PromptLookup:
+    """The scheduler's proposer (``scheduler.Proposer``) of prompt-lookup drafts."""
+
+    host_only = True
+
+    def __init__(self, num_tokens: int, n_max: int, n_min: int = 1):
+        self.num_tokens = num_tokens
+        self.n_max = n_max
+        self.n_min = n_min
+
+    def propose(self, wanted: list[tuple[SequenceState, int]]) -> list[list[int]]:
+        """Each sequence's draft of at most its count of tokens (host only)."""
+        return [propose(seq.tokens(0, seq.num_known), k, self.n_max, self.n_min) for seq, k in wanted]

@@ -16,7 +16,6 @@ single-replica engine unchanged.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Sequence
 
@@ -24,10 +23,11 @@ import numpy as np
 
 from myserve.config import EngineConfig
 from myserve.core.adapters import AdapterRegistry, AdapterSlots
-from myserve.core.ngram import propose
+from myserve.core.draft import DraftProposer
+from myserve.core.ngram import PromptLookup
 from myserve.core.pages import PageAllocator
 from myserve.core.runner import ModelRunner
-from myserve.core.scheduler import Scheduler
+from myserve.core.scheduler import Proposer, Scheduler
 from myserve.core.sequence import Sequence as Seq
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.device import Device
@@ -43,6 +43,13 @@ class Replica:
     allocator: PageAllocator
     scheduler: Scheduler
     runner: ModelRunner
+    draft: DraftProposer | None = None
+    """The draft model's proposer (``engine.speculative_method=draft_model``), warmed up with the runner."""
+
+    @property
+    def builders(self) -> list[ModelRunner | DraftProposer]:
+        """What builds step executables at warmup: the runner, and the draft model's proposer."""
+        return [self.runner] if self.draft is None else [self.runner, self.draft]
 
     @property
     def load(self) -> int:
@@ -57,13 +64,25 @@ def make_replica(
     eos_ids: Sequence[int],
     adapters: AdapterRegistry | None = None,
     adapter_zeros: tuple[np.ndarray, ...] = (),
+    draft_device: Device | None = None,
 ) -> Replica:
     """A replica whose runner sends its ops to ``device``, sized by the engine config; with
     ``adapters`` (LoRA served) its own device slots for them, ``adapter_zeros`` being an empty
-    adapter's arrays (``LoraAdapter.flat()``)."""
+    adapter's arrays (``LoraAdapter.flat()``); ``draft_device``: the draft model's executor of
+    ``engine.speculative_method=draft_model``."""
     pages, budget = cfg.num_pages, cfg.max_num_batched_tokens
     assert pages is not None and budget is not None, "Deployment.load resolves the pool and the step budget"
     allocator = PageAllocator(pages, cfg.page_size, enable_prefix_cache=cfg.enable_prefix_caching)
+    proposer: Proposer | None = None
+    draft: DraftProposer | None = None
+    if cfg.speculative_method == "ngram":
+        proposer = PromptLookup(cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+    elif cfg.speculative_method == "draft_model":
+        assert draft_device is not None, "a draft model's replica runs it on its own executor"
+        proposer = draft = DraftProposer(
+            draft_device, buckets=buckets, num_tokens=cfg.num_speculative_tokens, max_num_seqs=cfg.max_num_seqs,
+            eos_ids=eos_ids,
+        )  # fmt: skip
     scheduler = Scheduler(
         allocator,
         max_num_seqs=cfg.max_num_seqs,
@@ -72,7 +91,7 @@ def make_replica(
         max_prefill_chunks=buckets.max_prefill_chunks,
         decode_steps_pages=buckets.decode_shape(1).width,
         adapters=None if adapters is None else AdapterSlots(adapters, cfg.max_loras),
-        speculate=None if cfg.speculative_method == "none" else functools.partial(_ngram_draft, cfg),
+        speculate=proposer,
     )  # one token per decode until the several-token calls are built (the engine raises it then)
     runner = ModelRunner(
         device,
@@ -82,7 +101,7 @@ def make_replica(
         decode_steps=cfg.decode_steps,
         adapter_zeros=adapter_zeros,
     )
-    return Replica(allocator, scheduler, runner)
+    return Replica(allocator, scheduler, runner, draft)
 
 
 class Request:
@@ -97,10 +116,3 @@ class Request:
         self.error: str | None = None
         """Set when the engine failed it: its closing delta carries the message."""
         self.replica: Replica  # set at admission
-
-
-def _ngram_draft(cfg: EngineConfig, seq: Seq) -> list[int]:
-    """A sequence's prompt-lookup draft (``core/ngram.py``) with the engine's settings."""
-    return propose(
-        seq.tokens(0, seq.num_known), cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min
-    )

@@ -26,7 +26,16 @@ from myserve.runtime.buckets import Buckets
 from myserve.runtime.device import Device
 from myserve.runtime.sampling_rows import CONSTRAINED, MAX_TOP_LOGPROBS, SLOT, STEPS, SamplingRows, head_mode
 from myserve.runtime.step_layout import HostStep, Span, StepShape, layout
-from myserve.runtime.step_ops import SLOT_CHUNK, ClearSlot, CopyPage, Op, StepCall, WriteAdapter, WriteSlot
+from myserve.runtime.step_ops import (
+    SLOT_CHUNK,
+    ClearSlot,
+    CompileSteps,
+    CopyPage,
+    Op,
+    StepCall,
+    WriteAdapter,
+    WriteSlot,
+)
 from myserve.wire import params as wire_params
 
 logger = logging.getLogger(__name__)
@@ -276,6 +285,7 @@ class ModelRunner:
         ]
         results.spent[seq] = 1  # the scheduler counted one token in flight
         seq.num_computed = chunk.start + held + 1
+        seq.keep_draft(held)
         seq.speculating = False
         self.spec_drafts += 1
         self.spec_draft_tokens += len(draft)
@@ -309,11 +319,15 @@ class ModelRunner:
         return self._loops_ready
 
     # -- warmup -------------------------------------------------------------------------------
+    def compile_ops(self) -> tuple[CompileSteps, CompileSteps]:
+        """The step builds before serving, and those made in the background (``Buckets.compile_ops``)."""
+        return self.buckets.compile_ops(self.decode_steps)
+
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Build the executable of every step shape (``CompileSteps``: compiled, or loaded from the
         persistent compilation cache), then the page copy and penalty-slot writers. The service
         counts what was compiled and what was loaded (``compile_counter``)."""
-        now, later = self.buckets.compile_ops(self.decode_steps)
+        now, later = self.compile_ops()
         self.device.run([now], progress)
         zeros = np.zeros(SLOT_CHUNK, np.int32)
         slot = self.scratch_slot

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from myserve.core.adapters import AdapterSlots
 from myserve.core.pages import PageAllocator, chain_hashes
@@ -34,6 +33,20 @@ from myserve.core.slots import SlotPool
 
 if TYPE_CHECKING:
     from myserve.runtime.lora_files import LoraAdapter
+
+
+class Proposer(Protocol):
+    """Proposes speculative drafts (``core/ngram.py``'s prompt lookup, ``core/draft.py``'s model)."""
+
+    num_tokens: int
+    """The longest draft it proposes."""
+    host_only: bool
+    """Its drafts cost no device work (prompt lookup): proposed for every candidate first."""
+
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """Per (sequence, most tokens), a draft continuing its known tokens (possibly empty); the
+        sequence's pages already hold the draft's positions."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,13 +112,14 @@ class Scheduler:
         decode_steps: int = 1,
         decode_steps_pages: int | None = None,
         adapters: AdapterSlots | None = None,
-        speculate: Callable[[Sequence], list[int]] | None = None,
+        speculate: Proposer | None = None,
     ):
         """``decode_steps``: tokens a decode may produce per call when the step is decodes only and
         nothing needs the host between tokens (1: one per call); ``decode_steps_pages``: the most
         pages such a sequence may hold (the several-token calls' page tables); ``adapters``: the
         LoRA slots a sequence naming an adapter needs while it runs (None: no adapters served);
-        ``speculate(seq)``: draft tokens for a decode (``core/ngram.py``; None: no speculation)."""
+        ``speculate``: proposes decodes' drafts (prompt lookup, ``core/ngram.py``, or a draft model,
+        ``core/draft.py``; None: no speculation)."""
         self.speculate = speculate
         self.allocator = allocator
         self.decode_steps = decode_steps
@@ -260,22 +274,51 @@ class Scheduler:
     def _speculate(self, chunks: dict[Sequence, ScheduledChunk], budget: int, multi: int, cap: int) -> tuple[int, int]:
         """Turn decodes that may speculate into a draft's worth of positions, oldest first, while the
         step has sampling rows (one per position: at most ``max_num_seqs`` in all), token budget and
-        free pages for them (never preempting); the budget and multi-token chunks left."""
+        free pages for them (never preempting); the budget and multi-token chunks left.
+
+        A host-only proposer's drafts are known first, and only those that drafted something take
+        rows. A draft model's sequences are reserved their longest draft (pages too: it writes its
+        own K/V of the draft's positions), proposed at once (one batch), and what a shorter draft
+        did not use goes back."""
+        proposer = self.speculate
+        assert proposer is not None
         spare = self.max_num_seqs - sum(c.sample_count for c in chunks.values() if c.samples)
-        assert self.speculate is not None
-        for seq, chunk in sorted(chunks.items(), key=lambda item: item[0].admitted_at):
+        eligible = [
+            (seq, min(proposer.num_tokens, seq.max_len - seq.num_tokens - 1))  # the token after the draft samples too
+            for seq, chunk in sorted(chunks.items(), key=lambda item: item[0].admitted_at)
+            if chunk.num_tokens == 1 and chunk.samples and seq.may_speculate
+        ]
+        known = proposer.propose(eligible) if proposer.host_only and eligible else None
+        wanted: list[tuple[Sequence, int]] = []
+        drafts: list[list[int]] = []
+        for i, (seq, room) in enumerate(eligible):
             if spare <= 0 or budget <= 0 or multi >= cap:
                 break
-            if chunk.num_tokens != 1 or not chunk.samples or not seq.may_speculate:
-                continue
-            room = seq.max_len - seq.num_tokens - 1  # the token after the draft is sampled too
-            draft = self.speculate(seq)[: min(spare, budget, room)]
-            need = self._pages_needed(seq, 1 + len(draft))
-            if not draft or not self.allocator.can_allocate(need):
+            k = min(room, spare, budget)
+            if known is not None:
+                drafts.append(known[i][:k])
+                k = len(drafts[-1])
+            need = self._pages_needed(seq, 1 + k)
+            if k <= 0 or not self.allocator.can_allocate(need):
+                if known is not None:
+                    drafts.pop()
                 continue
             seq.pages.extend(self.allocator.allocate(need))
-            chunks[seq] = ScheduledChunk(seq, chunk.start, 1 + len(draft), draft=tuple(draft))
-            spare, budget, multi = spare - len(draft), budget - len(draft), multi + 1
+            wanted.append((seq, k))
+            spare, budget, multi = spare - k, budget - k, multi + 1
+        if known is None and wanted:
+            drafts = proposer.propose(wanted)
+        for (seq, k), draft in zip(wanted, drafts, strict=True):
+            draft = draft[:k]
+            budget += k - len(draft)
+            if draft:
+                chunks[seq] = ScheduledChunk(seq, seq.num_computed, 1 + len(draft), draft=tuple(draft))
+            else:
+                multi -= 1
+            keep = -(-(seq.num_computed + 1 + len(draft)) // self.page_size)
+            if len(seq.pages) > keep:
+                self.allocator.release(seq.pages[keep:])
+                del seq.pages[keep:]
         return budget, multi
 
     def trim_pages(self, seq: Sequence) -> None:

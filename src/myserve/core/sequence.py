@@ -93,6 +93,11 @@ class Sequence:
         # A speculating decode of it is in flight: its tokens are unknown until the reader decides
         # how much of the draft held (the engine reads that step before planning the next).
         self.speculating = False
+        # A draft model's cache of it (``core/draft.py``): positions below ``draft_computed`` hold
+        # the draft's K/V of its tokens; the ``draft_ahead`` after them hold K/V of the draft's own
+        # proposals, which stay valid as far as verification keeps the draft (``keep_draft``).
+        self.draft_computed = 0
+        self.draft_ahead = 0
         # An embedding request's pooling (``Pooler.type``: last, mean or cls), set at admission;
         # None for generation. Its chunks sample nothing: their hidden states are pooled instead.
         self.pool_type: str | None = None
@@ -226,6 +231,13 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.num_computed = 0
         self.num_cached_pages = 0
+        self.draft_computed = self.draft_ahead = 0
+
+    def keep_draft(self, held: int) -> None:
+        """Verification kept ``held`` draft tokens: the draft model's K/V of as many of its proposals
+        (those it computed) is now that of the sequence's tokens."""
+        self.draft_computed += min(held, self.draft_ahead)
+        self.draft_ahead = 0
 
     def update_page_hashes(self, page_size: int) -> list[tuple[int, PageHash]]:
         """Hash pages that became full, computed and known; return (page, hash) pairs new since last call."""

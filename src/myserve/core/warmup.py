@@ -11,15 +11,32 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
-from myserve.core.runner import ModelRunner
+from myserve.runtime.device import Device
 from myserve.runtime.kv_sizing import peak_report
+from myserve.runtime.step_ops import CompileSteps
 
 logger = logging.getLogger(__name__)
 
 
+class Builder(Protocol):
+    """What warmup builds through: a replica's runner, or its draft model's proposer."""
+
+    device: Device
+    warmed_up: bool
+
+    def compile_ops(self) -> tuple[CompileSteps, CompileSteps]:
+        """Its builds before serving, and those in the background."""
+        ...
+
+    def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Make its builds, telling ``progress(done, total)`` of each."""
+        ...
+
+
 def warm_up(
-    runners: Sequence[ModelRunner],
+    runners: Sequence[Builder],
     compile_counts: Callable[[], tuple[int, int]],
     *,
     since: tuple[float, int, int] | None = None,
@@ -30,8 +47,8 @@ def warm_up(
     default a tqdm bar shows it. ``since``: (perf_counter, compiled, loaded) when the builds began.
     Then the devices' peak memory is logged against ``memory_utilization`` (where they report it)."""
     t0 = time.perf_counter()
-    per_runner = runners[0].buckets.compile_ops()[0].count
-    total = per_runner * len(runners)
+    counts = [runner.compile_ops()[0].count for runner in runners]
+    total = sum(counts)
     bar = None
     if progress is None:
         from tqdm import tqdm
@@ -45,11 +62,11 @@ def warm_up(
     compiled, loaded = before
     for k, runner in enumerate(runners):
 
-        def report(done: int, _: int, k: int = k) -> None:
+        def report(done: int, _: int, before: int = sum(counts[:k])) -> None:
             if bar is not None:
-                bar.update(k * per_runner + done - bar.n)
+                bar.update(before + done - bar.n)
             elif progress is not None:
-                progress(k * per_runner + done, total)
+                progress(before + done, total)
 
         runner.warmup(report)
     if bar is not None:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from myserve.config import Config
+from myserve.config import Config, EngineConfig
 from myserve.errors import ConfigError
 from myserve.models.checkpoint import resolve_checkpoint
 from myserve.models.gguf import resolve_quantization
@@ -26,6 +26,7 @@ from myserve.models.spec import ModelSpec
 from myserve.ops.attention import resolve_backend
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.compile_counter import compile_counts
+from myserve.runtime.draft_model import DraftModels, check_draft, load_drafts
 from myserve.runtime.executor import Executor, Prebuilt
 from myserve.runtime.mesh import make_mesh, replica_meshes
 from myserve.runtime.step_cache import StepCache, check_trusted_directory
@@ -87,6 +88,8 @@ class Deployment:
     checkpoint_dir: Path | None = None
     """The checkpoint's directory (its sentence-transformers files say how it embeds); None for a
     single-file checkpoint (GGUF)."""
+    draft: DraftModels | None = None
+    """The draft model of ``engine.speculative_method=draft_model`` (``runtime/draft_model.py``)."""
 
     @property
     def model(self) -> LlamaModel:
@@ -158,6 +161,7 @@ class Deployment:
                 for m in replica_meshes(mesh)
             )
             tokenizer = tokenizer_future.result()
+        draft = load_drafts(config, mesh, dtype, spec)
         logger.info(
             "loaded %s (%s, %d layers) as %s%s on mesh %s, attention=%s, in %.1fs",
             resolved.path,
@@ -170,7 +174,9 @@ class Deployment:
             time.perf_counter() - t0,
         )
         directory = resolved.path if resolved.path.is_dir() else None
-        return Deployment(config, spec, models, tokenizer, mesh, mapping, dtype, max_len, prebuilt, started, directory)
+        return Deployment(
+            config, spec, models, tokenizer, mesh, mapping, dtype, max_len, prebuilt, started, directory, draft
+        )
 
 
 def _resolve_engine(config: Config, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, max_len: int) -> Config:
@@ -187,6 +193,7 @@ def _resolve_engine(config: Config, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtyp
         from myserve.runtime.kv_sizing import plan_pages
 
         shards = mesh.shape.get("model", 1)
+        draft_page, draft_weights = _draft_footprint(engine, spec, dtype, shards)
         stats = None if platform == "cpu" else (jax.local_devices()[0].memory_stats() or {})
         plan = plan_pages(
             engine,
@@ -196,7 +203,8 @@ def _resolve_engine(config: Config, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtyp
             max_model_len=max_len,
             token_budget=budget,
             model_shards=shards,
-            weight_bytes=weight_bytes(config, platform) // (shards * mesh.shape.get("expert", 1)),
+            weight_bytes=weight_bytes(config, platform) // (shards * mesh.shape.get("expert", 1)) + draft_weights,
+            extra_page_bytes=draft_page,
             bytes_limit=None if stats is None else stats.get("bytes_limit"),
             host_available=host_available() if platform == "cpu" else None,
         )
@@ -216,6 +224,19 @@ def _resolve_engine(config: Config, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtyp
         )
     resolved = dataclasses.replace(engine, max_num_batched_tokens=budget, decode_steps=steps, num_pages=pages)
     return dataclasses.replace(config, engine=resolved)
+
+
+def _draft_footprint(engine: EngineConfig, target: ModelSpec, dtype: jnp.dtype, shards: int) -> tuple[int, int]:
+    """A draft model's bytes per KV page and weight bytes on one device (0, 0 without one), from
+    its checkpoint's headers; refused early when it cannot draft for ``target``."""
+    if engine.speculative_method != "draft_model":
+        return 0, 0
+    from myserve.runtime.footprint import spec_and_parameters
+    from myserve.runtime.kv_sizing import page_bytes
+
+    spec, parameters = spec_and_parameters(engine.speculative_model)
+    check_draft(spec, target)
+    return page_bytes(spec, engine.page_size, dtype.itemsize, shards), parameters * dtype.itemsize // shards
 
 
 def default_decode_steps(platform: str) -> int:

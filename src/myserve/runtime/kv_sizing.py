@@ -114,13 +114,15 @@ def plan_pages(
     bytes_limit: int | None = None,
     host_available: int | None = None,
     env: Mapping[str, str] | None = None,
+    extra_page_bytes: int = 0,
 ) -> MemoryPlan:
     """The pool for ``engine`` (whose ``num_pages`` is null) on ``platform``. ``weight_bytes``: the
     weights' bytes per device; ``bytes_limit``: the device allocator's limit (GPU/TPU);
-    ``host_available``: the host's available memory (CPU). Raises ``ConfigError`` when the pool
+    ``host_available``: the host's available memory (CPU); ``extra_page_bytes``: what each page
+    costs beyond the model's K/V (a draft model's cache of the same page ids). Raises ``ConfigError`` when the pool
     would not hold one sequence of ``max_model_len`` tokens."""
     env = os.environ if env is None else env
-    one_page = page_bytes(spec, engine.page_size, itemsize, model_shards)
+    one_page = page_bytes(spec, engine.page_size, itemsize, model_shards) + extra_page_bytes
     cap = None
     if engine.kv_cache_memory_bytes is not None:
         budget, source = engine.kv_cache_memory_bytes, "kv_cache_memory_bytes"
