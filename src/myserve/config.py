@@ -47,6 +47,12 @@ class ModelConfig:
     null = the bundled SmolLM2-135M-Instruct GGUF."""
     tokenizer: str | None = None
     """Tokenizer source (directory, hub id or .gguf file); null = same as checkpoint."""
+    checkpoint_path: str | None = None
+    """An Orbax or Levanter checkpoint directory whose weights are served (docs/design/models.md,
+    "Checkpoints from JAX trainers"); its config.json and tokenizer come from checkpoint, which
+    defaults to hf_config, else to this directory."""
+    hf_config: str | None = None
+    """The directory (or hub id) of checkpoint_path's HF config.json: checkpoint's default."""
     chat_template: str | None = None
     """Path to a Jinja chat template file, or the template text itself; null = the tokenizer's own."""
     dtype: str = "auto"
@@ -86,8 +92,15 @@ class ModelConfig:
     """A JSON object of request defaults applied over generation_config's, e.g. '{"temperature": 0.5}'."""
 
     def __post_init__(self) -> None:
-        for name in ("checkpoint", "tokenizer", "chat_template"):
+        for name in ("checkpoint", "tokenizer", "chat_template", "checkpoint_path", "hf_config"):
             check_not_empty(f"model.{name}", getattr(self, name))
+        check(self.hf_config is None or self.checkpoint_path is not None, "model.hf_config needs model.checkpoint_path")
+        check(
+            self.hf_config is None or self.checkpoint in (None, self.hf_config),
+            "model.hf_config and model.checkpoint name two configurations: give one",
+        )
+        if self.checkpoint_path is not None and self.checkpoint is None:  # the config.json beside the weights
+            object.__setattr__(self, "checkpoint", self.hf_config or self.checkpoint_path)
         check_choice("model.dtype", self.dtype, DTYPES)
         check_choice("model.quantization", self.quantization, QUANTIZATIONS)
         group = self.quantization_group_size

@@ -72,6 +72,9 @@ class EngineConfig:
     """Adapters kept read on the host (least recently used dropped); null = max_loras."""
     lora_modules: tuple[str, ...] = ()
     """Adapters served from the start, as name=path (a PEFT directory)."""
+    enable_weight_updates: bool = False
+    """Take new versions of the weights while serving (sglang's POST /update_weights_from_disk,
+    docs/design/core.md "Live weight updates"): they read files the server can reach, so opt-in."""
     speculative_method: str = "none"
     """Speculative decoding: none, ngram (drafts looked up in the sequence itself: prompt lookup), or
     draft_model (a smaller model with the same vocabulary, speculative_model, drafts each token)."""

@@ -62,6 +62,9 @@ _FLAGS = {
     "num_scheduler_steps": "engine.decode_steps",
     "max_logprobs": "server.max_logprobs",
     "enable_lora": "engine.enable_lora",
+    "checkpoint_path": "model.checkpoint_path",
+    "hf_config": "model.hf_config",
+    "enable_weight_updates": "engine.enable_weight_updates",
     "max_loras": "engine.max_loras",
     "max_lora_rank": "engine.max_lora_rank",
     "max_cpu_loras": "engine.max_cpu_loras",
@@ -159,6 +162,11 @@ def _lora_module(text: str) -> str:
     return text
 
 
+def _config_dir(text: str) -> str:
+    """``--hf-config``: a ``config.json`` names its directory."""
+    return text[: -len("/config.json")] if text.endswith("/config.json") else text
+
+
 _SPECULATIVE_KEYS = {
     "method": "engine.speculative_method",
     "num_speculative_tokens": "engine.num_speculative_tokens",
@@ -208,6 +216,10 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF directory, hub id or .gguf file: served under this name, with its defaults")
     p.add_argument("--hf-checkpoint", help="as --model")
     p.add_argument("--tokenizer", help="tokenizer source (directory, hub id or .gguf); default: the model's")
+    p.add_argument("--checkpoint-path", help="serve the weights of this Orbax or Levanter checkpoint directory")
+    p.add_argument(
+        "--hf-config", type=_config_dir, help="config.json (or its directory or hub id) of --checkpoint-path's model"
+    )
     p.add_argument("--revision", help="hub revision (branch, tag or commit) of a hub-id model")
     p.add_argument("--download-dir", help="hub cache directory (default: the Hugging Face cache)")
     p.add_argument("--served-model-name", nargs="+", metavar="NAME", help="the model's name, then any aliases")
@@ -266,6 +278,12 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
         "--speculative-config",
         metavar="JSON",
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}\'',
+    )
+    p.add_argument(
+        "--enable-weight-updates",
+        action="store_const",
+        const=True,
+        help="take new weights while serving: POST /update_weights_from_disk (engine.enable_weight_updates)",
     )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key")
 

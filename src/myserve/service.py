@@ -39,6 +39,18 @@ class GenerationService(EngineCore):
         self.request_adapter_update(name, path, done)
         return await future
 
+    async def update_weights(self, path: str, version: str | None, policy: str) -> tuple[str | None, dict]:
+        """Serve the weights at ``path`` (``core/engine_weights.py``); the error (None once the new
+        version serves) and the version served now."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[tuple[str | None, dict]] = loop.create_future()
+
+        def done(error: str | None, version: dict[str, object]) -> None:
+            loop.call_soon_threadsafe(settle, future, (error, version))
+
+        self.request_weight_update(path, version, policy, done)
+        return await future
+
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
         """Queue a request; returns the stream of its deltas. Raises on invalid or excess requests."""
         request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"

@@ -9,7 +9,16 @@ from typing import Any
 
 import httpx
 
-from myserve.client.calls import Call, Messages, SseReader, chat_body, completion_body, embeddings_body, error_of
+from myserve.client.calls import (
+    Call,
+    Messages,
+    SseReader,
+    chat_body,
+    completion_body,
+    embeddings_body,
+    error_of,
+    update_weights_body,
+)
 from myserve.client.calls import first_model as _first_model
 from myserve.client.retry import RetryPolicy, transport_error
 from myserve.client.setup import DEFAULT_URL, http_options
@@ -135,6 +144,17 @@ class AsyncClient:
         """Embeddings of ``inputs`` (for a model the server serves embeddings of; else a 400)."""
         body = embeddings_body(await self._model(model), inputs, extra)
         return Embeddings.from_json(await self._json(Call("POST", "/v1/embeddings", body, timeout, retry_unsafe)))
+
+    async def update_weights(
+        self, model_path: str, *, version: str | None = None, policy: str = "finish", timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Serve the weights at ``model_path`` (a checkpoint the server can read) from now on, as
+        version ``version``; ``policy`` ``"finish"`` lets running requests end on the old version,
+        ``"cut"`` moves them over. Returns once the new version serves: ``{"success", "message",
+        "version", "loaded_at", ...}``; a refused update raises ``APIError`` (400), and the old
+        version serves on. Needs a server started with ``--enable-weight-updates``."""
+        body = update_weights_body(model_path, version, policy)
+        return dict(await self._json(Call("POST", "/update_weights_from_disk", body, timeout, False)))
 
     async def models(self) -> list[str]:
         """The ids the server serves (aliases included)."""

@@ -30,6 +30,12 @@ class Call:
     """Per-call override of ``RetryPolicy.retry_unsafe``."""
 
 
+def update_weights_body(model_path: str, version: str | None, policy: str) -> dict[str, Any]:
+    """``POST /update_weights_from_disk``'s body (sglang's, with our version label and policy)."""
+    body: dict[str, Any] = {"model_path": model_path, "policy": policy}
+    return body if version is None else {**body, "version": version}
+
+
 def _sampling(max_tokens: int | None, temperature: float | None, extra: dict[str, Any]) -> dict[str, Any]:
     fields: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature}
     return {k: v for k, v in fields.items() if v is not None} | extra

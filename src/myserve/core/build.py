@@ -17,6 +17,7 @@ import numpy as np
 from myserve.core.adapters import AdapterRegistry
 from myserve.core.pooler import resolve_pooler
 from myserve.core.replica import Replica, make_replica
+from myserve.errors import ConfigError
 from myserve.runtime.compile_counter import compile_counts
 from myserve.runtime.deployment import Deployment, executor_for, step_buckets
 from myserve.runtime.device import Device
@@ -24,6 +25,7 @@ from myserve.runtime.executor import Executor
 from myserve.runtime.generation_config import generation_defaults
 from myserve.runtime.lora_files import LoraAdapter, empty_adapter, read_adapter
 from myserve.runtime.multihost import BroadcastingDevice, stop_followers
+from myserve.runtime.weight_update import WeightUpdater
 
 logger = logging.getLogger(__name__)
 
@@ -94,4 +96,15 @@ def core_arguments(
         generation_defaults=generation_defaults(dep.config.model, dep.checkpoint_dir),
         adapters=registry,
         memory_utilization=cfg.gpu_memory_utilization,
+        weight_loader=_weight_loader(dep, executors),
     )
+
+
+def _weight_loader(dep: Deployment, executors: Sequence[Executor]) -> WeightUpdater | None:
+    """What reads new versions of the weights while serving (``engine.enable_weight_updates``);
+    refused on a multi-host mesh, whose followers would need the new weights too."""
+    if not dep.config.engine.enable_weight_updates:
+        return None
+    if jax.process_count() > 1:
+        raise ConfigError("engine.enable_weight_updates: live weight updates run on one host")
+    return WeightUpdater(dep, executors)

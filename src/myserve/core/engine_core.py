@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING, Self, cast
 from myserve.core.adapters import AdapterRegistry, check_adapter
 from myserve.core.engine_admin import EngineAdmin
 from myserve.core.engine_stats import EngineCounters
+from myserve.core.engine_weights import EngineWeights, WeightLoader
 from myserve.core.pooling import finished_embeddings
 from myserve.core.replica import Replica, Request
+from myserve.core.request_endings import RequestEndings
 from myserve.core.runner import PlannedStep, StepResults
 from myserve.core.sequence import Sequence as Seq
 from myserve.core.step_timer import StepTimer
@@ -32,7 +34,7 @@ from myserve.core.warmup import warm_up
 from myserve.grammar import LazyGrammars
 from myserve.tokenizer import Tokenizer
 from myserve.validation import validate_request
-from myserve.wire.outputs import EngineDead, Overloaded, RequestOutput, TokenLogprob, Usage
+from myserve.wire.outputs import EngineDead, Overloaded, RequestOutput, TokenLogprob
 from myserve.wire.params import SamplingParams
 from myserve.wire.pooling import Pooler
 
@@ -47,7 +49,7 @@ Sink = Callable[[list[RequestOutput]], None]
 """Where an engine iteration's token deltas go (called on the engine thread)."""
 
 
-class EngineCore(EngineCounters, EngineAdmin):
+class EngineCore(EngineCounters, EngineAdmin, EngineWeights, RequestEndings):
     """Continuous batching over the paged KV cache, driven by one background thread.
 
     The device work is done by one ``Replica`` per data-parallel row of the mesh (usually one).
@@ -70,8 +72,10 @@ class EngineCore(EngineCounters, EngineAdmin):
         generation_defaults: dict[str, float] | None = None,
         adapters: AdapterRegistry | None = None,
         memory_utilization: float = 0.9,
+        weight_loader: WeightLoader | None = None,
     ):
         self.replicas = list(replicas)
+        self._init_weights(weight_loader)
         self.memory_utilization = memory_utilization
         """``engine.gpu_memory_utilization``: the share of a device the peak after warmup is held to."""
         self.adapters = adapters
@@ -276,7 +280,7 @@ class EngineCore(EngineCounters, EngineAdmin):
                 if req is not None:
                     self._finish_request(req, "abort", choice)
             else:
-                self._admin(kind, payload)
+                self._admin(kind, payload) or self._weights_admin(kind, payload)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -299,7 +303,8 @@ class EngineCore(EngineCounters, EngineAdmin):
             seq.pool_type = self.pooler.type if req.params.pooling and self.pooler else None
             req.seqs.append(seq)
             seq.token_filter = token_filter
-            seq.hash_root = self.adapters.hash_root(req.params.adapter) if self.adapters else None
+            seq.hash_root = self._version_root(self.adapters.hash_root(req.params.adapter) if self.adapters else None)
+            seq.weights = self.weights_slot
             if req.params.grammar is not None:
                 matcher = self.grammars().matcher(req.params.grammar)
                 if req.params.grammar_after:
@@ -321,11 +326,12 @@ class EngineCore(EngineCounters, EngineAdmin):
         t = timer.now()
         timer.plan_started(self._iteration, t)
         dispatched: list[PlannedStep] = []
+        weights = self._step_weights()  # (alternating while an old version of the weights drains)
         for rep in self.replicas:
             if not rep.scheduler.has_work():
                 continue
             rep.scheduler.decode_steps = rep.runner.decode_steps if rep.runner.several_tokens_ready() else 1
-            batch = rep.scheduler.schedule()
+            batch = rep.scheduler.schedule(weights)
             if batch.empty:
                 continue  # e.g. every running sequence waits for its token in flight
             planned = rep.runner.plan(batch)
@@ -402,49 +408,11 @@ class EngineCore(EngineCounters, EngineAdmin):
             top = tuple((int(i), float(v)) for i, v in zip(top_ids[:k], top_lps[:k], strict=True))
             logprobs = (TokenLogprob(token, logprob, top),)
         finish, stop_reason = seq.token_finish(token, self.tokenizer.eos_token_ids)
-        self._emit(RequestOutput(req.request_id, seq.choice, (token,), "", logprobs, finish, stop_reason))
+        version = self._version_label(seq.weights)
+        self._emit(
+            RequestOutput(
+                req.request_id, seq.choice, (token,), "", logprobs, finish, stop_reason, weights_version=version
+            )
+        )
         if finish is not None:
             self._finish_seq(req, seq, finish)
-
-    def _finish_seq(self, req: Request, seq: Seq, reason: str) -> None:
-        """End one choice (any reason: stop, length, abort, error): the one path that releases what
-        it holds (pages, penalty slot, grammar state) and closes the request after its last choice."""
-        seq.finish_reason = reason
-        seq.matcher = seq.pending_matcher = seq.token_filter = None  # its mask state goes with its pages
-        try:
-            req.replica.scheduler.finish(seq)
-        except Exception:
-            if reason != "error":
-                raise
-            # Ending on an engine error: the bookkeeping may be what broke; the client hears anyway.
-            logger.debug("could not release %r after the engine error", seq, exc_info=True)
-        req.unfinished -= 1
-        if req.unfinished == 0:
-            self._close(req)
-
-    def _close(self, req: Request) -> None:
-        self._requests.pop(req.request_id, None)
-        usage = Usage(
-            prompt_tokens=len(req.prompt_ids),
-            completion_tokens=sum(len(s.output_ids) for s in req.seqs),
-            cached_tokens=max((s.num_prefix_hit_tokens for s in req.seqs), default=0),
-        )
-        self._emit(RequestOutput(req.request_id, -1, usage=usage, error=req.error))
-
-    def _finish_request(self, req: Request, reason: str, choice: int | None = None) -> None:
-        """Abort every unfinished choice of ``req`` (or just ``choice``; pages freed now); the
-        request is closed once none is left."""
-        for seq in req.seqs:
-            if seq.finish_reason is None and choice in (None, seq.choice):
-                self._emit(RequestOutput(req.request_id, seq.choice, finish_reason=reason))
-                self._finish_seq(req, seq, reason)
-
-    def _fail(self, req: Request, message: str) -> None:
-        """End a request with an engine error; its sequences' resources go back like any other's."""
-        req.error = message
-        for seq in req.seqs:
-            if seq.finish_reason is None:
-                self._emit(RequestOutput(req.request_id, seq.choice, finish_reason="error", error=message))
-                self._finish_seq(req, seq, "error")
-        if not req.seqs:  # never admitted (no choices yet): closed here
-            self._close(req)

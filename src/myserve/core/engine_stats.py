@@ -4,6 +4,7 @@ kept beside ``engine_core.py`` as a mixin of ``EngineCore``."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 from myserve.core.replica import Replica
 from myserve.core.step_timer import StepTimer
@@ -23,6 +24,8 @@ class EngineCounters:
     _max_decode_batch: int
     _generated: int
     _compile_counts: Callable[[], tuple[int, int]]
+    weight_swaps: int
+    weights_info: dict[str, object]
 
     def _num_waiting(self) -> int:
         return sum(len(r.scheduler.waiting) for r in self.replicas)
@@ -56,6 +59,9 @@ class EngineCounters:
             spec_draft_tokens=sum(r.runner.spec_draft_tokens for r in self.replicas),
             spec_accepted_tokens=sum(r.runner.spec_accepted for r in self.replicas),
             spec_accepted_per_pos=_summed([r.runner.spec_accepted_per_pos for r in self.replicas]),
+            weight_swaps=self.weight_swaps,
+            weights_version=str(self.weights_info["version"]),
+            weights_loaded_at=float(cast(float, self.weights_info["loaded_at"])),
         )
 
 

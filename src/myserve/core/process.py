@@ -173,6 +173,13 @@ def run_core(config: Config, links: Sequence[CoreLink]) -> None:
             core.reset_prefix_cache()
         elif isinstance(message, msg.UpdateAdapter):
             core.request_adapter_update(message.name, message.path, _answer(send, message.token))
+        elif isinstance(message, msg.UpdateWeights):
+            token = message.token
+
+            def weights_done(error: str | None, version: dict[str, object], token: str = token) -> None:
+                send(msg.WeightsChanged(token, error, version))  # type: ignore[arg-type]
+
+            core.request_weight_update(message.path, message.version, message.policy, weights_done)
         else:
             break
     core.shutdown()  # on a multi-host mesh this also ends the followers' loops

@@ -210,14 +210,14 @@ class ModelRunner:
         # This step's sampling rows: the next step's spans feed on them while this one is in flight.
         self._inflight_rows = {c.seq: row for c, row in zip(chunks, host.sample_rows, strict=True) if row is not None}
         sampling = [c for c in chunks if c.samples]
-        ops.append(self._step_call(host, shape, sampling, steps))
+        ops.append(self._step_call(host, shape, sampling, steps, batch.weights))
         offsets = np.cumsum([0, *(c.num_tokens for c in chunks)])
         placed = [(c, int(at), row) for c, at, row in zip(chunks, offsets, host.sample_rows, strict=False)]
         tops = any(bool(c.seq.params.logprobs) for c in sampling)
         return PlannedStep(self, ops, placed, host.scored, tops, host.pooled, steps=steps)
 
     def _step_call(
-        self, host: HostStep, shape: StepShape, sampling: Sequence[ScheduledChunk], steps: int = 1
+        self, host: HostStep, shape: StepShape, sampling: Sequence[ScheduledChunk], steps: int = 1, weights: int = 0
     ) -> StepCall:
         packed = self._sampling_rows(sampling, shape.singles, several=steps > 1)
         row_seqs = [c.seq for c in sampling for _ in range(c.sample_count)]
@@ -234,7 +234,9 @@ class ModelRunner:
                     s.token_filter.apply(bitmask[k], s.output_ids)
             packed.ints[rows, CONSTRAINED] = 1
         mode = head_mode(packed.ints, packed.floats, len(row_seqs))
-        return StepCall(host.pack(), shape, packed.ints, packed.floats, bitmask, rows, mode, host.scored, steps)
+        return StepCall(
+            host.pack(), shape, packed.ints, packed.floats, bitmask, rows, mode, host.scored, steps, weights
+        )
 
     def dispatch(self, planned: PlannedStep) -> PlannedStep:
         """Hand a planned step to the device (not awaited)."""

@@ -91,6 +91,8 @@ class ScheduledBatch:
     and any output from before a preemption) before the step samples."""
     adapter_writes: list[tuple[int, LoraAdapter]] = dataclasses.field(default_factory=list)
     """LoRA adapters to write into device slots before the step (``core/adapters.py``)."""
+    weights: int = 0
+    """The weight slot the step runs on: only sequences of that version of the weights are in it."""
 
     @property
     def empty(self) -> bool:
@@ -188,8 +190,9 @@ class Scheduler:
     def _pages_needed(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, -(-(seq.num_computed + num_tokens) // self.page_size) - len(seq.pages))
 
-    def schedule(self) -> ScheduledBatch:
-        """Plan the next step."""
+    def schedule(self, weights: int = 0) -> ScheduledBatch:
+        """Plan the next step, of the sequences on weight slot ``weights`` only (while a new version
+        of the weights replaces the old one, the engine alternates steps of each)."""
         budget = self.max_num_batched_tokens
         chunks: dict[Sequence, ScheduledChunk] = {}
         preempted: list[Sequence] = []
@@ -212,7 +215,7 @@ class Scheduler:
 
         multi = 0  # chunks of more than one token so far (capped by max_prefill_chunks)
         cap = self.max_prefill_chunks if self.max_prefill_chunks is not None else 1 << 30
-        by_age = sorted(self.running, key=lambda s: s.admitted_at)
+        by_age = sorted((s for s in self.running if s.weights == weights), key=lambda s: s.admitted_at)
         # Decodes first (oldest first), so running requests keep streaming under load.
         for seq in by_age:
             # A sequence whose token in flight reaches max_len finishes when it is read: no decode.
@@ -240,6 +243,8 @@ class Scheduler:
         for seq in list(self.waiting) if not preempted else []:
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if seq.weights != weights:
+                continue
             parent = seq.parent
             if parent is not None and parent.status is not SeqStatus.FINISHED:
                 if parent.status is not SeqStatus.RUNNING or parent.num_computed < len(seq.prompt_ids):
@@ -269,7 +274,7 @@ class Scheduler:
         if self.decode_steps > 1 and decodes and not prefills and not preempted and not copies:
             decodes = [self._several(c) for c in decodes]
         writes = self.adapters.take_pending() if self.adapters is not None else []
-        return ScheduledBatch(decodes, prefills, preempted, copies, fill_slots, writes)
+        return ScheduledBatch(decodes, prefills, preempted, copies, fill_slots, writes, weights)
 
     def _speculate(self, chunks: dict[Sequence, ScheduledChunk], budget: int, multi: int, cap: int) -> tuple[int, int]:
         """Turn decodes that may speculate into a draft's worth of positions, oldest first, while the

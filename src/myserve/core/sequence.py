@@ -98,6 +98,8 @@ class Sequence:
         # proposals, which stay valid as far as verification keeps the draft (``keep_draft``).
         self.draft_computed = 0
         self.draft_ahead = 0
+        # The weight slot of the version of the weights it runs on (``core/engine_weights.py``).
+        self.weights = 0
         # An embedding request's pooling (``Pooler.type``: last, mean or cls), set at admission;
         # None for generation. Its chunks sample nothing: their hidden states are pooled instead.
         self.pool_type: str | None = None

@@ -29,7 +29,7 @@ from myserve.frontend.guard import RequestGuard
 from myserve.frontend.metrics import Metrics
 from myserve.frontend.openapi import install_openapi
 from myserve.frontend.reasoning import FORMATS
-from myserve.frontend.routes import ROUTERS, lora
+from myserve.frontend.routes import ROUTERS, lora, weights
 from myserve.frontend.served_models import ServedModels
 from myserve.frontend.tool_parsers import PARSERS
 
@@ -89,6 +89,7 @@ def create_app(
     tracer: RequestTracer | None = None,
     cors: CORSPolicy | None = None,
     responses_store_size: int = 256,
+    weight_updates: bool = False,
 ) -> FastAPI:
     """The OpenAI-compatible app for one model, ``service`` (which the caller starts and stops),
     answering to ``served_model_name`` (a name, or names: aliases); the options as ``ServedModel``'s
@@ -110,6 +111,7 @@ def create_app(
         tracer=tracer,
         cors=cors,
         responses_store_size=responses_store_size,
+        weight_updates=weight_updates,
     )
 
 
@@ -121,12 +123,14 @@ def create_models_app(
     tracer: RequestTracer | None = None,
     cors: CORSPolicy | None = None,
     responses_store_size: int = 256,
+    weight_updates: bool = False,
 ) -> FastAPI:
     """The app for several models (or one): a request goes to the model its ``model`` names, the
     first model where it names none; they share the API key, the body limit, the CORS policy (None =
     vLLM's default: any origin), the drain, the metrics registry (every series labelled with its
     model), ``tracer`` (``frontend/tracing.py``: a span per generation or embeddings request; None:
-    no tracing) and the Responses API's store of ``responses_store_size`` responses (0: none stored)."""
+    no tracing) and the Responses API's store of ``responses_store_size`` responses (0: none stored);
+    ``weight_updates``: serve ``/update_weights_from_disk`` (the engine takes them)."""
     state, metrics = ServerState(responses_store_size), Metrics()
     contexts = [
         AppContext(
@@ -171,5 +175,7 @@ def create_models_app(
         app.include_router(router)
     if lora.enabled():  # vLLM's opt-in: loading adapters reads files the server can reach
         app.include_router(lora.router)
+    if weight_updates:  # likewise opt-in (engine.enable_weight_updates)
+        app.include_router(weights.router)
     install_openapi(app, models.engines)
     return app

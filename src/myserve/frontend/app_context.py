@@ -100,7 +100,14 @@ class AppContext:
             "owned_by": "myserve",
             "root": self.served_model_name,
             "max_model_len": self.engine.max_model_len,
+            **self.weights_card(),
         }
+
+    def weights_card(self) -> dict[str, Any]:
+        """The version of the weights new requests run on, and when it began serving (live updates:
+        ``core/engine_weights.py``)."""
+        stats = self.engine.stats()
+        return {"weights_version": stats.weights_version, "weights_loaded_at": int(stats.weights_loaded_at)}
 
     def check_ready(self, model: str | None = None) -> None:
         """503 while draining or loading; 404 if ``model`` is given and is not one of this model's names."""

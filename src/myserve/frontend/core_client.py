@@ -24,11 +24,12 @@ import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from myserve.errors import ConfigError
+from myserve.frontend.core_admin import CoreAdmin
 from myserve.frontend.output_processor import OutputProcessor
 from myserve.frontend.peer_guard import PeerGuard
 from myserve.frontend.stream import RequestStream, settle
@@ -55,7 +56,7 @@ CoreMain = Callable[["Config", Sequence[CoreLink]], None]
 process imports it when it unpickles its target."""
 
 
-class EngineClient:
+class EngineClient(CoreAdmin):
     """A ``GenerationService`` look-alike whose engine core runs in a child process.
 
     ``EngineClient(config, load_tokenizer, core_main=run_core, front_ends=N)`` starts the core for N
@@ -86,9 +87,9 @@ class EngineClient:
         self.pooler: Pooler | None = None
         """How the model makes embeddings, as the core said on loading (None: it makes none)."""
         self.generation_defaults: dict[str, float] = {}
-        self._adapters: dict[str, str] = {}
-        self._adapter_waits: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[str | None]]] = {}
         """Request defaults from the model's generation config, as the core said on loading."""
+        self._adapters: dict[str, str] = {}
+        self._answers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
         self.max_waiting = config.engine.max_waiting
         self._stats: EngineStats | None = None
         self._added_since_stats = 0
@@ -268,19 +269,6 @@ class EngineClient:
         """Ask the core to forget every cached prompt prefix."""
         self._send(msg.ResetPrefixCache())
 
-    async def update_adapter(self, name: str, path: str | None) -> str | None:
-        """Register LoRA adapter ``name`` from ``path`` in the core (None: unregister it); the
-        core's error, or None once done (every front end then knows the new set)."""
-        token = uuid.uuid4().hex
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[str | None] = loop.create_future()
-        self._adapter_waits[token] = (loop, future)
-        try:
-            self._send(msg.UpdateAdapter(token, name, path))
-            return await future
-        finally:
-            self._adapter_waits.pop(token, None)
-
     def stats(self) -> EngineStats:
         """The core's counters as of its last report (at most ``STATS_INTERVAL_S`` old)."""
         if self._stats is None:
@@ -390,12 +378,14 @@ class EngineClient:
             self.generation_defaults = message.generation_defaults
             self._adapters = dict(message.adapters)
             self._loaded.set()
-        elif isinstance(message, msg.AdaptersChanged):
-            self._adapters = dict(message.adapters)
-            waiting = self._adapter_waits.get(message.token)
+        elif isinstance(message, msg.AdaptersChanged | msg.WeightsChanged):
+            answer = (message.error, message.version) if isinstance(message, msg.WeightsChanged) else message.error
+            if isinstance(message, msg.AdaptersChanged):
+                self._adapters = dict(message.adapters)
+            waiting = self._answers.get(message.token)
             if waiting is not None:
                 loop, future = waiting
-                loop.call_soon_threadsafe(settle, future, message.error)
+                loop.call_soon_threadsafe(settle, future, answer)
         elif isinstance(message, msg.Ready):
             self.ready.set()
             self._started.set()

@@ -61,6 +61,11 @@ class Engine(Protocol):
         """Register LoRA adapter ``name`` from ``path`` (None: unregister it); the error, or None."""
         ...
 
+    async def update_weights(self, path: str, version: str | None, policy: str) -> tuple[str | None, dict]:
+        """Serve the weights at ``path`` as ``version`` under ``policy``; the error (None once the new
+        version serves) and the version served now (label, loaded_at, path)."""
+        ...
+
     def stats(self) -> EngineStats:
         """The engine's counters (queue lengths, pages, cache hits) for the metrics."""
         ...

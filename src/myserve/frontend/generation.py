@@ -15,7 +15,7 @@ from fastapi.responses import Response, StreamingResponse
 from myserve.frontend.app_context import AppContext
 from myserve.frontend.errors import APIError
 from myserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, Unsupported
-from myserve.frontend.responses import CompletionResponse, ResponseContext
+from myserve.frontend.responses import WEIGHTS_HEADER, CompletionResponse, ResponseContext
 from myserve.frontend.stream import RequestStream
 from myserve.grammar import GrammarSpec
 from myserve.wire.outputs import ContextLengthExceeded, EngineDead, Overloaded
@@ -178,7 +178,9 @@ async def respond(
     answer = submit_answer(context, request, response, grammar_field, answer_class)
     if not stream:
         return await answer.json(request)
-    return StreamingResponse(answer.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    # (The version new requests run on as the stream opens; each chunk's fingerprint names its own.)
+    headers = {"Cache-Control": "no-cache", WEIGHTS_HEADER: context.engine.stats().weights_version}
+    return StreamingResponse(answer.events(), media_type="text/event-stream", headers=headers)
 
 
 def submit_answer[A: CompletionResponse](

@@ -80,6 +80,7 @@ def app_for_models(config: Config, served: Sequence[ServedModel]) -> FastAPI:
         tracer=tracer,
         cors=cors,
         responses_store_size=s.responses_store_size,
+        weight_updates=config.engine.enable_weight_updates,
     )
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import Gauge as _Gauge
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -152,8 +152,13 @@ class EngineCounters(Collector):
         ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
         ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
         ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+        ("myserve:weight_updates", "Versions of the weights switched to by live updates."),
     )
     PER_POSITION = ("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.")
+    WEIGHTS = (
+        "myserve:weights_loaded_at_seconds",
+        "Unix time the version of the weights new requests run on began serving.",
+    )
 
     def __init__(self, models: list[ModelMetrics]):
         self.models = models
@@ -163,12 +168,13 @@ class EngineCounters(Collector):
         return [
             *(CounterMetricFamily(name, doc, labels=["model_name"]) for name, doc in self.FAMILIES),
             CounterMetricFamily(*self.PER_POSITION, labels=["model_name", "position"]),
+            GaugeMetricFamily(*self.WEIGHTS, labels=["model_name", "version"]),
         ]
 
     def collect(self) -> list[Metric]:
         """Every model's counts now."""
         families = self.describe()
-        *totals, per_position = families
+        *totals, per_position, weights = families
         for model in self.models:
             s = model.engine.stats()
             values = (
@@ -178,6 +184,7 @@ class EngineCounters(Collector):
                 s.spec_drafts,
                 s.spec_draft_tokens,
                 s.spec_accepted_tokens,
+                s.weight_swaps,
             )
             for family, value in zip(totals, values, strict=True):
                 assert isinstance(family, CounterMetricFamily)
@@ -185,6 +192,8 @@ class EngineCounters(Collector):
             assert isinstance(per_position, CounterMetricFamily)
             for position, count in enumerate(s.spec_accepted_per_pos):
                 per_position.add_metric([model.name, str(position)], count)
+            assert isinstance(weights, GaugeMetricFamily)
+            weights.add_metric([model.name, s.weights_version], s.weights_loaded_at)
         return families
 
 

@@ -34,6 +34,14 @@ if TYPE_CHECKING:
     from myserve.frontend.tracing import RequestSpan
 
 SYSTEM_FINGERPRINT = "myserve-0.1.0"
+WEIGHTS_HEADER = "X-Weights-Version"
+"""The response header naming the version(s) of the weights that produced its tokens."""
+
+
+def fingerprint(versions: list[str]) -> str:
+    """``system_fingerprint``: the server's, with the version(s) of the weights behind the tokens
+    (several, in order, when a live update cut the request over to a new one)."""
+    return SYSTEM_FINGERPRINT if not versions else f"{SYSTEM_FINGERPRINT}+weights-{'+'.join(versions)}"
 
 
 _ID_PREFIXES = {
@@ -104,8 +112,10 @@ class CompletionResponse:
         """Streamed completions: the text offset of each choice, for logprobs."""
         self.span: RequestSpan | None = None
         """The request's trace span, which ``respond`` starts when the server traces."""
+        self.weights: list[str] = []
+        """The versions of the weights that produced the outputs seen so far, in order."""
         self._chunk_base = self._envelope("chat.completion.chunk" if ctx.kind == "chat" else "text_completion")
-        """The fields every streamed chunk shares."""
+        """The fields every streamed chunk shares (its fingerprint names the weights of the latest output)."""
         server.state.in_flight += 1
 
     def _envelope(self, obj: str) -> dict[str, Any]:
@@ -115,8 +125,16 @@ class CompletionResponse:
             "object": obj,
             "created": self.ctx.created,
             "model": self.ctx.model,
-            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "system_fingerprint": fingerprint(self.weights),
         }
+
+    def _saw(self, out: RequestOutput) -> None:
+        """Note an output: the request log's counts, and the version of the weights behind it."""
+        self.log.saw(out)
+        version = out.weights_version
+        if version is not None and version not in self.weights:
+            self.weights.append(version)
+            self._chunk_base["system_fingerprint"] = fingerprint(self.weights[-1:])
 
     def _finished(self, status: str, usage: Usage | None = None) -> None:
         """Close the streams (aborting what still runs), then count and log the request once.
@@ -171,7 +189,8 @@ class CompletionResponse:
         if disconnected:
             return Response(status_code=499)
         started = time.perf_counter()
-        response = JSONResponse(self._final_body(collect))
+        body = self._final_body(collect)
+        response = JSONResponse(body, headers={WEIGHTS_HEADER: ",".join(self.weights)} if self.weights else None)
         self.server.metrics.frontend_seconds.inc(time.perf_counter() - started)
         return response
 
@@ -235,7 +254,7 @@ class CompletionResponse:
         TimeoutError at the deadline."""
         outputs = []
         async for item in until(self.ctx.deadline, merged(self.streams)):
-            self.log.saw(item[1])
+            self._saw(item[1])
             outputs.append(item)
         return outputs
 
@@ -287,7 +306,7 @@ class CompletionResponse:
                     status = "timeout"
                     yield self._error_event(self._timeout_error())
                     return
-                self.log.saw(out)
+                self._saw(out)
                 if out.final:
                     usages.append(out.usage)
                     if out.error:

@@ -4,10 +4,12 @@ without importing JAX: the HTTP front end resolves the tokenizer's source with i
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from myserve.bundled import bundled_gguf_path
 from myserve.errors import CheckpointError
+from myserve.models.spec import ModelSpec, spec_from_hf_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,3 +55,13 @@ def _from_hub_cache(repo_id: str) -> Path:
     if not (snapshot / "config.json").is_file():
         raise CheckpointError(f"{snapshot}: cached snapshot of {repo_id} has no config.json")
     return snapshot
+
+
+def hf_spec(directory: Path) -> ModelSpec:
+    """The architecture an HF ``config.json`` in ``directory`` describes."""
+    config_path = directory / "config.json"
+    try:
+        cfg = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{config_path}: cannot read config ({e})") from None
+    return spec_from_hf_config(cfg, str(config_path))

@@ -21,16 +21,17 @@ from jax.sharding import Mesh
 
 from myserve.errors import CheckpointError
 from myserve.models.axes import ModelAxes
-from myserve.models.checkpoint import ResolvedCheckpoint
+from myserve.models.checkpoint import ResolvedCheckpoint, hf_spec
 from myserve.models.gguf import GGUFSource
 from myserve.models.llama import DecoderLayer, LlamaModel, Weight
 from myserve.models.lora import LoraLayer, stack_axes
 from myserve.models.moe import MoeBlock
 from myserve.models.narrow import NarrowWeight
 from myserve.models.narrow_host import BlockLayout
+from myserve.models.native_checkpoint import NativeSource, is_native_checkpoint
 from myserve.models.placer import Combine, NarrowPlacer, Placer, TensorSource
 from myserve.models.sharding import MeshAxes
-from myserve.models.spec import ModelSpec, spec_from_hf_config
+from myserve.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +43,7 @@ class SafetensorsSource:
         from safetensors import SafetensorError, safe_open
 
         self._safe_open, self._error = safe_open, SafetensorError
-        config_path = directory / "config.json"
-        try:
-            cfg = json.loads(config_path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{config_path}: cannot read config ({e})") from None
-        self.spec = spec_from_hf_config(cfg, str(config_path))
+        self.spec = hf_spec(directory)
         self._files: dict[str, Path] = {}
         index = directory / "model.safetensors.index.json"
         if index.is_file():
@@ -87,8 +83,13 @@ class SafetensorsSource:
                 raise CheckpointError(f"{file}: corrupt tensor {hf_name} ({e})") from None
 
 
-def open_source(resolved: ResolvedCheckpoint) -> TensorSource:
-    """The tensor source of a resolved checkpoint."""
+def open_source(resolved: ResolvedCheckpoint, weights: str | Path | None = None) -> TensorSource:
+    """The tensor source of a resolved checkpoint; with ``weights`` (``model.checkpoint_path``), the
+    weights are that Orbax or Levanter checkpoint's and ``resolved`` gives the configuration."""
+    if weights is not None:
+        return NativeSource(Path(weights).expanduser(), hf_spec(resolved.path))
+    if resolved.kind == "hf" and is_native_checkpoint(resolved.path):  # its config.json beside it
+        return NativeSource(resolved.path, hf_spec(resolved.path))
     return GGUFSource(resolved.path) if resolved.kind == "gguf" else SafetensorsSource(resolved.path)
 
 

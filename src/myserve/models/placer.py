@@ -68,9 +68,12 @@ class Placer:
         if self.abstract:  # a zero-stride stand-in with the weight's shape: no memory, nothing read
             return np.broadcast_to(np.zeros((), np.float32), expected)
         tensors = [self.source.read(name) for name in hf_names]
-        w = combine(*tensors) if combine is not None else tensors[0]
+        shapes = ", ".join(f"{n} {t.shape}" for n, t in zip(hf_names, tensors, strict=True))
+        try:
+            w = combine(*tensors) if combine is not None else tensors[0]
+        except ValueError:  # fused tensors whose shapes do not fit together
+            raise CheckpointError(f"tensor(s) {shapes} do not give the expected shape {expected}") from None
         if w.shape != expected:
-            shapes = ", ".join(f"{n} {t.shape}" for n, t in zip(hf_names, tensors, strict=True))
             raise CheckpointError(f"tensor(s) {shapes} do not give the expected shape {expected}")
         return w
 

@@ -119,7 +119,7 @@ class Deployment:
         # The mesh first: a mesh the visible devices cannot hold fails before anything is read.
         mesh = make_mesh(config.mesh.data, config.mesh.model, expert=config.mesh.expert)
         resolved = resolve_checkpoint(config.model.checkpoint)
-        source = open_source(resolved)
+        source = open_source(resolved, config.model.checkpoint_path)
         spec = source.spec
         check_expert_mesh(spec, config.mesh.expert)
         max_len = config.model.max_model_len or spec.max_position_embeddings

@@ -13,7 +13,6 @@ counts, so the state never crosses back to the host.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -26,10 +25,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from myserve.models.llama import LlamaModel
 from myserve.models.sharding import MeshAxes, kv_cache_sharding
-from myserve.ops.paged_cache import KernelKVCache, KVCache
 from myserve.runtime.device import StepRead
 from myserve.runtime.executables import BuildKey, Executables, Step, out_trees
-from myserve.runtime.kv_cache import Cache, cache_arrays, constrain_cache, init_kv_cache, kv_cache_shape, make_cache
+from myserve.runtime.kv_cache import cache_arrays, init_kv_cache, kv_cache_shape, make_cache
 from myserve.runtime.mesh import replicated
 from myserve.runtime.model_step import (
     ForwardOutput,
@@ -43,6 +41,7 @@ from myserve.runtime.model_step import (
 )
 from myserve.runtime.sampler import SampleOutput
 from myserve.runtime.sampling_rows import MAX_TOP_LOGPROBS, SamplingRows
+from myserve.runtime.small_ops import clear_slot, copy_page, write_adapter, write_slot
 from myserve.runtime.step_arrays import pack_step
 from myserve.runtime.step_cache import StepCache
 from myserve.runtime.step_layout import StepShape, layout
@@ -57,39 +56,6 @@ def _full_mask(op: StepCall, words: int) -> np.ndarray:
     full = np.full((op.shape.singles, words), -1, np.int32)
     full[op.mask_rows] = op.bitmask
     return full
-
-
-@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
-def _copy_page(kv_cache: Cache, src: jax.Array, dst: jax.Array, sharding: NamedSharding) -> Cache:
-    if isinstance(kv_cache, KernelKVCache):  # [layers, pages, ...]
-        copied: Cache = KernelKVCache(kv_cache.kv.at[:, dst].set(kv_cache.kv[:, src]))
-    else:  # [layers, kv_heads, pages, ...]
-        copied = KVCache(
-            kv_cache.k.at[:, :, dst].set(kv_cache.k[:, :, src]), kv_cache.v.at[:, :, dst].set(kv_cache.v[:, :, src])
-        )
-    return constrain_cache(copied, sharding)
-
-
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _write_slot(
-    counts: jax.Array, prompt_mask: jax.Array, slot: jax.Array, ids: jax.Array, n: jax.Array, to_prompt: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    valid = jnp.arange(ids.shape[0]) < n
-    prompt_mask = prompt_mask.at[slot, ids].max(valid & to_prompt)
-    counts = counts.at[slot, ids].add((valid & ~to_prompt).astype(counts.dtype))
-    return counts, prompt_mask
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _write_adapter(
-    stacks: tuple[jax.Array, ...], slot: jax.Array, arrays: tuple[jax.Array, ...]
-) -> tuple[jax.Array, ...]:
-    return tuple(s.at[slot].set(a.astype(s.dtype)) for s, a in zip(stacks, arrays, strict=True))
-
-
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _clear_slot(counts: jax.Array, prompt_mask: jax.Array, slot: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return counts.at[slot].set(0), prompt_mask.at[slot].set(False)
 
 
 class Executor:
@@ -115,7 +81,6 @@ class Executor:
         ``step_cache``: where step executables are loaded from without tracing, and stored.
         ``sampler`` False: an embedding-only deployment, whose steps have no LM head nor sampler.
         ``pool``: the deployment embeds, so its steps compute the pooled sums (always when not ``sampler``)."""
-        self.model = model
         self.sampler = sampler
         self.pool = pool or not sampler
         self._prebuilt = prebuilt
@@ -125,7 +90,13 @@ class Executor:
         self.scratch_slot = num_slots - 1
         """The penalty slot of rows without penalties (the last)."""
 
-        self.outer, self.treedef, self.layers = split_model(model)
+        outer, self.treedef, layers = split_model(model)
+        self._weights: list[tuple[LlamaModel, LlamaModel, tuple[tuple[jax.Array, ...], ...]] | None] = [
+            (model, outer, layers),
+            None,
+        ]
+        """Two slots of weights (model, outer part, each layer's leaves): a step runs on the one its
+        ``StepCall.weights`` names; the second holds a new version while the old one drains."""
         self._lora_leaves = lora_leaf_indices(model)
         """Positions of the LoRA stacks among a layer's leaves (``LoraLayer`` field order; none
         without adapters)."""
@@ -180,10 +151,10 @@ class Executor:
                     progress(len(keys), len(keys))
             elif isinstance(op, CopyPage):
                 args: tuple[Any, ...] = (self.kv_cache, np.int32(op.src), np.int32(op.dst))
-                self.kv_cache = self._small_op(_copy_page, args, (self.cache_sharding,))
+                self.kv_cache = self._small_op(copy_page, args, (self.cache_sharding,))
             elif isinstance(op, ClearSlot):
                 args = (self.counts, self.prompt_mask, np.int32(op.slot))
-                self.counts, self.prompt_mask = self._small_op(_clear_slot, args)
+                self.counts, self.prompt_mask = self._small_op(clear_slot, args)
             elif isinstance(op, WriteAdapter):
                 self._write_adapter(op)
             else:
@@ -195,24 +166,60 @@ class Executor:
                     np.int32(op.n),
                     np.bool_(op.to_prompt),
                 )
-                self.counts, self.prompt_mask = self._small_op(_write_slot, args)
+                self.counts, self.prompt_mask = self._small_op(write_slot, args)
         return outputs
+
+    # -- weights ------------------------------------------------------------------------------
+    @property
+    def model(self) -> LlamaModel:
+        """The model of the weights in use (the first loaded slot: every slot has its shapes)."""
+        return next(w for w in self._weights if w is not None)[0]
+
+    @property
+    def outer(self) -> LlamaModel:
+        """The first loaded slot's model without its layers (``split_model``)."""
+        return next(w for w in self._weights if w is not None)[1]
+
+    @property
+    def layers(self) -> tuple[tuple[jax.Array, ...], ...]:
+        """The first loaded slot's layers' leaves."""
+        return next(w for w in self._weights if w is not None)[2]
+
+    def install_weights(self, slot: int, model: LlamaModel) -> None:
+        """Hold ``model`` (a version of the served weights, on this mesh with the same shapes, dtypes
+        and shardings: nothing compiles) in weight slot ``slot``; its LoRA stacks are those in use."""
+        outer, _, layers = split_model(model)
+        if self._lora_leaves:  # the adapters written so far stay resident
+            layers = tuple(
+                tuple(old[j] if j in self._lora_leaves else leaf for j, leaf in enumerate(new))
+                for new, old in zip(layers, self.layers, strict=True)
+            )
+        self._weights[slot] = (model, outer, layers)
+
+    def drop_weights(self, slot: int) -> None:
+        """Let weight slot ``slot`` go (its arrays are freed once no step in flight holds them)."""
+        assert any(w is not None for i, w in enumerate(self._weights) if i != slot), "a slot stays loaded"
+        self._weights[slot] = None
 
     def _write_adapter(self, op: WriteAdapter) -> None:
         """Put an adapter's arrays into slot ``op.slot`` of every layer's LoRA stacks (the layers'
-        leaves at ``_lora_leaves``, donated and replaced)."""
+        leaves at ``_lora_leaves``, donated and replaced), in every loaded weight slot (they share
+        the stacks)."""
         at = self._lora_leaves
         assert at, "a WriteAdapter needs a model loaded with LoRA stacks"
         stacks = tuple(leaves[j] for leaves in self.layers for j in at)
-        written = self._small_op(_write_adapter, (stacks, np.int32(op.slot), op.arrays))
-        it = iter(written)
-        layers = []
-        for leaves in self.layers:
-            new = list(leaves)
+        written = iter(self._small_op(write_adapter, (stacks, np.int32(op.slot), op.arrays)))
+        new = [list(leaves) for leaves in self.layers]
+        for leaves in new:
             for j in at:
-                new[j] = next(it)
-            layers.append(tuple(new))
-        self.layers = tuple(layers)
+                leaves[j] = next(written)
+        for i, w in enumerate(self._weights):
+            if w is not None:
+                layers = tuple(
+                    tuple(fresh[j] if j in at else leaf for j, leaf in enumerate(mine))
+                    for fresh, mine in zip(new, w[2], strict=True)
+                )
+                self._weights[i] = (w[0], w[1], layers)
 
     def _small_op(self, fn: Any, args: tuple[Any, ...], static: tuple[Any, ...] = ()) -> Any:
         """A page copy or penalty-slot write, through its executable built on first use (warmup's):
@@ -228,28 +235,29 @@ class Executor:
         """One step: the forward, the head in the host's mode, the prompt scorer when asked; each
         dispatched, none awaited."""
         n1 = op.shape.singles
+        weights = self._weights[op.weights]
+        assert weights is not None, f"a step on weight slot {op.weights}, which holds none"
+        _, outer, layers = weights
         if op.steps > 1:
             loop = self._executables.get(("loop", op.shape, op.steps, op.mode))
             sampled, self.kv_cache, self.counts, self.fed = loop(
-                self.outer, self.layers, self.kv_cache, self.counts, self.prompt_mask, self.fed,
+                outer, layers, self.kv_cache, self.counts, self.prompt_mask, self.fed,
                 pack_step(op.batch, op.ints, op.floats), self._bitmask(op),
             )  # fmt: skip
             return StepOutput(sampled, None, np.zeros((n1, 0), np.float32))  # nothing pools here
         fwd: ForwardOutput
         forward = self._executables.get(("forward", op.shape))
         packed = pack_step(op.batch, op.ints, op.floats)  # the step's one transfer
-        fwd, self.kv_cache = forward(self.outer, self.layers, self.kv_cache, self.fed, packed)
+        fwd, self.kv_cache = forward(outer, layers, self.kv_cache, self.fed, packed)
         if self.sampler:
             head = self._executables.get(("head", n1, op.mode))
             sampled, self.counts, self.fed = head(
-                self.outer, fwd.last, self.counts, self.prompt_mask, self.fed, fwd.ints, fwd.floats, self._bitmask(op)
+                outer, fwd.last, self.counts, self.prompt_mask, self.fed, fwd.ints, fwd.floats, self._bitmask(op)
             )
         else:
             sampled = self._zero_samples(n1)
         scores = (
-            self._executables.get(("score", op.shape.tokens))(self.outer, fwd.hidden, fwd.following)
-            if op.score
-            else None
+            self._executables.get(("score", op.shape.tokens))(outer, fwd.hidden, fwd.following) if op.score else None
         )
         return StepOutput(sampled, scores, fwd.pooled)
 

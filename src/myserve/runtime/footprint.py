@@ -13,7 +13,7 @@ from pathlib import Path
 
 from myserve.config import Config
 from myserve.errors import CheckpointError
-from myserve.models.checkpoint import resolve_checkpoint
+from myserve.models.checkpoint import hf_spec, resolve_checkpoint
 from myserve.models.gguf import GGUFSource, resolve_quantization
 from myserve.models.gguf_file import read_gguf
 from myserve.models.spec import ModelSpec, spec_from_hf_config
@@ -24,7 +24,13 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def weight_bytes(config: Config, where: str) -> int:
     """One replica's weights of ``config``'s model on platform ``where``, in bytes, from the
     checkpoint's headers: parameters x the bytes of the dtype (or of its narrow weights)."""
-    _, parameters = spec_and_parameters(config.model.checkpoint)
+    if config.model.checkpoint_path is not None:  # an Orbax or Levanter checkpoint's arrays
+        from myserve.models.native_checkpoint import NativeSource
+
+        resolved = resolve_checkpoint(config.model.checkpoint)
+        parameters = NativeSource(Path(config.model.checkpoint_path), hf_spec(resolved.path)).num_parameters
+    else:
+        _, parameters = spec_and_parameters(config.model.checkpoint)
     return int(parameters * _PARAMETER_BYTES.get(_quantization(config, where), itemsize_of(config, where)))
 
 

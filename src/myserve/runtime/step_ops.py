@@ -86,6 +86,9 @@ class StepCall(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True
     steps: int = 1
     """Above 1: a several-token decode call (``decode_loop``) of that many iterations; ``shape`` is
     then one of one-token rows only, and each row decodes its own ``STEPS`` tokens of them."""
+    weights: int = 0
+    """The weight slot the step runs on (two while a new version of the weights replaces the old
+    one: ``core/engine_weights.py``)."""
 
 
 class WriteAdapter(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):

@@ -263,8 +263,8 @@ class FakeCore:
         """Called with each ``ScheduledBatch`` as it is planned (e.g. to check its layout)."""
         schedule = self.scheduler.schedule
 
-        def recording() -> Any:
-            batch = schedule()
+        def recording(weights: int = 0) -> Any:
+            batch = schedule(weights)
             self.batches.append(batch)
             if self.on_schedule is not None:
                 self.on_schedule(batch)

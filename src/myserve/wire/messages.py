@@ -48,6 +48,17 @@ class UpdateAdapter(msgspec.Struct, tag="update_adapter", array_like=True):
     path: str | None = None
 
 
+class UpdateWeights(msgspec.Struct, tag="update_weights", array_like=True):
+    """Front -> core: serve the weights at ``path`` as version ``version`` (None: a serial number)
+    under ``policy`` (``core/engine_weights.py``); the core answers every front end with
+    ``WeightsChanged`` carrying ``token``."""
+
+    token: str
+    path: str
+    version: str | None = None
+    policy: str = "finish"
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """Front -> core: stop (in-flight requests are aborted) and exit 0."""
 
@@ -92,6 +103,15 @@ class AdaptersChanged(msgspec.Struct, tag="adapters", array_like=True):
     adapters: dict[str, str]
 
 
+class WeightsChanged(msgspec.Struct, tag="weights", array_like=True):
+    """Core -> every front end: the answer to ``UpdateWeights`` ``token`` (``error`` None: the new
+    version serves) and the version served now (label, loaded_at, path)."""
+
+    token: str
+    error: str | None
+    version: dict[str, str | int | None]
+
+
 class Died(msgspec.Struct, tag="died", array_like=True):
     """Core -> front: the engine stopped on an error (every request was failed first)."""
 
@@ -100,8 +120,8 @@ class Died(msgspec.Struct, tag="died", array_like=True):
     """The deployment could not load because of its configuration: a one-line error, exit 2."""
 
 
-ToCore = AddRequest | AbortRequest | ResetPrefixCache | UpdateAdapter | Shutdown
-FromCore = Loaded | Ready | Outputs | Heartbeat | AdaptersChanged | Died
+ToCore = AddRequest | AbortRequest | ResetPrefixCache | UpdateAdapter | UpdateWeights | Shutdown
+FromCore = Loaded | Ready | Outputs | Heartbeat | AdaptersChanged | WeightsChanged | Died
 
 encoder = msgspec.msgpack.Encoder()
 to_core = msgspec.msgpack.Decoder(ToCore)

@@ -69,6 +69,8 @@ class RequestOutput:
     """Per prompt token (the first is None), once, before the choice's first token; only when asked."""
     embedding: bytes | None = None
     """An embedding request's vector, little-endian float32 (its one delta, finish reason "stop")."""
+    weights_version: str | None = None
+    """The version of the weights that produced the delta's tokens (``core/engine_weights.py``)."""
 
     @property
     def final(self) -> bool:
@@ -115,3 +117,9 @@ class EngineStats:
     """Draft tokens that held (the samples agreed)."""
     spec_accepted_per_pos: tuple[int, ...] = ()
     """Draft tokens that held, by position in their draft."""
+    weight_swaps: int = 0
+    """Versions of the weights switched to by live updates since start."""
+    weights_version: str = "0"
+    """The label of the version of the weights new requests run on."""
+    weights_loaded_at: float = 0.0
+    """Unix time that version began serving."""

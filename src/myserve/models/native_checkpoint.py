@@ -1,0 +1,193 @@
+"""Checkpoints written by JAX trainers, read as HF-named tensors (``model.checkpoint_path``).
+
+- **Orbax**: a pytree of arrays keyed by the HF parameter names, the simplest thing a JAX trainer
+  can save (``ocp.StandardCheckpointer().save(dir, {name: array})``; nested dicts whose dotted path
+  is the HF name, optionally under one first key such as ``params``), in Orbax's TensorStore
+  layout: zarr arrays (v2 or v3) in an OCDBT database or in plain files. A ``CheckpointManager``
+  step directory holding one item is read through that item.
+- **Levanter**: the trainer state serialized by ``tree_serialize_leaves_tensorstore``, each leaf a
+  zarr array at its module path (``model/transformer/layers/stacked/self_attn/q_proj/weight``):
+  layers stacked along a first axis (``Stacked``, scanned layers) or one directory per layer
+  (``BlockSeq``), projections with their output axes first and split into named axes
+  (``[kv_heads, q_per_kv, head_dim, embed]``), which flatten into HF's ``[out, in]``.
+
+Every array is read on its own, when the loader asks for it (one TensorStore read), so the host
+never holds the whole checkpoint. The model's configuration comes from an HF ``config.json``
+(``model.checkpoint``: beside the checkpoint by default, or ``--hf-config``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from myserve.errors import CheckpointError
+from myserve.models.spec import ModelSpec
+
+_ORBAX_MARKERS = ("_METADATA", "manifest.ocdbt", "_CHECKPOINT_METADATA")
+
+
+def _tensorstore() -> Any:
+    try:
+        import tensorstore
+    except ImportError:  # pragma: no cover - an optional dependency
+        raise CheckpointError(
+            "reading Orbax or Levanter checkpoints needs tensorstore: pip install tensorstore"
+        ) from None
+    return tensorstore
+
+
+def is_native_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is an Orbax or a Levanter checkpoint directory."""
+    return _levanter_root(path) is not None or _orbax_root(path) is not None
+
+
+def _levanter_root(path: Path) -> Path | None:
+    """The model's directory of a Levanter checkpoint (the step directory's ``model``, or itself)."""
+    for root in (path / "model", path):
+        if (root / "transformer").is_dir():
+            return root
+    return None
+
+
+def _orbax_root(path: Path) -> Path | None:
+    """The directory of an Orbax pytree checkpoint: ``path``, or the one item of a step directory."""
+    if not path.is_dir():
+        return None
+    if any((path / m).exists() for m in _ORBAX_MARKERS[:2]):
+        return path
+    items = [d for d in path.iterdir() if d.is_dir() and any((d / m).exists() for m in _ORBAX_MARKERS[:2])]
+    return items[0] if len(items) == 1 else None
+
+
+class NativeSource:
+    """A ``TensorSource`` (HF-named tensors in HF layout) over an Orbax or Levanter checkpoint."""
+
+    def __init__(self, path: Path, spec: ModelSpec):
+        self.spec = spec
+        self.path = path
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: no such checkpoint directory")
+        self._levanter = _levanter_root(path)
+        self._orbax = None if self._levanter is not None else _orbax_root(path)
+        if self._levanter is None and self._orbax is None:
+            raise CheckpointError(f"{path}: neither an Orbax nor a Levanter checkpoint")
+        self._names: dict[str, str] = self._orbax_names() if self._orbax is not None else {}
+        """Orbax: HF name -> the array's name in the checkpoint."""
+
+    @property
+    def kind(self) -> str:
+        """``orbax`` or ``levanter``."""
+        return "levanter" if self._levanter is not None else "orbax"
+
+    # -- Orbax --------------------------------------------------------------------------------
+    def _orbax_store(self) -> dict[str, Any]:
+        assert self._orbax is not None
+        if (self._orbax / "manifest.ocdbt").exists():
+            return {"driver": "ocdbt", "base": f"file://{self._orbax}"}
+        return {"driver": "file", "path": str(self._orbax)}
+
+    def _orbax_names(self) -> dict[str, str]:
+        """Every array of the pytree by HF name: its dotted path, less a first key (``params``)
+        when the path does not start like an HF name."""
+        ts = _tensorstore()
+        keys = ts.KvStore.open(self._orbax_store()).result().list().result()
+        stored = sorted({k.decode().rsplit("/", 1)[0] for k in keys if k.endswith((b"/.zarray", b"/zarr.json"))})
+        names: dict[str, str] = {}
+        for name in stored:
+            hf = name if name.startswith(("model.", "lm_head.")) else name.split(".", 1)[-1]
+            names[hf] = name
+        return names
+
+    # -- Levanter -----------------------------------------------------------------------------
+    def _levanter_location(self, hf_name: str) -> tuple[Path, int | None] | None:
+        """Where an HF tensor is in a Levanter checkpoint: its array's directory, and the layer's
+        index in it when the layers are stacked."""
+        root = self._levanter
+        assert root is not None
+        fixed = {
+            "model.embed_tokens.weight": root / "embeddings" / "token_embeddings" / "weight",
+            "model.norm.weight": root / "transformer" / "norm" / "weight",
+            "lm_head.weight": root / "lm_head" / "weight",
+        }
+        if hf_name in fixed:
+            return (fixed[hf_name], None) if fixed[hf_name].is_dir() else None
+        parts = hf_name.split(".")
+        if parts[:2] != ["model", "layers"] or len(parts) < 4 or not parts[2].isdigit():
+            return None
+        if int(parts[2]) >= self.spec.num_layers:
+            return None
+        layer, rest = int(parts[2]), Path(*parts[3:])
+        stacked = root / "transformer" / "layers" / "stacked" / rest
+        if stacked.is_dir():
+            return stacked, layer
+        single = root / "transformer" / "layers" / "blocks" / str(layer) / rest
+        return (single, None) if single.is_dir() else None
+
+    # -- the TensorSource ---------------------------------------------------------------------
+    def has(self, hf_name: str) -> bool:
+        """Whether the checkpoint holds ``hf_name``."""
+        if self._orbax is not None:
+            return hf_name in self._names
+        return self._levanter_location(hf_name) is not None
+
+    def read(self, hf_name: str) -> np.ndarray:
+        """``hf_name`` in HF layout (``[out, in]`` for a projection), as stored (bf16 stays bf16)."""
+        if self._orbax is not None:
+            if hf_name not in self._names:
+                raise CheckpointError(f"{self.path}: checkpoint has no tensor {hf_name}")
+            return _read({**self._orbax_store(), "path": self._names[hf_name]}, self.path, hf_name)
+        found = self._levanter_location(hf_name)
+        if found is None:
+            raise CheckpointError(f"{self.path}: checkpoint has no tensor {hf_name}")
+        directory, layer = found
+        array = _read({"driver": "file", "path": str(directory)}, self.path, hf_name, layer)
+        return _hf_layout(hf_name, array)
+
+    @functools.cached_property
+    def num_parameters(self) -> int:
+        """Elements of every array the model reads (for the memory plan)."""
+        ts = _tensorstore()
+        total = 0
+        if self._orbax is not None:
+            for name in self._names.values():
+                total += math.prod(_open(ts, {**self._orbax_store(), "path": name}).shape)
+            return total
+        root = self._levanter
+        assert root is not None
+        for meta in [*root.rglob(".zarray"), *root.rglob("zarr.json")]:
+            total += math.prod(_open(ts, {"driver": "file", "path": str(meta.parent)}).shape)
+        return total
+
+
+def _open(ts: Any, kvstore: dict[str, Any]) -> Any:
+    """The zarr array (v2, else v3) at ``kvstore``."""
+    try:
+        return ts.open({"driver": "zarr", "kvstore": kvstore}, open=True).result()
+    except ValueError:
+        return ts.open({"driver": "zarr3", "kvstore": kvstore}, open=True).result()
+
+
+def _read(kvstore: dict[str, Any], checkpoint: Path, hf_name: str, layer: int | None = None) -> np.ndarray:
+    """One array (or its layer ``layer`` of a stacked one) on the host."""
+    ts = _tensorstore()
+    try:
+        array = _open(ts, kvstore)
+        return np.asarray((array[layer] if layer is not None else array).read().result())
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"{checkpoint}: cannot read {hf_name}: {e}") from None
+
+
+def _hf_layout(hf_name: str, array: np.ndarray) -> np.ndarray:
+    """A Levanter array in HF's layout: named output axes first (``[kv_heads, q_per_kv, head_dim,
+    embed]``) flatten into ``[out, in]``; an output projection's input axes (``[embed, heads,
+    head_dim]``) flatten after its output; vectors flatten."""
+    if hf_name.endswith(".bias") or array.ndim == 1 or "norm" in hf_name.rsplit(".", 2)[-2]:
+        return array.reshape(-1)
+    if hf_name.endswith(("o_proj.weight", "down_proj.weight")):
+        return array.reshape(array.shape[0], -1)
+    return array.reshape(-1, array.shape[-1])

@@ -1,0 +1,50 @@
+"""The executor's small ops, each jitted and built once at warmup (``Executor._small_op``): a page
+copy, penalty-slot writes, and a LoRA adapter's write into its device slot."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from myserve.ops.paged_cache import KernelKVCache, KVCache
+from myserve.runtime.kv_cache import Cache, constrain_cache
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
+def copy_page(kv_cache: Cache, src: jax.Array, dst: jax.Array, sharding: NamedSharding) -> Cache:
+    """Page ``dst`` of every layer's K and V becomes a copy of page ``src`` (copy-on-write)."""
+    if isinstance(kv_cache, KernelKVCache):  # [layers, pages, ...]
+        copied: Cache = KernelKVCache(kv_cache.kv.at[:, dst].set(kv_cache.kv[:, src]))
+    else:  # [layers, kv_heads, pages, ...]
+        copied = KVCache(
+            kv_cache.k.at[:, :, dst].set(kv_cache.k[:, :, src]), kv_cache.v.at[:, :, dst].set(kv_cache.v[:, :, src])
+        )
+    return constrain_cache(copied, sharding)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def write_slot(
+    counts: jax.Array, prompt_mask: jax.Array, slot: jax.Array, ids: jax.Array, n: jax.Array, to_prompt: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Penalty slot ``slot``: the first ``n`` of ``ids`` into its prompt mask, or its counts."""
+    valid = jnp.arange(ids.shape[0]) < n
+    prompt_mask = prompt_mask.at[slot, ids].max(valid & to_prompt)
+    counts = counts.at[slot, ids].add((valid & ~to_prompt).astype(counts.dtype))
+    return counts, prompt_mask
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def write_adapter(
+    stacks: tuple[jax.Array, ...], slot: jax.Array, arrays: tuple[jax.Array, ...]
+) -> tuple[jax.Array, ...]:
+    """Each LoRA stack with an adapter's array in slot ``slot``."""
+    return tuple(s.at[slot].set(a.astype(s.dtype)) for s, a in zip(stacks, arrays, strict=True))
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def clear_slot(counts: jax.Array, prompt_mask: jax.Array, slot: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Penalty slot ``slot`` emptied for a new sequence."""
+    return counts.at[slot].set(0), prompt_mask.at[slot].set(False)

@@ -1,0 +1,133 @@
+"""Checkpoints from JAX trainers (``models/native_checkpoint.py``): Orbax pytrees keyed by HF names
+(flat, or nested under ``params``) and Levanter's layout (layers stacked, or one directory each),
+written here from tiny random Llama, Qwen3 and Qwen3-MoE models with the writers those trainers use
+(``tests/native_writers.py``). Every tensor reads back exactly; loaded on 1 device and on a tensor-
+parallel mesh of 2 fake devices the model is the safetensors one array for array; served, greedy
+tokens equal the safetensors server's; ``--checkpoint-path``/``--hf-config`` configure it; and a
+Levanter checkpoint (no config.json beside it) is a live weight update."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from native_writers import hf_tensors, write_levanter, write_orbax
+
+from myserve import serve
+from myserve.errors import CheckpointError
+from myserve.models.checkpoint import hf_spec
+from myserve.models.native_checkpoint import NativeSource, is_native_checkpoint
+from myserve.testing import TINY_ENGINE, collect, make_tiny_checkpoint, start_service
+from myserve.wire.params import SamplingParams
+
+LAYOUTS = {
+    "orbax": lambda hf, out: write_orbax(hf, out),
+    "orbax-params": lambda hf, out: write_orbax(hf, out, nested_under="params", config=False),
+    "levanter-stacked": lambda hf, out: write_levanter(hf, out),
+    "levanter-blocks": lambda hf, out: write_levanter(hf, out, stacked=False),
+}
+CASES = [
+    ("llama3", "orbax"),
+    ("llama3", "levanter-stacked"),
+    ("llama3", "levanter-blocks"),
+    ("qwen3", "orbax-params"),
+    ("qwen3", "levanter-stacked"),
+    ("qwen3_moe", "orbax"),
+]
+PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11], [200, 201, 3, 4, 77, 1, 90, 45, 33, 12, 9]]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """(arch, layout) -> (HF directory, native checkpoint directory)."""
+    root = tmp_path_factory.mktemp("native")
+    hf = {arch: make_tiny_checkpoint(arch, root / arch) for arch in {a for a, _ in CASES}}
+    return {(arch, layout): (hf[arch], LAYOUTS[layout](hf[arch], root / f"{arch}-{layout}")) for arch, layout in CASES}
+
+
+@pytest.mark.parametrize(("arch", "layout"), CASES, ids=[f"{a}-{lay}" for a, lay in CASES])
+def test_every_tensor_reads_back_exactly(made, arch: str, layout: str) -> None:
+    hf, native = made[(arch, layout)]
+    assert is_native_checkpoint(native) and not is_native_checkpoint(hf)
+    source = NativeSource(native, hf_spec(hf))
+    assert source.kind == layout.split("-")[0]
+    tensors = hf_tensors(hf)
+    for name, tensor in tensors.items():
+        assert source.has(name), name
+        got = source.read(name)
+        assert got.dtype == tensor.dtype and np.array_equal(got, tensor), name
+    assert source.num_parameters == sum(t.size for t in tensors.values())
+    assert not source.has("model.layers.99.mlp.up_proj.weight")
+    with pytest.raises(CheckpointError, match="no tensor"):
+        source.read("model.layers.99.mlp.up_proj.weight")
+
+
+@pytest.mark.parametrize(("arch", "layout"), [CASES[1], CASES[3], CASES[5]], ids=["llama3", "qwen3", "qwen3_moe"])
+def test_loaded_on_one_and_two_devices_it_is_the_safetensors_model(made, arch: str, layout: str) -> None:
+    hf, native = made[(arch, layout)]
+    worker = Path(__file__).with_name("native_worker.py")
+    for model in (1, 2):
+        out = subprocess.run(
+            [sys.executable, str(worker), str(hf), str(native), str(model)], capture_output=True, text=True, timeout=600
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        assert result["same"] and result["arrays"] > 0, result
+        assert (result["split"] > 0) == (model == 2), result  # TP 2 shards some arrays over both devices
+
+
+def test_served_from_orbax_and_levanter_gives_the_safetensors_tokens(made, tmp_path) -> None:
+    hf, orbax = made[("llama3", "orbax")]
+    _, levanter = made[("llama3", "levanter-stacked")]
+    plain = start_service(hf, *TINY_ENGINE, "engine.num_pages=64", "engine.enable_weight_updates=true")
+    try:
+        want = [collect(plain.submit(p, GREEDY))[0] for p in PROMPTS]
+        for overrides in (
+            [f"model.checkpoint_path={orbax}"],  # config.json beside the weights
+            [f"model.checkpoint_path={levanter}", f"model.hf_config={hf}"],  # named apart
+        ):
+            native = start_service(None, *TINY_ENGINE, "engine.num_pages=64", *overrides, *_tokenizer())
+            try:
+                assert [collect(native.submit(p, GREEDY))[0] for p in PROMPTS] == want, overrides
+            finally:
+                native.shutdown()
+        # A live update from safetensors of other weights, then back from the Levanter checkpoint
+        # (no config.json beside it: the served model's configuration).
+        other = make_tiny_checkpoint("llama3", tmp_path / "other", seed=5)
+        assert asyncio.run(plain.update_weights(str(other), "other", "finish"))[0] is None
+        assert [collect(plain.submit(p, GREEDY))[0] for p in PROMPTS] != want
+        error, info = asyncio.run(plain.update_weights(str(levanter), "levanter", "finish"))
+        assert error is None and info["version"] == "levanter"
+        assert [collect(plain.submit(p, GREEDY))[0] for p in PROMPTS] == want
+    finally:
+        plain.shutdown()
+
+
+def _tokenizer() -> list[str]:
+    from myserve.bundled import bundled_gguf_path
+
+    return ["model.dtype=float32", f"model.tokenizer={bundled_gguf_path()}"]
+
+
+def test_checkpoint_path_and_hf_config_flags(tmp_path) -> None:
+    def config_of(*argv: str):
+        return serve.config_from_args(serve.parse_args(list(argv)))
+
+    config = config_of("--checkpoint-path", "/ckpt/step-100")
+    assert config.model.checkpoint_path == "/ckpt/step-100" and config.model.checkpoint == "/ckpt/step-100"
+    config = config_of("--checkpoint-path", "/ckpt/step-100", "--hf-config", "/hf/llama/config.json")
+    assert config.model.checkpoint == "/hf/llama" and config.model.hf_config == "/hf/llama"
+    config = config_of("org/llama", "--checkpoint-path", "/ckpt/step-100")
+    assert config.model.checkpoint == "org/llama"  # the configuration and tokenizer of the HF checkpoint
+    from myserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="hf_config needs model.checkpoint_path"):
+        config_of("--hf-config", "/hf/llama")
+    with pytest.raises(CheckpointError, match="neither an Orbax nor a Levanter checkpoint"):
+        NativeSource(tmp_path, hf_spec(make_tiny_checkpoint("llama3", tmp_path / "hf")))
