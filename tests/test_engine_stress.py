@@ -110,8 +110,8 @@ def test_mixed_traffic_with_preemption_and_aborts(make_service) -> None:
     preempted: set[str] = set()
     schedule = scheduler.schedule
 
-    def recording_schedule():
-        batch = schedule()
+    def recording_schedule(weights: int = 0):
+        batch = schedule(weights)
         preempted.update(seq.request_id for seq in batch.preempted if seq.params.uses_penalties)
         return batch
 

@@ -83,6 +83,7 @@ def service(files):
         "engine.max_lora_rank=8",
         f"engine.lora_modules=[{modules}]",
         "engine.decode_steps=4",  # several tokens per call (built in the background): adapters inside the loop too
+        "engine.enable_weight_updates=true",
     )
     yield svc
     svc.shutdown()
@@ -257,3 +258,17 @@ def test_tensor_parallel_two_gives_the_same_tokens(files) -> None:
     assert "model" in runs[2]["specs"]["qkv_b"] and "model" not in runs[1]["specs"]["qkv_b"], runs[2]["specs"]
     assert runs[2]["tokens"] == runs[1]["tokens"]
     assert runs[1]["tokens"]["full"] != runs[1]["tokens"]["None"]
+
+
+def test_adapters_survive_a_live_weight_update(service, files, expected) -> None:
+    """A new version of the base weights (here the same files) keeps the adapters resident in its
+    slots, and adapters swapped in after the update are written into the new version's stacks."""
+    import asyncio
+
+    base, _ = files
+    error, info = asyncio.run(service.update_weights(str(base), "again", "finish"))
+    assert error is None and info["version"] == "again"
+    for name in (None, *ADAPTERS, *reversed(ADAPTERS)):  # 3 adapters through 2 slots: swaps after the update
+        ids, _, _ = collect(service.submit(PROMPTS[1], greedy(name)))
+        assert ids == expected[name][1], name
+    assert service.stats().weights_version == "again"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+from myserve.core.runner import shape_built
 from myserve.core.sequence import Sequence as Seq
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.device import Device
@@ -212,13 +213,7 @@ class DraftProposer:
         return draft[:end]
 
     def _built(self, shape: StepShape) -> bool:
-        """Whether a draft step may run in ``shape`` (as ``ModelRunner._built``)."""
-        if shape in self._usable:
-            return True
-        if self.device.step_ready(shape):
-            self._usable.add(shape)
-            return True
-        return False
+        return shape_built(self.device, self._usable, shape)
 
     def _loops_built(self) -> bool:
         if not self._loops_ready:

@@ -93,6 +93,18 @@ def _tops(read: Any, tops: bool, i: int, row: int) -> tuple[np.ndarray, np.ndarr
     return read.top_ids[i, row], read.top_logprobs[i, row]
 
 
+def shape_built(device: Device, seen: set[StepShape], shape: StepShape) -> bool:
+    """Whether a step may run in ``shape`` on ``device``: its forward is built (one of a narrower
+    context bucket is built in the background after ready; until then the step takes a wider one).
+    ``seen`` remembers the shapes found built."""
+    if shape in seen:
+        return True
+    if device.step_ready(shape):
+        seen.add(shape)
+        return True
+    return False
+
+
 def span_of(chunk: ScheduledChunk, inflight_rows: dict[Seq, int]) -> Span:
     """A scheduled chunk as a span of the flat batch. Its last token may still be in flight (a
     decode planned while the step sampling its token runs): the device feeds it from that step's
@@ -302,14 +314,7 @@ class ModelRunner:
         return (read.top_ids[row], read.top_logprobs[row]) if tops else (_NO_TOP, _NO_TOP)
 
     def _built(self, shape: StepShape) -> bool:
-        """Whether a step may run in ``shape``: its forward is built (one of a narrower context
-        bucket is built in the background after ready; until then the step takes a wider one)."""
-        if shape in self._usable:
-            return True
-        if self.device.step_ready(shape):
-            self._usable.add(shape)
-            return True
-        return False
+        return shape_built(self.device, self._usable, shape)
 
     def several_tokens_ready(self) -> bool:
         """Whether several-token decode calls can be planned: their executables are built (they are

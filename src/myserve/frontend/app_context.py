@@ -105,7 +105,9 @@ class AppContext:
 
     def weights_card(self) -> dict[str, Any]:
         """The version of the weights new requests run on, and when it began serving (live updates:
-        ``core/engine_weights.py``)."""
+        ``core/engine_weights.py``); none while the engine loads."""
+        if not self.engine.ready.is_set():
+            return {}
         stats = self.engine.stats()
         return {"weights_version": stats.weights_version, "weights_loaded_at": int(stats.weights_loaded_at)}
 
