@@ -1,5 +1,5 @@
 """``python -m myserve.bench.speculative``: one stream's decode speed with prompt-lookup (ngram)
-speculative decoding against without, engine level, in one process.
+speculative decoding (or a draft model: ``--draft DIR``) against without, engine level, in one process.
 
 Two engines of the same model, one speculating (``--k`` draft tokens, n-grams up to
 ``--lookup-max``), the other not, answer the same greedy requests one at a time, in alternating
@@ -42,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=4, help="draft tokens per speculating decode")
     parser.add_argument("--lookup-max", type=int, default=5)
     parser.add_argument("--lookup-min", type=int, default=1)
+    parser.add_argument("--draft", help="a draft model's checkpoint (same vocabulary): draft_model instead of ngram")
     parser.add_argument("--max-tokens", type=int, default=128)
     add_pair_args(parser)
     args = parser.parse_args(argv)
@@ -50,10 +51,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     checkpoint = None if args.checkpoint is None else Path(args.checkpoint)
     plain = start_service(checkpoint, *args.set)
+    method = (
+        ["engine.speculative_method=draft_model", f"engine.speculative_model={args.draft}"]
+        if args.draft
+        else ["engine.speculative_method=ngram"]
+    )
     spec = start_service(
         checkpoint,
         *args.set,
-        "engine.speculative_method=ngram",
+        *method,
         f"engine.num_speculative_tokens={args.k}",
         f"engine.prompt_lookup_max={args.lookup_max}",
         f"engine.prompt_lookup_min={args.lookup_min}",
@@ -63,11 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompts = [plain.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
         for service in (plain, spec):  # first requests pay one-off costs
             bench_single_decode(service, prompts[0], 4, ignore_eos=False)
-        runs: dict[str, list[float]] = {"plain": [], "ngram": []}
+        kind = "draft" if args.draft else "ngram"
+        runs: dict[str, list[float]] = {"plain": [], kind: []}
         before = spec.stats()
         for _ in range(args.rounds):
             for prompt in prompts:
-                for name, service in (("plain", plain), ("ngram", spec)):
+                for name, service in (("plain", plain), (kind, spec)):
                     decode = bench_single_decode(service, prompt, args.max_tokens, ignore_eos=False)
                     runs[name].append(decode["decode_tokens_per_s"])
         after = spec.stats()
@@ -85,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "decode_tokens_per_s": runs,
         "median_decode_tokens_per_s": medians,
-        "ngram_vs_plain": medians["ngram"] / medians["plain"],
+        f"{kind}_vs_plain": medians[kind] / medians["plain"],
         "acceptance_rate": accepted / proposed if proposed else 0.0,
         "drafts": after.spec_drafts - before.spec_drafts,
         "tokens_per_step": generated / steps if steps else 0.0,
