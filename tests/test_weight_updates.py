@@ -232,3 +232,22 @@ def test_over_http_with_the_api_key(service, checkpoints, references) -> None:
     finally:
         live.stop()
         closed.stop()
+
+
+def test_an_update_through_the_core_process(checkpoints, references) -> None:
+    """The same with the engine core in its own process (as ``serve`` runs it): the update and its
+    answer cross the wire, and so does each output's version."""
+    from myserve.testing import start_client
+
+    a, b = checkpoints
+    client = start_client(a, *ENGINE, "engine.enable_weight_updates=true")
+    try:
+        error, info = asyncio.run(client.update_weights(str(b), "b-process", "finish"))
+        assert error is None and info["version"] == "b-process" and info["path"] == str(b)
+        tokens, versions, finish = run(client, PROMPTS[3])
+        assert (tokens, versions, finish) == (references["b"][3], ["b-process"], "length")
+        error, info = asyncio.run(client.update_weights("/nowhere", None, "finish"))
+        assert error is not None and "/nowhere" in error and info["version"] == "b-process"
+        assert client.stats().weights_version == "b-process"  # as the core's last report says
+    finally:
+        client.shutdown()
