@@ -5,6 +5,7 @@ that releases what a choice holds. A mixin of ``EngineCore`` (which owns ``_requ
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from myserve.wire.outputs import RequestOutput, Usage
@@ -20,9 +21,8 @@ class RequestEndings:
     """``_finish_seq``, ``_close``, ``_finish_request`` and ``_fail`` of ``EngineCore``."""
 
     _requests: dict[str, Request]
-
-    def _emit(self, output: RequestOutput) -> None:
-        raise NotImplementedError  # EngineCore's
+    _emit: Callable[[RequestOutput], None]
+    """EngineCore's: queue an output for the iteration's sink."""
 
     def _finish_seq(self, req: Request, seq: Seq, reason: str) -> None:
         """End one choice (any reason: stop, length, abort, error): the one path that releases what

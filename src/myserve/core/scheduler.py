@@ -320,18 +320,18 @@ class Scheduler:
                 chunks[seq] = ScheduledChunk(seq, seq.num_computed, 1 + len(draft), draft=tuple(draft))
             else:
                 multi -= 1
-            keep = -(-(seq.num_computed + 1 + len(draft)) // self.page_size)
-            if len(seq.pages) > keep:
-                self.allocator.release(seq.pages[keep:])
-                del seq.pages[keep:]
+            self._keep_pages(seq, seq.num_computed + 1 + len(draft))
         return budget, multi
 
     def trim_pages(self, seq: Sequence) -> None:
         """Give back the pages a verified draft reserved beyond the sequence's tokens (its rejected
         positions' KV is dropped with them)."""
-        if seq.status is not SeqStatus.RUNNING:
-            return
-        keep = -(-seq.num_tokens // self.page_size)
+        if seq.status is SeqStatus.RUNNING:
+            self._keep_pages(seq, seq.num_tokens)
+
+    def _keep_pages(self, seq: Sequence, tokens: int) -> None:
+        """Give back ``seq``'s pages beyond those its first ``tokens`` positions need."""
+        keep = -(-tokens // self.page_size)
         if len(seq.pages) > keep:
             self.allocator.release(seq.pages[keep:])
             del seq.pages[keep:]

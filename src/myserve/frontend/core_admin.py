@@ -18,8 +18,8 @@ class CoreAdmin:
     _answers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]]
     """Requests waiting for the core's answer, by token (the receiver settles them)."""
 
-    def _send(self, message: msg.ToCore) -> None:
-        raise NotImplementedError  # EngineClient's
+    _send: Callable[[msg.ToCore], None]
+    """EngineClient's: one message to the core (``EngineDead`` when it is not connected)."""
 
     async def _ask(self, message: Callable[[str], msg.ToCore]) -> Any:
         """Send ``message(token)`` to the core and wait for its answer carrying ``token``."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import jax
 
-from myserve.errors import CheckpointError, MyserveError
+from myserve.errors import MyserveError
 from myserve.models.checkpoint import resolve_checkpoint
 from myserve.models.llama import LlamaModel
 from myserve.models.loading import load_model, open_source
@@ -45,13 +45,7 @@ class WeightUpdater:
         if is_native_checkpoint(Path(path).expanduser()):  # a trainer's: the served model's configuration
             source: TensorSource = NativeSource(Path(path).expanduser(), self.dep.spec)
         else:
-            try:
-                resolved = resolve_checkpoint(path)
-            except MyserveError:
-                raise
-            except Exception as e:  # e.g. a hub id that cannot be fetched
-                raise CheckpointError(f"{path}: cannot be read: {e}") from None
-            source = open_source(resolved)
+            source = open_source(resolve_checkpoint(path))
             _check_spec(source.spec, self.dep.spec, path)
         cfg, served = self.dep.config, self.dep.model
         models = [
