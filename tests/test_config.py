@@ -14,6 +14,7 @@ from myserve.config import (
     MeshConfig,
     ModelConfig,
     ModelEntry,
+    RayConfig,
     ServerConfig,
     config_from_dict,
     default_config_path,
@@ -26,7 +27,7 @@ from myserve.config_fields import field_docs, key_docs
 from myserve.errors import ConfigError, MyserveError
 
 REPO_DEFAULT = Path(__file__).resolve().parents[1] / "config" / "smollm2-135m-cpu.yaml"
-SECTIONS = (ModelConfig, EngineConfig, ServerConfig, MeshConfig, ModelEntry, Config)
+SECTIONS = (ModelConfig, EngineConfig, ServerConfig, MeshConfig, RayConfig, ModelEntry, Config)
 
 
 def expected_default() -> Config:
@@ -167,7 +168,7 @@ def test_request_timeout_is_off_by_default_and_takes_seconds() -> None:
         (
             "egnine.page_size=32",
             "overrides: unknown section 'egnine' (did you mean 'engine'?); known sections: model, engine, server, "
-            "mesh, models",
+            "mesh, ray, models",
         ),
         ("engine.page_size=abc", "overrides: engine.page_size: expected int, got 'abc' (str)"),
         ("engine.page_size=true", "overrides: engine.page_size: expected int, got True (bool)"),
@@ -352,4 +353,4 @@ def test_field_docs_reads_attribute_docstrings() -> None:
     assert docs["pair"] == "Fixed-length pair, or null."
     assert "undocumented" not in docs
     assert key_docs(Config)["engine.page_size"] == field_docs(EngineConfig)["page_size"]
-    assert len(key_docs(Config)) == sum(len(dataclasses.fields(cls)) for cls in SECTIONS[:4]) + 1  # + models
+    assert len(key_docs(Config)) == sum(len(dataclasses.fields(cls)) for cls in SECTIONS[:5]) + 1  # + models

@@ -22,12 +22,14 @@ ROOT = Path(__file__).resolve().parent.parent
 # Which extras (beyond the runtime dependencies) a file may import from, by path prefix. The
 # first match wins. src/myserve/testing/ holds the shared test fakes (built with transformers and
 # torch), so only tests import it; frontend/tracing.py is imported only when tracing is on, and
-# models/native_checkpoint.py imports TensorStore only when an Orbax or Levanter checkpoint is read.
+# models/native_checkpoint.py imports TensorStore only when an Orbax or Levanter checkpoint is read;
+# src/myserve/ray/ runs only on Ray Serve (ray.replicas).
 EXTRAS_BY_PREFIX: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("src/myserve/bench/", ("bench",)),
     ("src/myserve/testing/", ("test",)),
     ("src/myserve/frontend/tracing.py", ("otel",)),
     ("src/myserve/models/native_checkpoint.py", ("jax-checkpoints",)),
+    ("src/myserve/ray/", ("ray",)),
     ("src/", ()),
     ("tests/", ("test",)),
 )

@@ -30,6 +30,7 @@ from myserve.config_fields import (
     set_dotted,
     wrong_type,
 )
+from myserve.config_ray import RayConfig
 from myserve.config_server import REASONING_PARSERS, TOOL_CALL_PARSERS, ServerConfig
 from myserve.errors import ConfigError
 
@@ -231,11 +232,18 @@ class Config:
     """The HTTP front end."""
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     """Device mesh shape."""
+    ray: RayConfig = dataclasses.field(default_factory=RayConfig)
+    """Engine replicas on Ray Serve (none by default)."""
     models: tuple[ModelEntry, ...] = ()
     """Several models in one server, each with its own engine core: the entries' model, engine and
     mesh sections override the top-level ones key by key; empty = the one model above."""
 
     def __post_init__(self) -> None:
+        if self.ray.enabled:  # each replica is one engine of one host (ray/replica.py)
+            check(not self.models, "ray (replicas on Ray Serve) serves one model: models must be empty")
+            check(self.mesh.num_processes == 1, "ray: a replica's mesh is one host (mesh.num_processes: 1)")
+            check(self.server.api_server_count == 1, "ray: Ray Serve's proxy is the front door (api_server_count: 1)")
+            check(self.server.ssl_certfile is None, "ray: TLS ends at Ray Serve's proxy or a load balancer, not ssl_*")
         if not self.models:
             return
         # Each model's core is a process of this host, which the front end starts and supervises.

@@ -43,6 +43,10 @@ _FLAGS = {
     "reasoning_parser": "server.reasoning_parser",
     "api_server_count": "server.api_server_count",
     "otlp_traces_endpoint": "server.otlp_traces_endpoint",
+    "ray_replicas": "ray.replicas",
+    "ray_min_replicas": "ray.min_replicas",
+    "ray_max_replicas": "ray.max_replicas",
+    "ray_address": "ray.address",
     "allowed_origins": "server.allowed_origins",
     "allowed_methods": "server.allowed_methods",
     "allowed_headers": "server.allowed_headers",
@@ -117,6 +121,10 @@ def parse_args(
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--api-server-count", type=int, help="HTTP front-end processes sharing the port (default 1)")
+    p.add_argument("--ray-replicas", type=int, help="serve N engine replicas on Ray Serve (needs myserve[ray])")
+    p.add_argument("--ray-min-replicas", type=int, help="Ray Serve autoscaling: the fewest replicas")
+    p.add_argument("--ray-max-replicas", type=int, help="Ray Serve autoscaling: the most replicas")
+    p.add_argument("--ray-address", help="the Ray cluster to join (default: a local one)")
     p.add_argument("--otlp-traces-endpoint", help="OTLP collector receiving a span per request (needs myserve[otel])")
     for what in ("origins", "methods", "headers"):  # JSON lists, as vLLM spells them
         p.add_argument(f"--allowed-{what}", type=_json_list, help=f"CORS: allowed {what}, e.g. '[\"*\"]' (the default)")

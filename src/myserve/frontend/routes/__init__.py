@@ -17,6 +17,7 @@ from myserve.frontend.routes import (
     models,
     page,
     responses_api,
+    routers,
     score,
     server_info,
     tokenize,
@@ -32,6 +33,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     embeddings.router,
     score.router,
     server_info.router,
+    routers.router,
     page.router,
 )
 """In the order the app includes them (the order of the OpenAPI schema's paths)."""
