@@ -118,6 +118,14 @@ def test_vllm_names_types_labels_and_counters_that_move(live) -> None:
         value(after, "myserve_kv_pages_used") / value(after, "myserve_kv_pages_total")
     )
     assert value(after, "vllm:num_requests_running") == value(after, "vllm:num_requests_waiting") == 0
+    # vLLM V0's names, which the production-stack router reads, tell the same truth.
+    for old, new in (
+        ("gpu_prefix_cache_hits_total", "prefix_cache_hits_total"),
+        ("gpu_cache_usage_perc", "kv_cache_usage_perc"),
+    ):
+        assert value(after, f"vllm:{old}") == value(after, f"vllm:{new}")
+    hits, queries = value(after, "vllm:prefix_cache_hits_total"), value(after, "vllm:prefix_cache_queries_total")
+    assert value(after, "vllm:gpu_prefix_cache_hit_rate") == pytest.approx(hits / queries) and hits > 0
 
 
 def test_an_aborted_request_counts_as_abort(live) -> None:

@@ -19,7 +19,8 @@ class RayConfig:
     """Engine replicas on Ray Serve, each a whole myserve engine with its own device mesh; 0 = no
     Ray (this process serves). With max_replicas above min_replicas, the count it starts with."""
     min_replicas: int | None = None
-    """Autoscaling: the fewest replicas; null = replicas."""
+    """Autoscaling: the fewest replicas (0 lets an idle application scale to none); null = replicas,
+    or 1 when replicas is 0."""
     max_replicas: int | None = None
     """Autoscaling: the most replicas; null = replicas (a fixed count)."""
     target_ongoing_requests: float = 32.0
@@ -75,11 +76,11 @@ class RayConfig:
     @property
     def enabled(self) -> bool:
         """Whether the server runs on Ray Serve (some replica count is set)."""
-        return self.replicas > 0 or self.max_replicas is not None
+        return self.replicas > 0 or self.max_replicas is not None or self.min_replicas is not None
 
     def bounds(self) -> tuple[int, int]:
         """(fewest, most) replicas: equal unless autoscaling."""
-        low = self.min_replicas if self.min_replicas is not None else self.replicas
+        low = self.min_replicas if self.min_replicas is not None else max(self.replicas, 1)
         high = self.max_replicas if self.max_replicas is not None else max(self.replicas, low)
         return low, high
 

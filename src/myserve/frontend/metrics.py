@@ -83,6 +83,13 @@ class Metrics:
             "vllm:num_requests_running", "Number of requests in model execution batches.", m, registry=r
         )
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m, registry=r)
+        # vLLM V0's names, which vLLM's production-stack router still reads for its routing.
+        self.gpu_cache_usage = Gauge(
+            "vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM V0's name of kv_cache_usage_perc).", m, registry=r
+        )
+        self.prefix_hit_rate = Gauge(
+            "vllm:gpu_prefix_cache_hit_rate", "Prefix cache hit tokens over queried tokens, since start.", m, registry=r
+        )
         self.pages_used = Gauge("myserve_kv_pages_used", "KV cache pages referenced", m, registry=r)
         self.pages_total = Gauge("myserve_kv_pages_total", "KV cache pages", m, registry=r)
         self.grammar_matchers = Gauge(
@@ -149,6 +156,8 @@ class EngineCounters(Collector):
         ("vllm:num_preemptions", "Cumulative number of preemption from the engine."),
         ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
         ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+        ("vllm:gpu_prefix_cache_queries", "Prefix cache queries (vLLM V0's name, read by production-stack)."),
+        ("vllm:gpu_prefix_cache_hits", "Prefix cache hits (vLLM V0's name, read by production-stack)."),
         ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
         ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
         ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
@@ -179,6 +188,8 @@ class EngineCounters(Collector):
             s = model.engine.stats()
             values = (
                 s.num_preemptions,
+                s.prefix_cache_queries,
+                s.prefix_cache_hit_tokens,
                 s.prefix_cache_queries,
                 s.prefix_cache_hit_tokens,
                 s.spec_drafts,
@@ -229,6 +240,9 @@ class ModelMetrics:
         f.waiting.labels(name).set(s.waiting)
         f.running.labels(name).set(s.running)
         f.kv_usage.labels(name).set(s.pages_used / s.pages_total if s.pages_total else 0.0)
+        f.gpu_cache_usage.labels(name).set(s.pages_used / s.pages_total if s.pages_total else 0.0)
+        queries = s.prefix_cache_queries
+        f.prefix_hit_rate.labels(name).set(s.prefix_cache_hit_tokens / queries if queries else 0.0)
         f.pages_used.labels(name).set(s.pages_used)
         f.pages_total.labels(name).set(s.pages_total)
         f.grammar_matchers.labels(name).set(s.grammar_matchers)

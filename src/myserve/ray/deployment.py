@@ -53,16 +53,18 @@ def replica_options(config: Config, cluster_resources: Mapping[str, float] | Non
         ),
     }
     if ray.autoscaling:
-        options["autoscaling_config"] = AutoscalingConfig(
-            min_replicas=low,
-            max_replicas=high,
-            initial_replicas=ray.replicas or low or 1,
-            target_ongoing_requests=ray.target_ongoing_requests,
-            upscale_delay_s=ray.upscale_delay_s,
-            downscale_delay_s=ray.downscale_delay_s,
-            metrics_interval_s=ray.metrics_interval_s,
-            look_back_period_s=ray.look_back_period_s,
-        )
+        scaling: dict[str, Any] = {
+            "min_replicas": low,
+            "max_replicas": high,
+            "initial_replicas": ray.replicas or low or 1,
+            "target_ongoing_requests": ray.target_ongoing_requests,
+            "upscale_delay_s": ray.upscale_delay_s,
+            "downscale_delay_s": ray.downscale_delay_s,
+            "look_back_period_s": ray.look_back_period_s,
+        }
+        if ray.metrics_interval_s != 10.0:  # deprecated by Ray 2.60 (a warning), yet what replicas push at
+            scaling["metrics_interval_s"] = ray.metrics_interval_s
+        options["autoscaling_config"] = AutoscalingConfig(**scaling)
     else:
         options["num_replicas"] = high
     options.update(placement(config, cluster_resources))
@@ -103,7 +105,8 @@ def app_builder(args: Mapping[str, Any]) -> serve.Application:
     ``model.checkpoint=/models/x``). Without a replica count it serves one replica."""
     args = dict(args)
     path = args.pop("config", None)
-    overrides = parse_overrides([f"{k}={v}" for k, v in args.items()])
+    # Values from a YAML config file arrive typed (null, numbers, lists); from the command line as text.
+    overrides = {k: parse_overrides([f"{k}={v}"])[k] if isinstance(v, str) else v for k, v in args.items()}
     config = load_config(path)
     config = with_overrides(config, overrides, source="serve run args") if overrides else config
     if not config.ray.enabled:

@@ -143,12 +143,24 @@ class Lifespan:
         """Stop the app (once started; a second call does nothing)."""
         if self._task is None:
             return
-        task, self._task = self._task, None
-        if not task.done():
+        if not self._task.done():
             await self._step("lifespan.shutdown")
+        self._task = None
 
     async def _step(self, kind: str) -> None:
+        """Send ``kind``; wait for the app's answer. An app that ends instead of answering does not
+        support the lifespan protocol (ASGI lets it), so there is nothing to wait for."""
+        assert self._task is not None
         await self._to_app.put({"type": kind})
-        message = await self._from_app.get()
+        answer = asyncio.ensure_future(self._from_app.get())
+        await asyncio.wait([answer, self._task], return_when=asyncio.FIRST_COMPLETED)
+        if not answer.done():
+            answer.cancel()
+            if not self._task.cancelled():
+                self._task.exception()  # retrieved: the app merely has no lifespan
+            return
+        message = answer.result()
         if message["type"] == f"{kind}.failed":
+            if self._task.done() and not self._task.cancelled():
+                self._task.exception()  # (the same failure, re-raised by the app: reported below)
             raise RuntimeError(f"the app's {kind.split('.')[1]} failed: {message.get('message', '')}")
