@@ -166,6 +166,9 @@ def test_vllm_yaml_config_is_read_as_flags_and_the_command_line_wins(tmp_path: P
     ours = tmp_path / "ours.yaml"
     ours.write_text("engine: {num_pages: 64}\nserver: {port: 8124}\n")
     assert config_of("--config", str(ours)).engine.num_pages == 64
+    # ... every section of it (the shipped default holds them all).
+    shipped = Path(__file__).resolve().parents[1] / "config" / "smollm2-135m-cpu.yaml"
+    assert config_of("--config", str(shipped)).ray.replicas == 0
 
 
 def test_parse_size() -> None:

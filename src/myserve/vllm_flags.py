@@ -253,9 +253,6 @@ def task_of(runner: str | None, convert: str | None, task: str | None) -> str | 
     return None
 
 
-_OUR_SECTIONS = {"model", "engine", "server", "mesh", "models"}
-
-
 def expand_vllm_config(argv: Sequence[str]) -> list[str]:
     """``argv`` with a vLLM-style ``--config FILE`` (flat flag names, as ``vllm serve --config``
     reads) replaced by the flags it holds, written first so that the command line's own win. A
@@ -283,7 +280,10 @@ def _vllm_config_flags(path: Path) -> list[str] | None:
         return None  # --config reports it in its own words
     if not isinstance(data, dict) or not data:
         return None
-    ours = all(k in _OUR_SECTIONS and isinstance(v, dict | list | None) for k, v in data.items())
+    from myserve.config import Config  # (not at import: the CLI's other modules import this one first)
+
+    sections = {f.name for f in dataclasses.fields(Config)}  # every section a deployment YAML may hold
+    ours = all(k in sections and isinstance(v, dict | list | None) for k, v in data.items())
     if ours:
         return None
     flags: list[str] = []
