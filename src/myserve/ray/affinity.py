@@ -29,6 +29,9 @@ MAX_BLOCKS_PER_REPLICA = 200_000
 ROUTERS: dict[str, Any] = {}
 """The request routers of this process by Ray Serve application name (``ray/router.py`` registers
 each as its handle creates it; the ingress lists their replicas to reach each one)."""
+ASSIGNED: dict[str, str] = {}
+"""Which replica (its unique id) each request in flight was sent to, by ``RouteHint.request``: the
+router files it, the ingress watches that replica is still alive and drops the entry at the end."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,8 @@ class RouteHint:
     """The request's ``routing_text`` (None: nothing to match, so the least loaded replica)."""
     replica: str | None = None
     """Only this replica (its unique id): a call made to each replica in turn, as ``/metrics``."""
+    request: str | None = None
+    """The request's id, under which the router files the replica it chose (``ASSIGNED``)."""
 
 
 def routing_text(path: str, body: bytes) -> str | None:

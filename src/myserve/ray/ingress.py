@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from typing import cast
 
@@ -26,7 +27,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from myserve.config import Config
 from myserve.frontend.errors import APIError
 from myserve.frontend.sse import sse_event
-from myserve.ray.affinity import ROUTERS, RouteHint, routing_text
+from myserve.ray.affinity import ASSIGNED, ROUTERS, RouteHint, routing_text
 from myserve.ray.http_call import HttpCall, ResponseStart
 from myserve.ray.metrics_merge import merge_metrics
 
@@ -35,6 +36,14 @@ logger = logging.getLogger("myserve.ray")
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 FANOUT_TIMEOUT_S = 10.0
 """How long ``/metrics`` and ``/ray/replicas`` wait for each replica."""
+LIVENESS_CHECK_S = 1.0
+"""While a response waits for its next part, how often the ingress checks that its replica is
+still among the live ones: a replica killed mid-response is not always reported to the caller (over
+Ray Serve's gRPC transport its stream just stops), and a request must never hang."""
+
+
+class ReplicaGone(Exception):
+    """The replica serving a request left the live replicas before the response ended."""
 
 
 @serve.ingress()
@@ -86,19 +95,61 @@ class Ingress:
             body=body,
             client=tuple(request.scope["client"]) if request.scope.get("client") else None,  # type: ignore[arg-type]
         )
-        hint = RouteHint(text=routing_text(call.path, body) if self.prefix_routing else None)
+        text = routing_text(call.path, body) if self.prefix_routing else None
+        hint = RouteHint(text=text, request=uuid.uuid4().hex)
         parts = cast(DeploymentResponseGenerator, self.engine.options(stream=True).forward.remote(hint, call))
         try:
-            start = await parts.__anext__()
-        except (RayError, StopAsyncIteration) as e:
+            start = await self._next(parts, hint)
+        except (RayError, ReplicaGone, StopAsyncIteration) as e:
             logger.warning("request to %s failed before its response began: %r", call.path, e)
+            ASSIGNED.pop(hint.request or "", None)
+            parts.cancel()
             return APIError(503, "the replica serving this request stopped; retry it", code="replica_failed").response()
         assert isinstance(start, ResponseStart)
         headers = dict(start.headers)
         event_stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
-        response = StreamingResponse(_relay(parts, event_stream), status_code=start.status)
+        response = StreamingResponse(self._relay(parts, hint, event_stream), status_code=start.status)
         response.raw_headers = list(start.headers)
         return response
+
+    async def _next(self, parts: DeploymentResponseGenerator, hint: RouteHint) -> object:
+        """The response's next part; ``ReplicaGone`` once its replica is no longer alive."""
+        waiting = asyncio.ensure_future(parts.__anext__())
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=LIVENESS_CHECK_S)
+                if done:
+                    return waiting.result()
+                replica, router = ASSIGNED.get(hint.request or ""), ROUTERS.get(self.app_name)
+                if replica is not None and router is not None and replica not in router.replica_ids():
+                    raise ReplicaGone(replica)
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+
+    async def _relay(
+        self, parts: DeploymentResponseGenerator, hint: RouteHint, event_stream: bool
+    ) -> AsyncIterator[bytes]:
+        """The body's chunks; if the replica dies mid-way, an error event ends an event stream."""
+        try:
+            while True:
+                try:
+                    part = await self._next(parts, hint)
+                except StopAsyncIteration:
+                    return
+                if isinstance(part, bytes):
+                    yield part
+        except (RayError, ReplicaGone) as e:
+            logger.warning("a replica stopped mid-response: %r", e)
+            if event_stream:
+                error = APIError(503, "the replica serving this request stopped; retry it", code="replica_failed")
+                yield sse_event(error.body())
+                yield b"data: [DONE]\n\n"
+            else:
+                raise  # the body is cut short: the client sees an incomplete response
+        finally:
+            ASSIGNED.pop(hint.request or "", None)
+            parts.cancel()
 
     async def _each_replica(self, call) -> list[tuple[str, object]]:  # type: ignore[no-untyped-def]
         """``call(hint)`` for every replica at once (its result, or the exception), by replica id."""
@@ -135,21 +186,3 @@ class Ingress:
 
 async def _awaitable(value: object) -> object:
     return await value  # type: ignore[misc]
-
-
-async def _relay(parts: DeploymentResponseGenerator, event_stream: bool) -> AsyncIterator[bytes]:
-    """The body's chunks; if the replica dies mid-way, an error event ends an event stream."""
-    try:
-        async for part in parts:
-            if isinstance(part, bytes):
-                yield part
-    except RayError as e:
-        logger.warning("a replica stopped mid-response: %r", e)
-        if event_stream:
-            error = APIError(503, "the replica serving this request stopped; retry it", code="replica_failed")
-            yield sse_event(error.body())
-            yield b"data: [DONE]\n\n"
-        else:
-            raise  # the body is cut short: the client sees an incomplete response
-    finally:
-        parts.cancel()

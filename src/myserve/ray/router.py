@@ -43,6 +43,8 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         """Remember that the replica now holds the request's text."""
         hint = _hint(pending_request)
         self.policy.routed(replica_id.unique_id, hint.text if hint.replica is None else None)
+        if hint.request is not None:
+            affinity.ASSIGNED[hint.request] = replica_id.unique_id
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """One request fewer in flight on the replica."""
