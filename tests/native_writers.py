@@ -1,7 +1,8 @@
 """Writers of the checkpoints JAX trainers make, from an HF checkpoint's tensors (tests only):
 Orbax's ``StandardCheckpointer`` with a pytree keyed by the HF names, and Levanter's layout as its
 ``tree_serialize_leaves_tensorstore`` writes it (each leaf a zarr array at its module path, through
-JAX's own array serialization, which is what Levanter calls), layers stacked or one per directory."""
+JAX's own array serialization, which is what Levanter calls), layers stacked or one per directory;
+and MaxText's Llama tree as its converters and trainer save it (an Orbax ``CheckpointManager`` step)."""
 
 from __future__ import annotations
 
@@ -83,3 +84,86 @@ def write_levanter(hf_dir: Path, out: Path, *, stacked: bool = True) -> Path:
     manager.wait_until_finished()
     (out / "metadata.json").write_text(json.dumps({"step": 0, "timestamp": "2026-11-26T00:00:00"}))
     return out
+
+
+def _maxtext_leaf(name: str, w: np.ndarray, cfg: dict, interleave: bool) -> tuple[str, np.ndarray]:
+    """An HF tensor of one layer as MaxText's converter writes it (``to_maxtext.py``'s Llama hooks):
+    its path in the layer and its ``[in, out...]`` kernel, q and k interleaved for LLaMA's RoPE
+    when ``interleave``, the query divided by sqrt(head_dim) in float32."""
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    modules = {
+        "input_layernorm.weight": "pre_self_attention_layer_norm.scale",
+        "post_attention_layernorm.weight": "post_self_attention_layer_norm.scale",
+        "self_attn.q_proj.weight": "self_attention.query.kernel",
+        "self_attn.k_proj.weight": "self_attention.key.kernel",
+        "self_attn.v_proj.weight": "self_attention.value.kernel",
+        "self_attn.o_proj.weight": "self_attention.out.kernel",
+        "mlp.gate_proj.weight": "mlp.wi_0.kernel",
+        "mlp.up_proj.weight": "mlp.wi_1.kernel",
+        "mlp.down_proj.weight": "mlp.wo.kernel",
+    }
+    path = modules[name]
+    if w.ndim == 1:
+        return path, w
+    if name.endswith("o_proj.weight"):
+        return path, w.T.reshape(heads, hd, -1)
+    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+        x = w.T.reshape(w.shape[1], -1, hd)
+        if interleave and not name.endswith("v_proj.weight"):  # halves -> pairs (adjust_rope)
+            x = np.stack([x[..., : hd // 2], x[..., hd // 2 :]], axis=-1).reshape(x.shape)
+        if name.endswith("q_proj.weight"):  # scale_query
+            x = (x.astype(np.float32) * np.float32(1 / np.sqrt(hd))).astype(w.dtype)
+        assert x.shape[1] == (heads if "q_proj" in name else kv)
+        return path, x
+    return path, w.T
+
+
+def _nest(tree: dict, path: str, value: object) -> None:
+    *parents, leaf = path.split(".")
+    for key in parents:
+        tree = tree.setdefault(key, {})
+    tree[leaf] = value
+
+
+def write_maxtext(hf_dir: Path, out: Path, *, scan_axis: int | None = 1, interleave: bool | None = None) -> Path:
+    """A MaxText training checkpoint of the HF Llama's weights, as MaxText's converters and trainer
+    save it: an Orbax ``CheckpointManager`` step ``out/0`` whose item ``items`` (OCDBT, zarr3) is the
+    ``TrainState`` (``step``, ``params: {params: tree}``, an optimizer moment of the same tree).
+    Layers stacked on ``scan_axis`` (MaxText's ``param_scan_axis``), or ``layers_<i>`` when None;
+    ``interleave`` defaults to what MaxText's RoPE for the config needs (Llama 3.1's scaling)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    if interleave is None:
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # transformers >= 5, older
+        interleave = rope.get("rope_type", rope.get("type")) == "llama3"
+    tree: dict = {}
+    layers: dict[str, list[tuple[int, np.ndarray]]] = {}
+    for name, w in hf_tensors(hf_dir).items():
+        if name == "model.embed_tokens.weight":
+            _nest(tree, "token_embedder.embedding", w)
+        elif name == "model.norm.weight":
+            _nest(tree, "decoder.decoder_norm.scale", w)
+        elif name == "lm_head.weight":
+            _nest(tree, "decoder.logits_dense.kernel", w.T)
+        else:
+            _, _, index, rest = name.split(".", 3)
+            path, array = _maxtext_leaf(rest, w, cfg, interleave)
+            if scan_axis is None:
+                _nest(tree, f"decoder.layers_{index}.{path}", array)
+            else:
+                layers.setdefault(path, []).append((int(index), array))
+    for path, items in layers.items():
+        stack = np.stack([a for _, a in sorted(items, key=lambda item: item[0])], axis=scan_axis)
+        _nest(tree, f"decoder.layers.{path}", stack)
+    moment = jax.tree_util.tree_map(np.zeros_like, tree)
+    state = {"step": 0, "params": {"params": tree}, "opt_state": [{"count": np.int32(0), "mu": {"params": moment}}]}
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)
+    options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
+    manager = ocp.CheckpointManager(out, item_names=("items",), item_handlers={"items": handler}, options=options)
+    manager.save(0, args=ocp.args.Composite(items=ocp.args.PyTreeSave(item=state)))
+    manager.wait_until_finished()
+    manager.close()
+    return out / "0"

@@ -1,10 +1,12 @@
 """Checkpoints from JAX trainers (``models/native_checkpoint.py``): Orbax pytrees keyed by HF names
-(flat, or nested under ``params``) and Levanter's layout (layers stacked, or one directory each),
-written here from tiny random Llama, Qwen3 and Qwen3-MoE models with the writers those trainers use
-(``tests/native_writers.py``). Every tensor reads back exactly; loaded on 1 device and on a tensor-
-parallel mesh of 2 fake devices the model is the safetensors one array for array; served, greedy
-tokens equal the safetensors server's; ``--checkpoint-path``/``--hf-config`` configure it; and a
-Levanter checkpoint (no config.json beside it) is a live weight update."""
+(flat, or nested under ``params``), Levanter's layout (layers stacked, or one directory each) and
+MaxText's Llama tree (layers scanned on axis 1 or 0, or one subtree each; q/k RoPE-interleaved for
+Llama 3.1's scaling, else not), written here from tiny random Llama, Mistral, Qwen3 and Qwen3-MoE
+models with the writers those trainers use (``tests/native_writers.py``). Every tensor reads back
+exactly; loaded on 1 device and on a tensor-parallel mesh of 2 fake devices the model is the
+safetensors one array for array; served, greedy tokens equal the safetensors server's;
+``--checkpoint-path``/``--hf-config`` configure it; a Levanter checkpoint (no config.json beside it)
+is a live weight update; a MaxText tree configured as another model is refused in one line."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from native_writers import hf_tensors, write_levanter, write_orbax
+from native_writers import hf_tensors, write_levanter, write_maxtext, write_orbax
 
 from myserve import serve
 from myserve.errors import CheckpointError
@@ -30,6 +32,9 @@ LAYOUTS = {
     "orbax-params": lambda hf, out: write_orbax(hf, out, nested_under="params", config=False),
     "levanter-stacked": lambda hf, out: write_levanter(hf, out),
     "levanter-blocks": lambda hf, out: write_levanter(hf, out, stacked=False),
+    "maxtext": lambda hf, out: write_maxtext(hf, out),
+    "maxtext-unscanned": lambda hf, out: write_maxtext(hf, out, scan_axis=None),
+    "maxtext-axis0": lambda hf, out: write_maxtext(hf, out, scan_axis=0),
 }
 CASES = [
     ("llama3", "orbax"),
@@ -38,6 +43,9 @@ CASES = [
     ("qwen3", "orbax-params"),
     ("qwen3", "levanter-stacked"),
     ("qwen3_moe", "orbax"),
+    ("llama3", "maxtext"),  # interleaved q/k (Llama 3.1 RoPE scaling), with an optimizer moment
+    ("llama_tied", "maxtext-unscanned"),  # no logits_dense (tied), RoPE halves as in HF
+    ("mistral", "maxtext-axis0"),
 ]
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11], [200, 201, 3, 4, 77, 1, 90, 45, 33, 12, 9]]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -82,15 +90,17 @@ def test_loaded_on_one_and_two_devices_it_is_the_safetensors_model(made, arch: s
         assert (result["split"] > 0) == (model == 2), result  # TP 2 shards some arrays over both devices
 
 
-def test_served_from_orbax_and_levanter_gives_the_safetensors_tokens(made, tmp_path) -> None:
+def test_served_from_orbax_levanter_and_maxtext_gives_the_safetensors_tokens(made, tmp_path) -> None:
     hf, orbax = made[("llama3", "orbax")]
     _, levanter = made[("llama3", "levanter-stacked")]
+    _, maxtext = made[("llama3", "maxtext")]
     plain = start_service(hf, *TINY_ENGINE, "engine.num_pages=64", "engine.enable_weight_updates=true")
     try:
         want = [collect(plain.submit(p, GREEDY))[0] for p in PROMPTS]
         for overrides in (
             [f"model.checkpoint_path={orbax}"],  # config.json beside the weights
             [f"model.checkpoint_path={levanter}", f"model.hf_config={hf}"],  # named apart
+            [f"model.checkpoint_path={maxtext}", f"model.hf_config={hf}"],  # a MaxText step directory
         ):
             native = start_service(None, *TINY_ENGINE, "engine.num_pages=64", *overrides, *_tokenizer())
             try:
@@ -131,3 +141,12 @@ def test_checkpoint_path_and_hf_config_flags(tmp_path) -> None:
         config_of("--hf-config", "/hf/llama")
     with pytest.raises(CheckpointError, match="neither an Orbax nor a Levanter checkpoint"):
         NativeSource(tmp_path, hf_spec(make_tiny_checkpoint("llama3", tmp_path / "hf")))
+
+
+def test_maxtext_tree_of_another_architecture_or_shape_is_refused(made) -> None:
+    _, maxtext = made[("llama3", "maxtext")]
+    with pytest.raises(CheckpointError, match="MaxText parameter tree is read for llama/mistral models, not qwen3"):
+        NativeSource(maxtext, hf_spec(made[("qwen3", "orbax-params")][0]))
+    source = NativeSource(maxtext, hf_spec(made[("llama_tied", "maxtext-unscanned")][0]))  # 4 KV heads, not 2
+    with pytest.raises(CheckpointError, match=r"k_proj.weight's MaxText array has shape \[64, 2, 16\], not \[64, 4"):
+        source.read("model.layers.0.self_attn.k_proj.weight")

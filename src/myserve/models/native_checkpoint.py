@@ -5,6 +5,10 @@
   is the HF name, optionally under one first key such as ``params``), in Orbax's TensorStore
   layout: zarr arrays (v2 or v3) in an OCDBT database or in plain files. A ``CheckpointManager``
   step directory holding one item is read through that item.
+- **MaxText**: an Orbax pytree holding MaxText's Llama tree (``params.params.decoder.layers...``,
+  layers stacked on a scan axis, ``[in, out...]`` kernels, the query pre-scaled, q/k maybe in an
+  interleaved RoPE layout): a MaxText training step directory or its converters' output, read
+  through ``models/maxtext_tree.py``.
 - **Levanter**: the trainer state serialized by ``tree_serialize_leaves_tensorstore``, each leaf a
   zarr array at its module path (``model/transformer/layers/stacked/self_attn/q_proj/weight``):
   layers stacked along a first axis (``Stacked``, scanned layers) or one directory per layer
@@ -26,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from myserve.errors import CheckpointError
+from myserve.models.maxtext_tree import MaxTextTree, maxtext_prefix
 from myserve.models.spec import ModelSpec
 
 _ORBAX_MARKERS = ("_METADATA", "manifest.ocdbt", "_CHECKPOINT_METADATA")
@@ -65,7 +70,8 @@ def _orbax_root(path: Path) -> Path | None:
 
 
 class NativeSource:
-    """A ``TensorSource`` (HF-named tensors in HF layout) over an Orbax or Levanter checkpoint."""
+    """A ``TensorSource`` (HF-named tensors in HF layout) over an Orbax (HF-keyed or MaxText's tree)
+    or a Levanter checkpoint."""
 
     def __init__(self, path: Path, spec: ModelSpec):
         self.spec = spec
@@ -76,13 +82,18 @@ class NativeSource:
         self._orbax = None if self._levanter is not None else _orbax_root(path)
         if self._levanter is None and self._orbax is None:
             raise CheckpointError(f"{path}: neither an Orbax nor a Levanter checkpoint")
-        self._names: dict[str, str] = self._orbax_names() if self._orbax is not None else {}
-        """Orbax: HF name -> the array's name in the checkpoint."""
+        stored = self._orbax_stored() if self._orbax is not None else []
+        prefix = maxtext_prefix(stored)
+        self._maxtext = None if prefix is None else MaxTextTree(path, stored, prefix, spec, self._orbax_shape)
+        self._names: dict[str, str] = self._orbax_names(stored) if self._maxtext is None else {}
+        """Orbax keyed by HF names: HF name -> the array's name in the checkpoint."""
 
     @property
     def kind(self) -> str:
-        """``orbax`` or ``levanter``."""
-        return "levanter" if self._levanter is not None else "orbax"
+        """``orbax``, ``maxtext`` (an Orbax checkpoint of MaxText's tree) or ``levanter``."""
+        if self._levanter is not None:
+            return "levanter"
+        return "orbax" if self._maxtext is None else "maxtext"
 
     # -- Orbax --------------------------------------------------------------------------------
     def _orbax_store(self) -> dict[str, Any]:
@@ -91,12 +102,22 @@ class NativeSource:
             return {"driver": "ocdbt", "base": f"file://{self._orbax}"}
         return {"driver": "file", "path": str(self._orbax)}
 
-    def _orbax_names(self) -> dict[str, str]:
-        """Every array of the pytree by HF name: its dotted path, less a first key (``params``)
-        when the path does not start like an HF name."""
+    def _orbax_stored(self) -> list[str]:
+        """The names (dotted paths) of the pytree's arrays."""
         ts = _tensorstore()
         keys = ts.KvStore.open(self._orbax_store()).result().list().result()
-        stored = sorted({k.decode().rsplit("/", 1)[0] for k in keys if k.endswith((b"/.zarray", b"/zarr.json"))})
+        return sorted({k.decode().rsplit("/", 1)[0] for k in keys if k.endswith((b"/.zarray", b"/zarr.json"))})
+
+    def _orbax_shape(self, name: str) -> tuple[int, ...]:
+        try:
+            return tuple(_open(_tensorstore(), {**self._orbax_store(), "path": name}).shape)
+        except (ValueError, OSError) as e:
+            raise CheckpointError(f"{self.path}: cannot open {name}: {e}") from None
+
+    @staticmethod
+    def _orbax_names(stored: list[str]) -> dict[str, str]:
+        """Every array of the pytree by HF name: its dotted path, less a first key (``params``)
+        when the path does not start like an HF name."""
         names: dict[str, str] = {}
         for name in stored:
             hf = name if name.startswith(("model.", "lm_head.")) else name.split(".", 1)[-1]
@@ -131,12 +152,20 @@ class NativeSource:
     # -- the TensorSource ---------------------------------------------------------------------
     def has(self, hf_name: str) -> bool:
         """Whether the checkpoint holds ``hf_name``."""
+        if self._maxtext is not None:
+            return self._maxtext.locate(hf_name) is not None
         if self._orbax is not None:
             return hf_name in self._names
         return self._levanter_location(hf_name) is not None
 
     def read(self, hf_name: str) -> np.ndarray:
         """``hf_name`` in HF layout (``[out, in]`` for a projection), as stored (bf16 stays bf16)."""
+        if self._maxtext is not None:
+            located = self._maxtext.locate(hf_name)
+            if located is None:
+                raise CheckpointError(f"{self.path}: checkpoint has no tensor {hf_name}")
+            name, part = located
+            return self._maxtext.to_hf(hf_name, _read({**self._orbax_store(), "path": name}, self.path, hf_name, part))
         if self._orbax is not None:
             if hf_name not in self._names:
                 raise CheckpointError(f"{self.path}: checkpoint has no tensor {hf_name}")
@@ -145,7 +174,8 @@ class NativeSource:
         if found is None:
             raise CheckpointError(f"{self.path}: checkpoint has no tensor {hf_name}")
         directory, layer = found
-        array = _read({"driver": "file", "path": str(directory)}, self.path, hf_name, layer)
+        index = () if layer is None else (layer,)
+        array = _read({"driver": "file", "path": str(directory)}, self.path, hf_name, index)
         return _hf_layout(hf_name, array)
 
     @functools.cached_property
@@ -154,7 +184,8 @@ class NativeSource:
         ts = _tensorstore()
         total = 0
         if self._orbax is not None:
-            for name in self._names.values():
+            names = self._names.values() if self._maxtext is None else self._maxtext.arrays
+            for name in names:
                 total += math.prod(_open(ts, {**self._orbax_store(), "path": name}).shape)
             return total
         root = self._levanter
@@ -172,12 +203,12 @@ def _open(ts: Any, kvstore: dict[str, Any]) -> Any:
         return ts.open({"driver": "zarr3", "kvstore": kvstore}, open=True).result()
 
 
-def _read(kvstore: dict[str, Any], checkpoint: Path, hf_name: str, layer: int | None = None) -> np.ndarray:
-    """One array (or its layer ``layer`` of a stacked one) on the host."""
+def _read(kvstore: dict[str, Any], checkpoint: Path, hf_name: str, index: tuple[Any, ...] = ()) -> np.ndarray:
+    """One array on the host, or its part at ``index`` (one layer of stacked ones: only it is read)."""
     ts = _tensorstore()
     try:
         array = _open(ts, kvstore)
-        return np.asarray((array[layer] if layer is not None else array).read().result())
+        return np.asarray((array[index] if index else array).read().result())
     except (ValueError, OSError) as e:
         raise CheckpointError(f"{checkpoint}: cannot read {hf_name}: {e}") from None
 
