@@ -239,8 +239,9 @@ class ModelMetrics:
         f, name, s = self.families, self.name, self.engine.stats()
         f.waiting.labels(name).set(s.waiting)
         f.running.labels(name).set(s.running)
-        f.kv_usage.labels(name).set(s.pages_used / s.pages_total if s.pages_total else 0.0)
-        f.gpu_cache_usage.labels(name).set(s.pages_used / s.pages_total if s.pages_total else 0.0)
+        usage = s.pages_used / s.pages_total if s.pages_total else 0.0
+        f.kv_usage.labels(name).set(usage)
+        f.gpu_cache_usage.labels(name).set(usage)
         queries = s.prefix_cache_queries
         f.prefix_hit_rate.labels(name).set(s.prefix_cache_hit_tokens / queries if queries else 0.0)
         f.pages_used.labels(name).set(s.pages_used)

@@ -12,7 +12,6 @@ short, which clients report as an error), never a hang.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -26,6 +25,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from myserve.config import Config
 from myserve.frontend.errors import APIError
+from myserve.frontend.guard import key_refusal
 from myserve.frontend.sse import sse_event
 from myserve.ray.affinity import ASSIGNED, ROUTERS, RouteHint, routing_text
 from myserve.ray.http_call import HttpCall, ResponseStart
@@ -75,7 +75,7 @@ class Ingress:
 
     async def replicas(self, request: Request) -> Response:
         """Each replica's id, process id and engine state (behind the API key, when there is one)."""
-        if (denied := self._check_key(request)) is not None:
+        if self.api_key is not None and (denied := key_refusal(request.headers.get("authorization", ""), self.api_key)):
             return denied.response()
         handle = self.engine.options(stream=False)
         found = await self._each_replica(lambda hint: handle.info.remote(hint))
@@ -85,7 +85,8 @@ class Ingress:
         """Any other request: to the replica the router picks, streamed back as it comes."""
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return APIError(413, f"request body exceeds {self.max_body_bytes} bytes").response()
+            message = f"request body exceeds {self.max_body_bytes} bytes"
+            return APIError(413, message, code="request_too_large").response()
         body = await request.body()
         call = HttpCall(
             method=request.method,
@@ -159,7 +160,7 @@ class Ingress:
             router = ROUTERS.get(self.app_name)
         ids = router.replica_ids() if router is not None else []
         results = await asyncio.gather(
-            *(asyncio.wait_for(_awaitable(call(RouteHint(replica=r))), FANOUT_TIMEOUT_S) for r in ids),
+            *(asyncio.wait_for(call(RouteHint(replica=r)), FANOUT_TIMEOUT_S) for r in ids),
             return_exceptions=True,
         )
         return list(zip(ids, results, strict=True))
@@ -173,16 +174,3 @@ class Ingress:
             if isinstance(part, bytes):
                 chunks.append(part)
         return b"".join(chunks)
-
-    def _check_key(self, request: Request) -> APIError | None:
-        if self.api_key is None:
-            return None
-        given = request.headers.get("authorization", "")
-        token = given[7:] if given.lower().startswith("bearer ") else ""
-        if hmac.compare_digest(token.encode(), self.api_key.encode()):
-            return None
-        return APIError(401, "invalid or missing API key", code="invalid_api_key")
-
-
-async def _awaitable(value: object) -> object:
-    return await value  # type: ignore[misc]

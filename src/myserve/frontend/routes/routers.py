@@ -1,5 +1,6 @@
-"""What request routers ask of a backend, beyond the OpenAI routes: its load, a cache flush, and a
-request's prompt token ids without generating.
+"""What request routers ask of a backend, beyond the OpenAI routes: its load and a request's prompt
+token ids without generating (their cache flush is ``/reset_prefix_cache``'s second path,
+``/flush_cache``, in ``server_info.py``).
 
 ``vllm-router`` (and sglang's router, which it grew from) reads ``GET /get_load`` for its
 power-of-two policy, fans ``POST /flush_cache`` out to every backend, and, for its cache-aware
@@ -11,7 +12,6 @@ policy, asks each backend for the token ids of a request (``POST /v1/chat/comple
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import Response
 
 from myserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from myserve.frontend.routes.completions import completion_prompts
@@ -31,14 +31,6 @@ async def get_load(models: Models) -> dict:
 @router.get("/load")
 async def load(models: Models) -> dict:
     return {"server_load": models.state.in_flight}
-
-
-# sglang's name for /reset_prefix_cache, which routers fan out to every backend.
-@router.post("/flush_cache")
-async def flush_cache(models: Models) -> Response:
-    for engine in models.engines:
-        engine.reset_prefix_cache()
-    return Response("Cache flushed.\n", status_code=200, media_type="text/plain")
 
 
 # The prompt token ids a chat request would be served with (its messages and tools through the

@@ -1,5 +1,5 @@
 """vLLM's and SageMaker's small endpoints: ``/version``, ``/ping``, ``/invocations``,
-``/server_info`` and ``/reset_prefix_cache``."""
+``/server_info`` and ``/reset_prefix_cache`` (``/flush_cache``)."""
 
 from __future__ import annotations
 
@@ -87,8 +87,10 @@ async def server_info(models: Models) -> Response:
     return JSONResponse({"version": myserve_version(), "models": served})
 
 
-# Forget every cached prompt prefix of every model (vLLM's; e.g. between benchmark runs).
+# Forget every cached prompt prefix of every model (vLLM's; e.g. between benchmark runs). Also
+# under sglang's name, which vllm-router fans out to every backend on its own /flush_cache.
 @router.post("/reset_prefix_cache")
+@router.post("/flush_cache")
 async def reset_prefix_cache(models: Models) -> Response:
     for engine in models.engines:
         engine.reset_prefix_cache()
