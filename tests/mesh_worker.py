@@ -95,8 +95,14 @@ def tokens_on(checkpoint: str | None, data: int, model: int, expert: int = 1) ->
         stats = service.stats()
         executor = service.replicas[0].runner.device
         cache = jax.tree.leaves(executor.kv_cache)[0]
+        layer = executor.model.layers[0]
         return {
             "tokens": outputs,
+            "layout": {  # the sharding specs of one layer's MLP and attention, and the vocabulary
+                "mlp": None if layer.gate_up_proj is None else str(layer.gate_up_proj.array.sharding.spec),
+                "heads": str(layer.qkv_proj.array.sharding.spec),
+                "vocab": str(executor.model.embed.array.sharding.spec),
+            },
             "max_decode_batch": stats.max_decode_batch,
             "compiles": stats.compile_count,
             "compiles_after_warmup": compile_count() - warm,

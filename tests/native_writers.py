@@ -61,8 +61,14 @@ def write_levanter(hf_dir: Path, out: Path, *, stacked: bool = True) -> Path:
     root = out / "model"
     leaves: dict[Path, np.ndarray] = {}
     layers: dict[str, list[np.ndarray]] = {}
+    experts: dict[tuple[int, str], list[tuple[int, np.ndarray]]] = {}
     for name, w in tensors.items():
-        if name == "model.embed_tokens.weight":
+        parts = name.split(".")
+        if parts[3:5] == ["block_sparse_moe", "experts"]:  # Mixtral: haliax MoELinear [experts, in, out]
+            experts.setdefault((int(parts[2]), f"block_sparse_moe/experts/{parts[6]}/weight"), []).append(
+                (int(parts[5]), w.T)
+            )
+        elif name == "model.embed_tokens.weight":
             leaves[root / "embeddings" / "token_embeddings" / "weight"] = w
         elif name == "model.norm.weight":
             leaves[root / "transformer" / "norm" / "weight"] = w
@@ -75,6 +81,12 @@ def write_levanter(hf_dir: Path, out: Path, *, stacked: bool = True) -> Path:
                 layers.setdefault("/".join(rest), []).append((int(index), array))  # type: ignore[arg-type]
             else:
                 leaves[root / "transformer" / "layers" / "blocks" / index / Path(*rest)] = array
+    for (index, rest), items in experts.items():
+        array = np.stack([a for _, a in sorted(items, key=lambda item: item[0])])
+        if stacked:
+            layers.setdefault(rest, []).append((index, array))  # type: ignore[arg-type]
+        else:
+            leaves[root / "transformer" / "layers" / "blocks" / str(index) / rest] = array
     for rest, items in layers.items():
         stack = np.stack([a for _, a in sorted(items, key=lambda item: item[0])])
         leaves[root / "transformer" / "layers" / "stacked" / rest] = stack

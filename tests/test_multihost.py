@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 import zmq
+from native_writers import write_orbax
+from safetensors.numpy import load_file
 from test_server import free_port
 
 from myserve.bundled import bundled_gguf_path
@@ -31,9 +33,10 @@ QUESTIONS = ["What is the capital of France?", "Name three colors.", "Count to f
 class Cluster:
     """Two serve processes of one deployment; process 0 serves HTTP."""
 
-    def __init__(self, checkpoint: Path):
+    def __init__(self, checkpoint: Path, weights: Path | None = None):
         self.port, coordinator = free_port(), free_port()
         args = [f"model.checkpoint={checkpoint}", f"model.tokenizer={bundled_gguf_path()}", "model.dtype=float32"]
+        args += [] if weights is None else [f"model.checkpoint_path={weights}"]
         args += [*ENGINE, "mesh.model=4", "mesh.num_processes=2", f"mesh.coordinator_address=127.0.0.1:{coordinator}"]
         args += ["mesh.heartbeat_timeout_s=5"]
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
@@ -69,6 +72,12 @@ class Cluster:
         while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
             time.sleep(0.2)
         return [p.poll() for p in self.procs]
+
+    def elements_read(self) -> list[int]:
+        """How many parameter elements each process read from the checkpoint (its log says)."""
+        found = [re.search(r"read (\d+) parameter elements", "".join(log)) for log in self.logs]
+        assert all(found), self.output()
+        return [int(f[1]) for f in found]  # type: ignore[index]
 
     def output(self) -> str:
         return "\n".join(f"--- process {i} ---\n" + "".join(log)[-3000:] for i, log in enumerate(self.logs))
@@ -140,13 +149,23 @@ def chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint("llama3", tmp_path_factory.mktemp("chat") / "llama", vocab_size=49152)
 
 
+def assert_each_read_its_part(cluster: Cluster, checkpoint: Path) -> None:
+    """Each process read its own part of the sharded weights (the vocabulary and MLP over model=4,
+    two devices each: about half), not the whole checkpoint."""
+    total = sum(t.size for t in load_file(str(checkpoint / "model.safetensors")).values())
+    read = cluster.elements_read()
+    assert all(0.4 * total < n < 0.7 * total for n in read), (read, total)
+
+
 @pytest.mark.slow
-def test_two_processes_serve_chat_like_one_and_stop_together(chat_checkpoint: Path) -> None:
+def test_two_processes_serve_chat_like_one_and_stop_together(chat_checkpoint: Path, tmp_path: Path) -> None:
     checkpoint = chat_checkpoint
     expected = one_process_texts(checkpoint)
-    cluster = Cluster(checkpoint)
+    # The weights from an Orbax checkpoint (as a JAX trainer saves them); the reference's from safetensors.
+    cluster = Cluster(checkpoint, weights=write_orbax(checkpoint, tmp_path / "orbax", config=False))
     try:
         cluster.wait_ready()
+        assert_each_read_its_part(cluster, checkpoint)
         intruders = Intruders(cluster.logs[0])
         with concurrent.futures.ThreadPoolExecutor(len(QUESTIONS)) as pool:  # concurrent: batched steps
             got = list(pool.map(lambda q: chat(cluster.url, q), QUESTIONS))
@@ -196,6 +215,7 @@ def test_killing_the_leader_ends_the_follower(chat_checkpoint: Path) -> None:
     cluster = Cluster(chat_checkpoint)
     try:
         cluster.wait_ready()
+        assert_each_read_its_part(cluster, chat_checkpoint)  # from safetensors
         cluster.procs[0].kill()
         codes = cluster.wait_exit(timeout=30)
         assert codes[1] is not None, "the follower outlived its leader\n" + cluster.output()

@@ -23,7 +23,9 @@ from native_writers import hf_tensors, write_levanter, write_maxtext, write_orba
 from myserve import serve
 from myserve.errors import CheckpointError
 from myserve.models.checkpoint import hf_spec
+from myserve.models.loading import SafetensorsSource
 from myserve.models.native_checkpoint import NativeSource, is_native_checkpoint
+from myserve.models.placer import read_part
 from myserve.testing import TINY_ENGINE, collect, make_tiny_checkpoint, start_service
 from myserve.wire.params import SamplingParams
 
@@ -43,6 +45,8 @@ CASES = [
     ("qwen3", "orbax-params"),
     ("qwen3", "levanter-stacked"),
     ("qwen3_moe", "orbax"),
+    ("mixtral", "levanter-stacked"),  # Levanter's MoE: MoELinear experts [layers, experts, in, out]
+    ("mixtral", "levanter-blocks"),
     ("llama3", "maxtext"),  # interleaved q/k (Llama 3.1 RoPE scaling), with an optimizer moment
     ("llama_tied", "maxtext-unscanned"),  # no logits_dense (tied), RoPE halves as in HF
     ("mistral", "maxtext-axis0"),
@@ -76,18 +80,57 @@ def test_every_tensor_reads_back_exactly(made, arch: str, layout: str) -> None:
         source.read("model.layers.99.mlp.up_proj.weight")
 
 
-@pytest.mark.parametrize(("arch", "layout"), [CASES[1], CASES[3], CASES[5]], ids=["llama3", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize(("arch", "layout"), CASES, ids=[f"{a}-{lay}" for a, lay in CASES])
+def test_a_part_of_a_tensor_reads_as_the_same_part_of_the_whole(made, arch: str, layout: str) -> None:
+    """``read_slice`` (a multi-host load's reads of its own shards) gives ``read(name)[index]``, for
+    parts that are whole KV heads or MLP columns and for ones that are not (read whole, then cut)."""
+    hf, native = made[(arch, layout)]
+    sources = [NativeSource(native, hf_spec(hf)), SafetensorsSource(hf)]
+    head = sources[0].spec.head_dim
+    names = ["model.layers.1.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"]
+    names += ["model.embed_tokens.weight", "model.layers.1.input_layernorm.weight"]
+    names += [n for n in hf_tensors(hf) if n.startswith("model.layers.1.") and ".experts.3." in n]
+    for source in sources:
+        for name in names:
+            whole = source.read(name)
+            for index in [
+                (slice(head, 2 * head),),  # one head's rows
+                (slice(3, 17),),  # not whole heads
+                (slice(None), slice(head, min(3 * head, whole.shape[-1]))) if whole.ndim == 2 else (slice(2, 5),),
+            ]:
+                part = read_part(source, name, index)
+                assert part.dtype == whole.dtype and np.array_equal(part, whole[index]), (name, index)
+
+
+TP_CASES = [
+    ("llama3", "levanter-stacked"),
+    ("qwen3", "orbax-params"),
+    ("qwen3_moe", "orbax"),
+    ("mixtral", "levanter-stacked"),
+]
+
+
+@pytest.mark.parametrize(("arch", "layout"), TP_CASES, ids=[a for a, _ in TP_CASES])
 def test_loaded_on_one_and_two_devices_it_is_the_safetensors_model(made, arch: str, layout: str) -> None:
+    """Every array equal, with the same sharding, on 1 and 2 (fake) devices; the MoE is also served
+    on TP 2 from both (the same greedy tokens)."""
     hf, native = made[(arch, layout)]
     worker = Path(__file__).with_name("native_worker.py")
     for model in (1, 2):
+        serve = ["serve"] if model == 2 and arch == "mixtral" else []
         out = subprocess.run(
-            [sys.executable, str(worker), str(hf), str(native), str(model)], capture_output=True, text=True, timeout=600
+            [sys.executable, str(worker), str(hf), str(native), str(model), *serve],
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert out.returncode == 0, out.stderr[-3000:]
         result = json.loads(out.stdout.strip().splitlines()[-1])
         assert result["same"] and result["arrays"] > 0, result
         assert (result["split"] > 0) == (model == 2), result  # TP 2 shards some arrays over both devices
+        if serve:
+            plain, native_tokens = result["tokens"]
+            assert native_tokens == plain and all(len(t) == 8 for t in plain), result
 
 
 def test_served_from_orbax_levanter_and_maxtext_gives_the_safetensors_tokens(made, tmp_path) -> None:

@@ -29,7 +29,7 @@ from myserve.models.moe import MoeBlock
 from myserve.models.narrow import NarrowWeight
 from myserve.models.narrow_host import BlockLayout
 from myserve.models.native_checkpoint import NativeSource, is_native_checkpoint
-from myserve.models.placer import Combine, NarrowPlacer, Placer, TensorSource
+from myserve.models.placer import Combine, NarrowPlacer, Placer, Split, TensorSource
 from myserve.models.sharding import MeshAxes
 from myserve.models.spec import ModelSpec
 
@@ -82,6 +82,17 @@ class SafetensorsSource:
             except (self._error, OSError, ValueError) as e:
                 raise CheckpointError(f"{file}: corrupt tensor {hf_name} ({e})") from None
 
+    def read_slice(self, hf_name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """One part of a tensor, reading only its bytes (safetensors' lazy slices)."""
+        file = self._files.get(hf_name)
+        if file is None:
+            raise CheckpointError(f"checkpoint has no tensor {hf_name}")
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            try:
+                return np.asarray(self._open(file).get_slice(hf_name)[index])
+            except (self._error, OSError, ValueError) as e:
+                raise CheckpointError(f"{file}: corrupt tensor {hf_name} ({e})") from None
+
 
 def open_source(resolved: ResolvedCheckpoint, weights: str | Path | None = None) -> TensorSource:
     """The tensor source of a resolved checkpoint; with ``weights`` (``model.checkpoint_path``), the
@@ -95,15 +106,16 @@ def open_source(resolved: ResolvedCheckpoint, weights: str | Path | None = None)
 
 def _layer_table(spec: ModelSpec, ax: ModelAxes) -> dict[str, tuple[tuple[str, ...], tuple, Combine | None]]:
     """field of DecoderLayer -> (HF suffixes, our axes, combine(*tensors) -> our layout)."""
-    e, kvh, g, d = spec.hidden_size, spec.num_kv_heads, spec.q_per_kv, spec.head_dim
+    e, g, d = spec.hidden_size, spec.q_per_kv, spec.head_dim
 
     def qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         # [out, in] -> [in, kv_heads, qkv, head_size]: per KV head its query heads, then k, then v.
-        qs = q.T.reshape(e, kvh, g, d)
-        return np.concatenate([qs, k.T.reshape(e, kvh, 1, d), v.T.reshape(e, kvh, 1, d)], axis=2)
+        # -1 for the KV heads: a multi-host load combines only its own heads (Placer.place).
+        qs = q.T.reshape(e, -1, g, d)
+        return np.concatenate([qs, k.T.reshape(e, -1, 1, d), v.T.reshape(e, -1, 1, d)], axis=2)
 
     def qkv_bias(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        return np.concatenate([q.reshape(kvh, g, d), k.reshape(kvh, 1, d), v.reshape(kvh, 1, d)], axis=1)
+        return np.concatenate([q.reshape(-1, g, d), k.reshape(-1, 1, d), v.reshape(-1, 1, d)], axis=1)
 
     attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
     # Llama's post_attention_layernorm is its MLP's input norm; Gemma (sandwich norms) names that
@@ -115,7 +127,7 @@ def _layer_table(spec: ModelSpec, ax: ModelAxes) -> dict[str, tuple[tuple[str, .
         "o_proj": (
             ("self_attn.o_proj.weight",),
             (ax.KVHeads, ax.QPerKV, ax.HeadSize, ax.Embed),
-            lambda w: w.T.reshape(kvh, g, d, e),
+            lambda w: w.T.reshape(-1, g, d, e),
         ),
         "mlp_norm": ((f"{mlp_norm}.weight",), (ax.Embed,), None),
         "gate_up_proj": (
@@ -159,7 +171,7 @@ def _moe_table(spec: ModelSpec, ax: ModelAxes, fused: bool) -> dict[str, tuple[t
         table["gate_up"] = (
             (f"{moe}.experts.gate_up_proj",),
             experts,
-            lambda w: w.reshape(e, 2, i, h).transpose(0, 3, 1, 2),
+            lambda w: w.reshape(-1, 2, i, h).transpose(0, 3, 1, 2),
         )
         table["down"] = (
             (f"{moe}.experts.down_proj",),
@@ -186,6 +198,33 @@ def _moe_table(spec: ModelSpec, ax: ModelAxes, fused: bool) -> dict[str, tuple[t
         table["shared_down"] = ((f"{shared}.down_proj.weight",), (ax.SharedMlp, ax.Embed), np.transpose)
         table["shared_gate"] = ((f"{moe}.shared_expert_gate.weight",), (ax.Embed,), lambda w: w.reshape(-1))
     return table
+
+
+def _splits(spec: ModelSpec, fused: bool) -> dict[str, Split]:
+    """field -> which part of its HF tensors each part of its sharded axes reads (``Placer.place``):
+    a multi-host load reads only its own KV heads, MLP columns, experts and vocabulary rows."""
+    q_rows = spec.q_per_kv * spec.head_dim  # HF rows of q_proj per KV head
+    splits: dict[str, Split] = {
+        "qkv_proj": {"kv_heads": (0, (q_rows, spec.head_dim, spec.head_dim))},
+        "qkv_bias": {"kv_heads": (0, (q_rows, spec.head_dim, spec.head_dim))},
+        "o_proj": {"kv_heads": (1, q_rows)},
+        "gate_up_proj": {"mlp": (0, 1)},
+        "down_proj": {"mlp": (1, 1)},
+        "gate_up_bias": {"mlp": (0, 1)},
+        "shared_gate_up": {"shared_mlp": (0, 1)},
+        "shared_down": {"shared_mlp": (1, 1)},
+    }
+    if fused:  # [E, 2I, H] (gate rows, then up rows: an expert_mlp part is two ranges, cut after) and [E, H, I]
+        splits["gate_up"] = {"experts": (0, 1)}
+        splits["down"] = {"experts": (0, 1), "expert_mlp": (2, 1)}
+    else:  # one [out, in] tensor per expert and projection
+        splits["gate_up"] = {"experts": "names", "expert_mlp": (0, 1)}
+        splits["down"] = {"experts": "names", "expert_mlp": (1, 1)}
+    return splits
+
+
+_VOCAB_SPLIT: Split = {"vocab": (0, 1)}
+"""The embedding table and LM head: HF [vocab, embed] rows."""
 
 
 # RMSNorm weights: with ``spec.norm_unit_offset`` (Gemma, whose norms scale by ``1 + w``) they get
@@ -258,6 +297,7 @@ def load_model(
         f"model.layers.0.{'block_sparse_moe' if spec.model_type == 'mixtral' else 'mlp'}.experts.down_proj"
     )
     moe_table = _moe_table(spec, ax, fused) if spec.is_moe else {}
+    splits = _splits(spec, fused)
     layouts: dict[str, BlockLayout | None] = {}
     if isinstance(placer, NarrowPlacer):
         for field, (suffixes, _, _) in {**table, **moe_table}.items():
@@ -267,18 +307,17 @@ def load_model(
     def weight(field: str, hf_names: tuple[str, ...], axes: tuple, combine: Combine | None) -> Weight:
         if isinstance(placer, NarrowPlacer) and field in _CONTRACTED:
             return placer.narrow(hf_names, axes, combine, n_in=len(_CONTRACTED[field]), layout=layouts[field])
-        host = placer.host(hf_names, axes, combine)
         if field in _NORMS:
-            return norm(host, axes)
+            return norm(placer.host(hf_names, axes, combine), axes)
         if w8a8 and field in _CONTRACTED:
-            return placer.put_quantized(host, axes, _CONTRACTED[field])
-        return placer.put(host, axes)
+            return placer.put_quantized(placer.host(hf_names, axes, combine), axes, _CONTRACTED[field])
+        return placer.place(hf_names, axes, combine, split=splits.get(field))
 
     def expert_weight(field: str, hf_names: tuple[str, ...], axes: tuple, combine: Combine | None) -> Weight:
         if isinstance(placer, NarrowPlacer) and field in _EXPERT_MATMULS:
             n_lead = 1 if axes[0].name == "experts" else 0
             return placer.narrow(hf_names, axes, combine, n_in=1, n_lead=n_lead, layout=layouts[field])
-        return placer.put(placer.host(hf_names, axes, combine), axes)
+        return placer.place(hf_names, axes, combine, split=splits.get(field))
 
     def layer(i: int) -> DecoderLayer:
         fields: dict[str, object] = {
@@ -314,23 +353,26 @@ def load_model(
 
         embed = narrow_table("model.embed_tokens.weight")
         lm_head = None if spec.tie_word_embeddings else narrow_table("lm_head.weight")
-    else:
+    elif w8a8:
         embed_host = placer.host(("model.embed_tokens.weight",), (ax.Vocab, ax.Embed))
         if not spec.tie_word_embeddings:
             head_host = placer.host(("lm_head.weight",), (ax.Embed, ax.Vocab), np.transpose)
-            lm_head = (
-                placer.put_quantized(head_host, (ax.Embed, ax.Vocab), (0,))
-                if w8a8
-                else placer.put(head_host, (ax.Embed, ax.Vocab))
-            )
-        elif w8a8:  # tied: the lookup keeps the float table, the head gets an int8 copy
+            lm_head = placer.put_quantized(head_host, (ax.Embed, ax.Vocab), (0,))
+        else:  # tied: the lookup keeps the float table, the head gets an int8 copy
             lm_head = placer.put_quantized(embed_host, (ax.Vocab, ax.Embed), (1,))
         embed = placer.put(embed_host, (ax.Vocab, ax.Embed))
+    else:
+        embed = placer.place(("model.embed_tokens.weight",), (ax.Vocab, ax.Embed), split=_VOCAB_SPLIT)
+        if not spec.tie_word_embeddings:
+            lm_head = placer.place(("lm_head.weight",), (ax.Embed, ax.Vocab), np.transpose, split=_VOCAB_SPLIT)
+    final_norm = norm(placer.host(("model.norm.weight",), (ax.Embed,)), (ax.Embed,))
+    if not abstract:  # a multi-host load reads only its part of the sharded weights (Placer.place)
+        logger.info("read %d parameter elements of the checkpoint in this process", placer.elements_read)
     return LlamaModel(
         spec=spec,
         attention_backend=attention_backend,
         embed=embed,
         layers=layers,
-        final_norm=norm(placer.host(("model.norm.weight",), (ax.Embed,)), (ax.Embed,)),
+        final_norm=final_norm,
         lm_head=lm_head,
     )

@@ -13,7 +13,10 @@
   zarr array at its module path (``model/transformer/layers/stacked/self_attn/q_proj/weight``):
   layers stacked along a first axis (``Stacked``, scanned layers) or one directory per layer
   (``BlockSeq``), projections with their output axes first and split into named axes
-  (``[kv_heads, q_per_kv, head_dim, embed]``), which flatten into HF's ``[out, in]``.
+  (``[kv_heads, q_per_kv, head_dim, embed]``), which flatten into HF's ``[out, in]``. A MoE's
+  experts (Levanter's Mixtral: ``block_sparse_moe/experts/w1/weight``, haliax ``MoELinear``s) are
+  one array per projection, ``[layers, experts, in, out]``: HF's ``experts.{j}.w1.weight`` is one
+  expert's slice of it, transposed.
 
 Every array is read on its own, when the loader asks for it (one TensorStore read), so the host
 never holds the whole checkpoint. The model's configuration comes from an HF ``config.json``
@@ -125,9 +128,9 @@ class NativeSource:
         return names
 
     # -- Levanter -----------------------------------------------------------------------------
-    def _levanter_location(self, hf_name: str) -> tuple[Path, int | None] | None:
-        """Where an HF tensor is in a Levanter checkpoint: its array's directory, and the layer's
-        index in it when the layers are stacked."""
+    def _levanter_location(self, hf_name: str) -> tuple[Path, tuple[int, ...]] | None:
+        """Where an HF tensor is in a Levanter checkpoint: its array's directory, and the index of
+        its part of that array (the layer's when the layers are stacked, then the expert's)."""
         root = self._levanter
         assert root is not None
         fixed = {
@@ -136,18 +139,22 @@ class NativeSource:
             "lm_head.weight": root / "lm_head" / "weight",
         }
         if hf_name in fixed:
-            return (fixed[hf_name], None) if fixed[hf_name].is_dir() else None
+            return (fixed[hf_name], ()) if fixed[hf_name].is_dir() else None
         parts = hf_name.split(".")
         if parts[:2] != ["model", "layers"] or len(parts) < 4 or not parts[2].isdigit():
             return None
         if int(parts[2]) >= self.spec.num_layers:
             return None
-        layer, rest = int(parts[2]), Path(*parts[3:])
-        stacked = root / "transformer" / "layers" / "stacked" / rest
+        layer, rest, expert = int(parts[2]), parts[3:], tuple[int, ...]()
+        if _is_expert(hf_name):  # ...experts.{j}.w1.weight: expert j of ...experts/w1/weight
+            if int(rest[2]) >= self.spec.num_experts:
+                return None
+            rest, expert = [*rest[:2], *rest[3:]], (int(rest[2]),)
+        stacked = root / "transformer" / "layers" / "stacked" / Path(*rest)
         if stacked.is_dir():
-            return stacked, layer
-        single = root / "transformer" / "layers" / "blocks" / str(layer) / rest
-        return (single, None) if single.is_dir() else None
+            return stacked, (layer, *expert)
+        single = root / "transformer" / "layers" / "blocks" / str(layer) / Path(*rest)
+        return (single, expert) if single.is_dir() else None
 
     # -- the TensorSource ---------------------------------------------------------------------
     def has(self, hf_name: str) -> bool:
@@ -173,10 +180,30 @@ class NativeSource:
         found = self._levanter_location(hf_name)
         if found is None:
             raise CheckpointError(f"{self.path}: checkpoint has no tensor {hf_name}")
-        directory, layer = found
-        index = () if layer is None else (layer,)
+        directory, index = found
         array = _read({"driver": "file", "path": str(directory)}, self.path, hf_name, index)
         return _hf_layout(hf_name, array)
+
+    def read_slice(self, hf_name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """``read(hf_name)[index]``, reading only that part where the layout allows: an Orbax
+        array keyed by HF name, or a Levanter array whose part is whole along its named axes (one
+        KV head's rows, a range of MLP columns); a MaxText tree is read whole, then cut."""
+        if self._maxtext is not None:
+            return self.read(hf_name)[index]
+        if self._orbax is not None:
+            if hf_name not in self._names:
+                raise CheckpointError(f"{self.path}: checkpoint has no tensor {hf_name}")
+            return _read({**self._orbax_store(), "path": self._names[hf_name]}, self.path, hf_name, index)
+        found = self._levanter_location(hf_name)
+        if found is None:
+            raise CheckpointError(f"{self.path}: checkpoint has no tensor {hf_name}")
+        directory, prefix = found
+        store = {"driver": "file", "path": str(directory)}
+        stored = _open(_tensorstore(), store).shape[len(prefix) :]
+        part = _levanter_part(hf_name, tuple(stored), index)
+        if part is None:  # not whole along the named axes: read the tensor, then cut
+            return self.read(hf_name)[index]
+        return _hf_layout(hf_name, _read(store, self.path, hf_name, (*prefix, *part)))
 
     @functools.cached_property
     def num_parameters(self) -> int:
@@ -213,10 +240,46 @@ def _read(kvstore: dict[str, Any], checkpoint: Path, hf_name: str, index: tuple[
         raise CheckpointError(f"{checkpoint}: cannot read {hf_name}: {e}") from None
 
 
+def _is_expert(hf_name: str) -> bool:
+    """Whether ``hf_name`` is one routed expert's projection (``...block_sparse_moe.experts.{j}.w1.weight``)."""
+    parts = hf_name.split(".")
+    return len(parts) == 8 and parts[3:5] == ["block_sparse_moe", "experts"] and parts[5].isdigit()
+
+
+def _hf_groups(hf_name: str, ndim: int) -> list[list[int]]:
+    """Which axes of a Levanter array (less its layer/expert index) make each axis of the HF
+    tensor (``_hf_layout``), in order."""
+    if _is_expert(hf_name):
+        return [[1], [0]]
+    if hf_name.endswith(".bias") or ndim == 1 or "norm" in hf_name.rsplit(".", 2)[-2]:
+        return [list(range(ndim))]
+    if hf_name.endswith(("o_proj.weight", "down_proj.weight")):
+        return [[0], list(range(1, ndim))]
+    return [list(range(ndim - 1)), [ndim - 1]]
+
+
+def _levanter_part(hf_name: str, stored: tuple[int, ...], index: tuple[slice, ...]) -> tuple[slice, ...] | None:
+    """The index into a Levanter array of ``stored`` shape that holds ``hf[index]``: each HF axis's
+    range must cover whole rows of the stored axes it flattens (else None)."""
+    part = [slice(None)] * len(stored)
+    for hf_axis, want in enumerate(index):
+        if want == slice(None):
+            continue
+        group = _hf_groups(hf_name, len(stored))[hf_axis]
+        trail = math.prod(stored[a] for a in group[1:])
+        start, stop = want.start or 0, want.stop
+        if want.step not in (None, 1) or stop is None or start % trail or stop % trail:
+            return None
+        part[group[0]] = slice(start // trail, stop // trail)
+    return tuple(part)
+
+
 def _hf_layout(hf_name: str, array: np.ndarray) -> np.ndarray:
     """A Levanter array in HF's layout: named output axes first (``[kv_heads, q_per_kv, head_dim,
     embed]``) flatten into ``[out, in]``; an output projection's input axes (``[embed, heads,
-    head_dim]``) flatten after its output; vectors flatten."""
+    head_dim]``) flatten after its output; vectors flatten; an expert's ``[in, out]`` transposes."""
+    if _is_expert(hf_name):
+        return np.ascontiguousarray(array.T)
     if hf_name.endswith(".bias") or array.ndim == 1 or "norm" in hf_name.rsplit(".", 2)[-2]:
         return array.reshape(-1)
     if hf_name.endswith(("o_proj.weight", "down_proj.weight")):

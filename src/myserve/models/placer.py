@@ -34,7 +34,9 @@ from myserve.models.spec import ModelSpec
 
 
 class TensorSource(Protocol):
-    """Where weights come from: HF-named tensors in HF layout."""
+    """Where weights come from: HF-named tensors in HF layout. A source may also have
+    ``read_slice(hf_name, index) -> np.ndarray``: one part of a tensor, reading no more of the file
+    than the format needs (``read_part``)."""
 
     spec: ModelSpec
 
@@ -43,9 +45,34 @@ class TensorSource(Protocol):
     def read(self, hf_name: str) -> np.ndarray: ...
 
 
+def read_part(source: TensorSource, hf_name: str, index: tuple[slice, ...]) -> np.ndarray:
+    """``source.read(hf_name)[index]``, read as a part where the source can (``read_slice``)."""
+    read_slice = getattr(source, "read_slice", None)
+    if read_slice is None or all(s == slice(None) for s in index):
+        return source.read(hf_name)[index]
+    return read_slice(hf_name, index)
+
+
 # How each weight goes from HF layout ([out, in] projections) to our named layout. A field may fuse
 # several HF tensors of one layer (q/k/v, gate/up); the host holds at most those few at a time.
 Combine = Callable[..., np.ndarray]
+
+type Split = Mapping[str, tuple[int, int | tuple[int, ...]] | str]
+"""Which part of each HF tensor of a weight a part of one of its sharded axes comes from: per
+logical axis, ``(hf_axis, block)``: rows ``[lo:hi]`` of the axis are ``[lo * block : hi * block]``
+of every tensor's ``hf_axis`` (``block`` per tensor, or one for all); or ``"names"``: the HF names
+come in equal groups, one per index of the axis (a MoE's experts). A sharded axis not named is read
+whole and cut after combining. The combine must take such parts (reshape with -1 on that axis)."""
+
+
+type Bounds = tuple[tuple[int, int], ...]
+"""A part of an array: (start, stop) along each dimension."""
+
+
+def part_bounds(index: tuple[slice, ...] | None, shape: tuple[int, ...]) -> Bounds:
+    """The part of an array a device's index (``Sharding.devices_indices_map``) holds."""
+    assert index is not None  # every device of a sharding holds a part
+    return tuple((s.start or 0, size if s.stop is None else s.stop) for s, size in zip(index, shape, strict=True))
 
 
 class Placer:
@@ -61,6 +88,8 @@ class Placer:
         abstract: bool = False,
     ):
         self.source, self.mesh, self.mapping, self.dtype, self.abstract = source, mesh, mapping, dtype, abstract
+        self.elements_read = 0
+        """Elements of the HF tensors (or their parts) read so far, by this process."""
 
     def host(self, hf_names: tuple[str, ...], axes: tuple, combine: Combine | None = None) -> np.ndarray:
         """Read ``hf_names`` and combine them into our layout (float32 or the stored dtype), on the host."""
@@ -68,6 +97,7 @@ class Placer:
         if self.abstract:  # a zero-stride stand-in with the weight's shape: no memory, nothing read
             return np.broadcast_to(np.zeros((), np.float32), expected)
         tensors = [self.source.read(name) for name in hf_names]
+        self.elements_read += sum(t.size for t in tensors)
         shapes = ", ".join(f"{n} {t.shape}" for n, t in zip(hf_names, tensors, strict=True))
         try:
             w = combine(*tensors) if combine is not None else tensors[0]
@@ -76,6 +106,67 @@ class Placer:
         if w.shape != expected:
             raise CheckpointError(f"tensor(s) {shapes} do not give the expected shape {expected}")
         return w
+
+    def place(
+        self,
+        hf_names: tuple[str, ...],
+        axes: tuple,
+        combine: Combine | None = None,
+        dtype: jnp.dtype | None = None,
+        split: Split | None = None,
+    ) -> hax.NamedArray:
+        """Read, combine and place one weight. When the mesh spans several processes, each reads
+        only the parts of the HF tensors that make the parts its own devices hold (``split``; one
+        read per distinct part), where the source can read parts (``read_slice``): a multi-host
+        server does not read every weight on every host."""
+        sharding = named_sharding([a.name for a in axes], self.mapping, self.mesh)
+        if self.abstract or split is None or sharding.is_fully_addressable:
+            return self.put(self.host(hf_names, axes, combine), axes, dtype)
+        shape = tuple(a.size for a in axes)
+        parts: dict[Bounds, np.ndarray] = {}  # one read per distinct part (devices may share one)
+        for index in sharding.addressable_devices_indices_map(shape).values():
+            bounds = part_bounds(index, shape)
+            if bounds not in parts:
+                part = self._read_part(hf_names, axes, combine, split, bounds)
+                parts[bounds] = np.ascontiguousarray(part.astype(dtype or self.dtype))
+        return hax.named(
+            jax.make_array_from_callback(shape, sharding, lambda index: parts[part_bounds(index, shape)]), axes
+        )
+
+    def _read_part(
+        self, hf_names: tuple[str, ...], axes: tuple, combine: Combine | None, split: Split, bounds: Bounds
+    ) -> np.ndarray:
+        """The part ``bounds`` of one weight, from the parts of its HF tensors that make it."""
+        keep = range(len(hf_names))
+        reads: list[dict[int, slice]] = [{} for _ in hf_names]  # per HF tensor: its axis -> range
+        after: list[slice] = []  # what to cut from the combined part: axes read whole
+        for (start, stop), axis in zip(bounds, axes, strict=True):
+            how = split.get(axis.name)
+            if how is None or (start, stop) == (0, axis.size):
+                after.append(slice(start, stop))
+                continue
+            after.append(slice(None))
+            if isinstance(how, str):  # "names": one group of HF names per index
+                per = len(hf_names) // axis.size
+                keep = range(start * per, stop * per)
+                continue
+            hf_axis, block = how
+            for i, read in enumerate(reads):
+                b = block[i] if isinstance(block, tuple) else block
+                read[hf_axis] = slice(start * b, stop * b)
+        index = [tuple(read.get(a, slice(None)) for a in range(max(read, default=-1) + 1)) for read in reads]
+        tensors = [read_part(self.source, hf_names[i], index[i]) for i in keep]
+        self.elements_read += sum(t.size for t in tensors)
+        expected = tuple(stop - start for start, stop in bounds)
+        try:
+            part = (combine(*tensors) if combine is not None else tensors[0])[tuple(after)]
+        except ValueError:
+            part = None
+        if part is None or part.shape != expected:
+            names = ", ".join(hf_names[i] for i in keep)
+            shape = tuple(a.size for a in axes)
+            raise CheckpointError(f"tensor(s) {names} do not give the expected part {expected} of shape {shape}")
+        return part
 
     def put(self, host: np.ndarray, axes: tuple, dtype: jnp.dtype | None = None) -> hax.NamedArray:
         """Cast and place one host array on the mesh, sharded by the rules."""
