@@ -145,7 +145,8 @@ class NativeSource:
             return None
         if int(parts[2]) >= self.spec.num_layers:
             return None
-        layer, rest, expert = int(parts[2]), parts[3:], tuple[int, ...]()
+        layer, rest = int(parts[2]), parts[3:]
+        expert: tuple[int, ...] = ()
         if _is_expert(hf_name):  # ...experts.{j}.w1.weight: expert j of ...experts/w1/weight
             if int(rest[2]) >= self.spec.num_experts:
                 return None
@@ -275,13 +276,11 @@ def _levanter_part(hf_name: str, stored: tuple[int, ...], index: tuple[slice, ..
 
 
 def _hf_layout(hf_name: str, array: np.ndarray) -> np.ndarray:
-    """A Levanter array in HF's layout: named output axes first (``[kv_heads, q_per_kv, head_dim,
-    embed]``) flatten into ``[out, in]``; an output projection's input axes (``[embed, heads,
-    head_dim]``) flatten after its output; vectors flatten; an expert's ``[in, out]`` transposes."""
-    if _is_expert(hf_name):
-        return np.ascontiguousarray(array.T)
-    if hf_name.endswith(".bias") or array.ndim == 1 or "norm" in hf_name.rsplit(".", 2)[-2]:
-        return array.reshape(-1)
-    if hf_name.endswith(("o_proj.weight", "down_proj.weight")):
-        return array.reshape(array.shape[0], -1)
-    return array.reshape(-1, array.shape[-1])
+    """A Levanter array in HF's layout: its axes grouped as ``_hf_groups`` says (named output axes
+    ``[kv_heads, q_per_kv, head_dim, embed]`` flatten into ``[out, in]``; an output projection's
+    input axes ``[embed, heads, head_dim]`` flatten after its output; vectors flatten; an expert's
+    ``[in, out]`` transposes)."""
+    groups = _hf_groups(hf_name, array.ndim)
+    order = [a for group in groups for a in group]
+    shape = tuple(math.prod(array.shape[a] for a in group) for group in groups)
+    return np.ascontiguousarray(array.transpose(order)).reshape(shape)
