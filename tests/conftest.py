@@ -7,10 +7,20 @@ from pathlib import Path
 
 # Tests run on the host CPU; keep JAX from probing for accelerators and keep its logs quiet.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# pytest-xdist runs one worker per core: torch's reference models (and numpy's BLAS) use one
+# thread each rather than spinning OpenMP threads against the other worker's compiles.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import httpx  # noqa: E402
 import pytest  # noqa: E402
 
 from myserve.testing import TINY_ARCHES, make_tiny_checkpoint  # noqa: E402
+
+# httpx's calls wait 5 s for a response by default (``httpx.post(...)`` binds this object). A request
+# whose step shape is the first of its kind compiles while it runs, and on a loaded 2-core machine
+# that can take longer: tests wait up to 2 minutes for a read instead. A test that checks for a
+# hang passes a timeout of its own.
+httpx._config.DEFAULT_TIMEOUT_CONFIG.read = 120.0
 
 
 @pytest.fixture(scope="session")
@@ -122,18 +132,41 @@ def live(service):
 
 
 @pytest.fixture(scope="session")
-def hf_gguf_model():
-    """transformers' own load of the bundled GGUF (dequantized to float32): the parity reference."""
+def hf_gguf_model(tmp_path_factory: pytest.TempPathFactory):
+    """transformers' own load of the bundled GGUF (dequantized to float32): the parity reference.
+
+    Reading the GGUF through transformers takes about 45 s of CPU (its reader parses the vocabulary
+    twice); the first pytest-xdist worker to need it saves the result as a float32 checkpoint in
+    the run's shared temporary directory, and the others load that (seconds), under a file lock."""
+    import fcntl
+
     import torch
     import transformers
 
     from myserve.bundled import bundled_gguf_path
 
-    path = bundled_gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by this run's workers
+    saved = root / "hf-smollm2-from-gguf"
+    with open(root / "hf-smollm2-from-gguf.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if saved.exists():
+            config = transformers.AutoConfig.from_pretrained(str(saved))
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model.load_state_dict(torch.load(saved / "weights.pt"))
+            return model.eval()
+        path = bundled_gguf_path()
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+        # transformers will not save a model it read from a GGUF: its config and state dict, then.
+        partial = root / "hf-smollm2-partial"
+        partial.mkdir(exist_ok=True)
+        model.config.to_json_file(partial / "config.json")
+        torch.save(model.state_dict(), partial / "weights.pt")
+        os.rename(partial, saved)  # whole, or not there
+        return model.eval()
 
 
 def load_on_mesh(checkpoint, data: int = 1, model: int = 1):
