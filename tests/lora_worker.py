@@ -7,11 +7,11 @@ Usage: python tests/lora_worker.py BASE MODEL NAME=PATH [NAME=PATH ...]
 from __future__ import annotations
 
 import json
-import os
 import sys
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-os.environ["JAX_PLATFORMS"] = "cpu"
+from fake_devices import use_fake_cpu_devices
+
+use_fake_cpu_devices(8)
 
 from myserve.testing import TINY_ENGINE, collect, start_service  # noqa: E402
 from myserve.wire.params import SamplingParams  # noqa: E402

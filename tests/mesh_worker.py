@@ -18,8 +18,9 @@ import re
 import sys
 import threading
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-os.environ["JAX_PLATFORMS"] = "cpu"
+from fake_devices import use_fake_cpu_devices
+
+use_fake_cpu_devices(8)
 
 import jax  # noqa: E402
 

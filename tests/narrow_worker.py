@@ -8,11 +8,11 @@ Usage: python tests/narrow_worker.py CHECKPOINT QUANTIZATION MESH [MESH ...]
 from __future__ import annotations
 
 import json
-import os
 import sys
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-os.environ["JAX_PLATFORMS"] = "cpu"
+from fake_devices import use_fake_cpu_devices
+
+use_fake_cpu_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -9,11 +9,11 @@ Usage: python tests/native_worker.py HF_DIR NATIVE_DIR MODEL [serve]
 from __future__ import annotations
 
 import json
-import os
 import sys
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-os.environ["JAX_PLATFORMS"] = "cpu"
+from fake_devices import use_fake_cpu_devices
+
+use_fake_cpu_devices(2)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -22,6 +22,7 @@ from myserve.bench.launch import LaunchedServer, LaunchError, free_port
 from myserve.bench.loadgen import LevelRun, RequestRecord, StreamError, StreamParser, Target, run_level
 from myserve.bench.metrics import Stats, format_table, summarize
 from myserve.bench.prompts import BUILTIN_PROMPTS, DatasetError, Prompt, builtin_prompts, load_prompts
+from myserve.testing import TINY_ENGINE
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -229,9 +230,8 @@ def test_launch_benchmarks_a_tiny_model_and_stops_it(tiny_checkpoints, tmp_path:
         "--",
         "--hf-checkpoint", str(tiny_checkpoints["llama3"]), "--set", f"model.tokenizer={bundled_gguf_path()}",
         "--served-model-name", "tiny-llama", "--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}",
-        "--max-model-len", "256", "--max-num-seqs", "4", "--set", "engine.page_size=8",
-        "--set", "engine.token_buckets=[1,4]", "--set", "engine.max_num_batched_tokens=64",
-        "--set", "engine.num_pages=128",
+        # tiny_service's engine: the steps it built load from the step cache
+        *(f"--set={s}" for s in (*TINY_ENGINE, "engine.num_pages=256")),
     ]  # fmt: skip
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})

@@ -42,7 +42,7 @@ def cold(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer,
 
     checkpoint = make_tiny_checkpoint("llama3", tmp_path_factory.mktemp("client"), vocab_size=49152)
     overrides = [f"model.checkpoint={checkpoint}", f"model.tokenizer={bundled_gguf_path()}", "model.dtype=float32"]
-    config = load_config(None, [*overrides, *TINY_ENGINE, "engine.num_pages=128", "model.task=generate+embed"])
+    config = load_config(None, [*overrides, *TINY_ENGINE, "engine.num_pages=256", "model.task=generate+embed"])
     service = GenerationService.from_deployment(Deployment.load(config))
     server = LiveServer(create_app(service, served_model_name=MODEL, api_key=KEY))
     before = httpx.get(f"{server.url}/health").status_code

@@ -34,7 +34,7 @@ def embedder(request, tmp_path_factory: pytest.TempPathFactory):
     """A generate+embed engine of each architecture, and its checkpoint (SmolLM2's vocabulary, so
     that text inputs tokenize into it)."""
     checkpoint = make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param), vocab_size=49152)
-    svc = start_service(checkpoint, *TINY_ENGINE, "engine.num_pages=128", "model.task=generate+embed")
+    svc = start_service(checkpoint, *TINY_ENGINE, "engine.num_pages=256", "model.task=generate+embed")
     yield svc, checkpoint
     svc.shutdown()
 

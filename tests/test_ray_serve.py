@@ -21,11 +21,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from test_server import free_port
 
-from myserve.bench.random_checkpoint import make_random_llama
+from myserve.bundled import bundled_gguf_path
 from myserve.config import load_config
 from myserve.ray.deployment import build_app
 from myserve.ray.replica import REPLICA_HEADER
-from myserve.testing import TINY_ENGINE
+from myserve.testing import TINY_ENGINE, make_tiny_checkpoint
 
 MODEL = "tiny"
 REPLICA = REPLICA_HEADER.decode()
@@ -37,6 +37,7 @@ def tiny_config(checkpoint: Path, *overrides: str):  # type: ignore[no-untyped-d
         [
             *TINY_ENGINE,
             f"model.checkpoint={checkpoint}",
+            f"model.tokenizer={bundled_gguf_path()}",
             f"server.served_model_name={MODEL}",
             "engine.num_pages=256",
             "ray.replica_cpus=0",  # two replicas and the ingress on a 2-core machine
@@ -59,9 +60,10 @@ def cluster() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def yardstick(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The host-bound yardstick's checkpoint (2 layers, hidden 64) with SmolLM2's tokenizer: any text
-    is a valid prompt."""
-    return make_random_llama("tiny-llama", tmp_path_factory.mktemp("yardstick"))
+    """A tiny Llama (2 layers, hidden 64) with SmolLM2's vocabulary, served with its tokenizer: any
+    text is a valid prompt. The same model and engine as other modules' (test_structured's), so
+    the replicas load the steps they built from the step cache."""
+    return make_tiny_checkpoint("llama3", tmp_path_factory.mktemp("vocab") / "llama", vocab_size=49152)
 
 
 @pytest.fixture(scope="module")

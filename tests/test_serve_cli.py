@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from conftest import SMOL_TEST_ENGINE
 from test_server import free_port
 
 from myserve import serve
@@ -28,16 +29,8 @@ def test_serve_subprocess_curl_and_sigterm_drain() -> None:
         "myserve.serve",
         "--port",
         str(port),
-        "--max-model-len",
-        "512",
-        "--max-num-seqs",
-        "4",
-        "--set",
-        "engine.token_buckets=[1,4]",
-        "--set",
-        "engine.max_num_batched_tokens=128",
-        "--set",
-        "engine.num_pages=128",
+        # the in-process SmolLM2 fixtures' engine: its steps load from the step cache they filled
+        *(arg for s in SMOL_TEST_ENGINE for arg in ("--set", s)),
     ]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}

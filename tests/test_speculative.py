@@ -46,7 +46,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(checkpoint):
-    service = start_service(checkpoint, *TINY_ENGINE, "engine.num_pages=128")
+    service = start_service(checkpoint, *TINY_ENGINE, "engine.num_pages=256")
     yield service
     service.shutdown()
 
@@ -56,7 +56,7 @@ def engines(checkpoint, plain):
     spec = start_service(
         checkpoint,
         *TINY_ENGINE,
-        "engine.num_pages=128",
+        "engine.num_pages=256",
         "engine.speculative_method=ngram",
         "engine.num_speculative_tokens=4",
         "engine.prompt_lookup_max=3",
@@ -83,7 +83,7 @@ def drafted(checkpoint, tmp_path_factory):
     spec = start_service(
         checkpoint,
         *TINY_ENGINE,
-        "engine.num_pages=128",
+        "engine.num_pages=256",
         "engine.speculative_method=draft_model",
         f"engine.speculative_model={draft}",
         "engine.num_speculative_tokens=4",
@@ -235,7 +235,7 @@ def test_the_target_as_its_own_draft_is_always_accepted(checkpoint, plain) -> No
     spec = start_service(
         checkpoint,
         *TINY_ENGINE,
-        "engine.num_pages=128",
+        "engine.num_pages=256",
         "engine.speculative_method=draft_model",
         f"engine.speculative_model={checkpoint}",
         "engine.num_speculative_tokens=3",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -73,6 +74,38 @@ def test_a_warm_start_loads_every_step_without_tracing_and_serves_the_same_token
         assert all(entry.read_bytes() not in damaged for entry in entries[:3])
     finally:
         rebuilt.shutdown()
+
+
+def test_two_starts_at_once_build_each_step_once_and_share_it(tiny_checkpoints, tmp_path: Path) -> None:
+    """Two engines warming up the same steps at the same time over one cache directory (replicas on
+    one host): each step is compiled by one of them and loaded by the other, not compiled twice."""
+    engine = (*TINY_ENGINE, "engine.num_pages=64", f"engine.compilation_cache_dir={tmp_path}")
+    before = compile_counts()
+    with ThreadPoolExecutor(2) as pool:
+        starts = [pool.submit(start_service, tiny_checkpoints["llama3"], *engine) for _ in range(2)]
+        services = [start.result() for start in starts]
+    try:
+        assert len(list((tmp_path / SUBDIRECTORY).iterdir())) == 12
+        assert compile_counts()[1] - before[1] == 12  # the 12 steps each one start compiled, the other loaded
+        assert greedy(services[0]) == greedy(services[1])
+    finally:
+        for service in services:
+            service.shutdown()
+
+
+def test_a_claim_excludes_other_builders_until_released(tmp_path: Path) -> None:
+    cache = StepCache(tmp_path)
+    held = cache.claim("entry", wait=False)
+    assert held is not None
+    assert cache.claim("entry", wait=False) is None  # another builder (another open file) must wait
+    other = cache.claim("other entry", wait=False)
+    assert other is not None
+    held.release()
+    again = cache.claim("entry", wait=True)
+    assert again is not None
+    again.release()
+    other.release()
+    assert list((tmp_path / SUBDIRECTORY).glob("*")) == []  # the lock files live outside the entries
 
 
 @pytest.mark.parametrize("mode", [0o770, 0o707, 0o777])

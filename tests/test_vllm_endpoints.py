@@ -19,7 +19,7 @@ DOCS = ["The cat sat on the mat.", "Stock markets fell sharply today.", "A kitte
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     checkpoint = make_tiny_checkpoint("llama3", tmp_path_factory.mktemp("endpoints"), vocab_size=49152)
-    svc = start_service(checkpoint, *TINY_ENGINE, "engine.num_pages=128", "model.task=generate+embed")
+    svc = start_service(checkpoint, *TINY_ENGINE, "engine.num_pages=256", "model.task=generate+embed")
     live = LiveServer(create_app(svc, served_model_name="tiny", api_key="k"))
     yield live, svc
     live.stop()

@@ -36,7 +36,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     checkpoint = make_tiny_checkpoint("llama3", tmp_path_factory.mktemp("fields"), vocab_size=49152)
-    svc = start_service(checkpoint, *TINY_ENGINE, "engine.num_pages=128")
+    svc = start_service(checkpoint, *TINY_ENGINE, "engine.num_pages=256")
     yield svc
     svc.shutdown()
 

@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve_process import ServeProcess
 from test_server import free_port
 
-from myserve.bench.random_checkpoint import make_random_llama
-from myserve.testing import TINY_ENGINE
+from myserve.bundled import bundled_gguf_path
+from myserve.testing import TINY_ENGINE, make_tiny_checkpoint
 
 MODEL = "tiny"
 
@@ -37,9 +37,10 @@ def router_binary() -> str:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServeProcess]]:
-    """Two myserve servers of the host-bound yardstick (SmolLM2's tokenizer), ready."""
-    checkpoint = make_random_llama("tiny-llama", tmp_path_factory.mktemp("yardstick"))
-    sets = [f"--set={o}" for o in (*TINY_ENGINE, "engine.num_pages=512")]
+    """Two myserve servers of a tiny Llama with SmolLM2's vocabulary and tokenizer, ready (the model
+    and engine of other modules', test_structured's: their steps load from the step cache)."""
+    checkpoint = make_tiny_checkpoint("llama3", tmp_path_factory.mktemp("vocab") / "llama", vocab_size=49152)
+    sets = [f"--set={o}" for o in (*TINY_ENGINE, "engine.num_pages=256", f"model.tokenizer={bundled_gguf_path()}")]
     args = ["--hf-checkpoint", str(checkpoint), "--served-model-name", MODEL, "--disable-log-requests", *sets]
     started = [ServeProcess(["-m", "myserve.serve"], args) for _ in range(2)]
     try:

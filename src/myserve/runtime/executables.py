@@ -25,7 +25,7 @@ from myserve.runtime.compile_counter import count_loaded, thread_cache_hits
 from myserve.runtime.kv_cache import Cache
 from myserve.runtime.model_step import ForwardOutput
 from myserve.runtime.sampler import SampleOutput
-from myserve.runtime.step_cache import StepCache
+from myserve.runtime.step_cache import Claim, StepCache
 from myserve.runtime.step_layout import StepShape
 from myserve.runtime.step_ops import Progress
 
@@ -130,13 +130,19 @@ class Executables:
         built: dict[BuildKey, Step] = {}
         with ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="compile") as pool:
             futures = []
+            busy = []  # being built by another process sharing the step cache: waited for last
             for key in keys:
                 entry, args, cached = self._entry(key)
-                if cached:
-                    future = pool.submit(self._load, key, entry, args)
-                else:
-                    future = pool.submit(self._compile, key, self._lowered(key), entry, args)
-                futures.append((key, future, entry, args))
+                how = self._claimed(entry, cached, wait=False)
+                if how is None:
+                    busy.append(key)
+                    continue
+                futures.append((key, self._submit(pool, key, entry, args, *how), entry, args))
+            for key in busy:
+                entry, args, cached = self._entry(key)
+                how = self._claimed(entry, cached, wait=True)
+                assert how is not None
+                futures.append((key, self._submit(pool, key, entry, args, *how), entry, args))
             for i, (key, future, entry, args) in enumerate(futures):
                 step = future.result()
                 if step is None:  # an entry that did not load: built as on a miss
@@ -149,8 +155,40 @@ class Executables:
     def _build_one(self, key: BuildKey) -> Step:
         """One executable while steps may run: loaded from the step cache, else compiled (and stored)."""
         entry, args, cached = self._entry(key)
+        how = self._claimed(entry, cached, wait=True)
+        assert how is not None
+        cached, claim = how
         step = self._load(key, entry, args) if cached else None
-        return step if step is not None else self._compile(key, self._lowered(key), entry, args)
+        return step if step is not None else self._compile(key, self._lowered(key), entry, args, claim)
+
+    def _claimed(self, entry: str, cached: bool, wait: bool) -> tuple[bool, Claim | None] | None:
+        """For an entry not ``cached``: the claim on building it, and whether another process
+        stored it meanwhile (then it is loaded and the claim already released); None when another
+        process is building it and ``wait`` is false."""
+        cache = self._step_cache
+        if cached or cache is None:
+            return cached, None
+        claim = cache.claim(entry, wait)
+        if claim is None:
+            return None
+        if cache.has(entry):  # stored by the process whose claim this waited for
+            claim.release()
+            return True, None
+        return False, claim
+
+    def _submit(
+        self,
+        pool: ThreadPoolExecutor,
+        key: BuildKey,
+        entry: str,
+        args: tuple[object, ...],
+        cached: bool,
+        claim: Claim | None,
+    ) -> Future[Step | None]:
+        """A load of a cached entry, or a compile of one traced here (holding ``claim``), on ``pool``."""
+        if cached:
+            return pool.submit(self._load, key, entry, args)
+        return pool.submit(self._compile, key, self._lowered(key), entry, args, claim)
 
     def _entry(self, key: BuildKey) -> tuple[str, tuple[object, ...], bool]:
         """(step-cache entry of ``key``, its dynamic arguments, whether the cache holds the entry)."""
@@ -170,15 +208,27 @@ class Executables:
             count_loaded()
         return step
 
-    def _compile(self, key: BuildKey, lowered: jax.stages.Lowered, entry: str, args: tuple[object, ...]) -> Step:
-        hits = thread_cache_hits()
-        compiled = lowered.compile()
-        if self._step_cache is not None:
-            if thread_cache_hits() == hits:
-                self._step_cache.store(entry, compiled, args, self._out_trees[key[0]])
-            else:  # XLA:CPU serializes an executable it loaded without its code: never store one
-                logger.info("a step came from JAX's persistent cache: not stored in the step cache")
-        return compiled
+    def _compile(
+        self,
+        key: BuildKey,
+        lowered: jax.stages.Lowered,
+        entry: str,
+        args: tuple[object, ...],
+        claim: Claim | None = None,
+    ) -> Step:
+        """Compile ``lowered`` and store it in the step cache, then release ``claim`` (if held)."""
+        try:
+            hits = thread_cache_hits()
+            compiled = lowered.compile()
+            if self._step_cache is not None:
+                if thread_cache_hits() == hits:
+                    self._step_cache.store(entry, compiled, args, self._out_trees[key[0]])
+                else:  # XLA:CPU serializes an executable it loaded without its code: never store one
+                    logger.info("a step came from JAX's persistent cache: not stored in the step cache")
+            return compiled
+        finally:
+            if claim is not None:
+                claim.release()
 
 
 def describe(key: BuildKey) -> str:

@@ -14,9 +14,14 @@ that module instead:
   sharding of every argument.
 
 A miss (first start, another config, an edited source file) is lowered and compiled as before, and
-the result stored here. JAX's own persistent cache stays off beside this one (``Deployment.load``):
-XLA:CPU re-serializes an executable it loaded from that cache without its code. Only
-single-process deployments use it: a multi-host executable spans devices of other processes.
+the result stored here. Processes sharing the directory (replicas on one host, a restart beside a
+running server, a test run's workers) build each entry once: the builder holds a claim on it (an
+``flock``, released when it stores the entry or dies), and another process that misses the entry
+builds its other steps first, then waits for the claim and loads what was stored.
+
+JAX's own persistent cache stays off beside this one (``Deployment.load``): XLA:CPU re-serializes
+an executable it loaded from that cache without its code. Only single-process deployments use it:
+a multi-host executable spans devices of other processes.
 
 Trust: the files are loaded with pickle (what ``jax.experimental.serialize_executable`` writes),
 and an executable is code in any case, so whoever can write this directory runs code in the
@@ -27,6 +32,7 @@ files 0600. A damaged entry (truncated, corrupt, foreign) is a miss: built and s
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.metadata
 import logging
@@ -50,6 +56,9 @@ logger = logging.getLogger(__name__)
 SUBDIRECTORY = "myserve-steps"
 """Where the entries live inside ``engine.compilation_cache_dir`` (JAX's cache reads only its own
 ``*-cache`` files there)."""
+
+LOCKS = "myserve-step-locks"
+"""Where the claims' lock files live, beside ``SUBDIRECTORY`` (whose every file is an entry)."""
 
 _LIBRARIES = ("jax", "jaxlib", "equinox", "haliax", "numpy", "ml_dtypes")
 _ENV_FLAGS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "TPU_LIBRARY_PATH")
@@ -82,6 +91,24 @@ class StepCache:
             sharding = getattr(leaf, "sharding", None)
             h.update(repr((leaf.shape, str(leaf.dtype), sharding, _devices(sharding))).encode())
         return h.hexdigest()
+
+    def claim(self, key: str, wait: bool) -> Claim | None:
+        """The claim on building entry ``key`` among the processes sharing this cache, held until
+        ``Claim.release`` (or this process's end); None if another process holds it and ``wait`` is
+        false. A directory where the lock cannot be made gives a claim that excludes nobody."""
+        try:
+            locks = self.directory.parent / LOCKS
+            locks.mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(locks / key, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            logger.debug("no claim on step cache entry %s (%s): built without one", key, e)
+            return Claim(None)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return Claim(fd)
 
     def has(self, key: str) -> bool:
         """Whether an entry is stored under ``key`` (it may still fail to load)."""
@@ -133,6 +160,19 @@ class StepCache:
             os.replace(tmp, self.directory / key)
         except OSError as e:
             logger.warning("could not write the step cache in %s: %s", self.directory, e)
+
+
+class Claim:
+    """A held claim on building one step cache entry (``StepCache.claim``)."""
+
+    def __init__(self, fd: int | None):
+        self._fd = fd
+
+    def release(self) -> None:
+        """Let the next process waiting for this entry go on (closing the file drops the lock)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def check_trusted_directory(directory: str | os.PathLike[str], key: str = "engine.compilation_cache_dir") -> Path:

@@ -122,18 +122,25 @@ bounded integers, a pattern): every constrained generation of it can finish."""
 
 
 def make_tiny_checkpoint(
-    arch: str, directory: Path, *, seed: int = 0, dtype: str = "float32", vocab_size: int | None = None
+    arch: str,
+    directory: Path,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    vocab_size: int | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Save a tiny random model of ``arch`` (a key of TINY_ARCHES) with transformers; return the dir.
 
-    ``vocab_size`` overrides the tiny 256 (e.g. SmolLM2's 49152, so chat-templated prompts fit).
+    ``vocab_size`` overrides the tiny 256 (e.g. SmolLM2's 49152, so chat-templated prompts fit);
+    ``overrides``, any other config value (e.g. head counts).
     """
     import torch
     import transformers
 
     cls_name, extra = TINY_ARCHES[arch]
     sizes = {} if vocab_size is None else {"vocab_size": vocab_size}
-    config = getattr(transformers, cls_name)(**{**TINY_COMMON, **extra, **sizes})
+    config = getattr(transformers, cls_name)(**{**TINY_COMMON, **extra, **sizes, **(overrides or {})})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     # Random init uses std 0.02, which makes every logit ~0; larger weights make parity meaningful.
