@@ -130,19 +130,15 @@ class Executables:
         built: dict[BuildKey, Step] = {}
         with ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="compile") as pool:
             futures = []
-            busy = []  # being built by another process sharing the step cache: waited for last
-            for key in keys:
-                entry, args, cached = self._entry(key)
-                how = self._claimed(entry, cached, wait=False)
-                if how is None:
-                    busy.append(key)
-                    continue
-                futures.append((key, self._submit(pool, key, entry, args, *how), entry, args))
-            for key in busy:
-                entry, args, cached = self._entry(key)
-                how = self._claimed(entry, cached, wait=True)
-                assert how is not None
-                futures.append((key, self._submit(pool, key, entry, args, *how), entry, args))
+            busy: list[BuildKey] = []  # being built by another process sharing the step cache
+            for wait, batch in ((False, keys), (True, busy)):  # those others build: waited for last
+                for key in batch:
+                    entry, args, cached = self._entry(key)
+                    how = self._claimed(entry, cached, wait)
+                    if how is None:
+                        busy.append(key)
+                        continue
+                    futures.append((key, self._submit(pool, key, entry, args, *how), entry, args))
             for i, (key, future, entry, args) in enumerate(futures):
                 step = future.result()
                 if step is None:  # an entry that did not load: built as on a miss
@@ -159,7 +155,7 @@ class Executables:
         assert how is not None
         cached, claim = how
         step = self._load(key, entry, args) if cached else None
-        return step if step is not None else self._compile(key, self._lowered(key), entry, args, claim)
+        return step if step is not None else self._compile(key, self._lowered(key, claim), entry, args, claim)
 
     def _claimed(self, entry: str, cached: bool, wait: bool) -> tuple[bool, Claim | None] | None:
         """For an entry not ``cached``: the claim on building it, and whether another process
@@ -188,7 +184,7 @@ class Executables:
         """A load of a cached entry, or a compile of one traced here (holding ``claim``), on ``pool``."""
         if cached:
             return pool.submit(self._load, key, entry, args)
-        return pool.submit(self._compile, key, self._lowered(key), entry, args, claim)
+        return pool.submit(self._compile, key, self._lowered(key, claim), entry, args, claim)
 
     def _entry(self, key: BuildKey) -> tuple[str, tuple[object, ...], bool]:
         """(step-cache entry of ``key``, its dynamic arguments, whether the cache holds the entry)."""
@@ -197,9 +193,16 @@ class Executables:
         entry = StepCache.key((key[0], *static), args) if cache is not None else ""
         return entry, args, cache is not None and cache.has(entry)
 
-    def _lowered(self, key: BuildKey) -> jax.stages.Lowered:
+    def _lowered(self, key: BuildKey, claim: Claim | None = None) -> jax.stages.Lowered:
+        """``key`` traced and lowered; a failure releases ``claim`` (no compile will, and other
+        processes would wait for it as long as this one lives)."""
         fn, static, args = self._call_args(key)
-        return fn.lower(*static, *args)
+        try:
+            return fn.lower(*static, *args)
+        except BaseException:
+            if claim is not None:
+                claim.release()
+            raise
 
     def _load(self, key: BuildKey, entry: str, args: tuple[object, ...]) -> Step | None:
         assert self._step_cache is not None
