@@ -5,7 +5,7 @@ context bucket that holds its longest row and is built, else in a wider one, nev
 from __future__ import annotations
 
 from myserve.config import EngineConfig
-from myserve.runtime.buckets import Buckets
+from myserve.runtime.buckets import Buckets, default_context_buckets
 from myserve.runtime.step_layout import Span
 
 CFG = EngineConfig(
@@ -46,3 +46,15 @@ def test_one_context_bucket_builds_nothing_in_the_background() -> None:
     one = Buckets.from_config(EngineConfig(**{**CFG.__dict__, "context_buckets": (512,)}), 512)
     now, later = one.compile_ops()
     assert len(now.shapes) == 3 and later.count == 0
+
+
+def test_default_context_buckets_start_at_128_tokens_on_cpu() -> None:
+    """Null ``engine.context_buckets``: 512 tokens then x4 up to max_model_len, with a 128-token
+    bucket first on CPU (where the attention's loop costs per chunk it reads)."""
+    assert default_context_buckets(8192, "cpu") == (128, 512, 2048, 8192)
+    assert default_context_buckets(8192, "gpu") == default_context_buckets(8192, "tpu") == (512, 2048, 8192)
+    assert default_context_buckets(256, "cpu") == (128, 256)
+    assert default_context_buckets(128, "cpu") == (128,) and default_context_buckets(100, "gpu") == (100,)
+    unset = EngineConfig(**{**CFG.__dict__, "context_buckets": ()})
+    assert Buckets.from_config(unset, 2048, platform="cpu").widths == (8, 32, 128)
+    assert Buckets.from_config(unset, 2048, platform="gpu").widths == (32, 128)

@@ -143,6 +143,15 @@ def test_ragged_attention_equals_per_token_attention() -> None:
     assert not got[at:].any()  # padding tokens: zeros
 
 
+def test_one_token_rows_read_up_to_four_chunks_per_loop_iteration() -> None:
+    """The single view's loop reads the most chunks (up to four) that divide its page table; the
+    test above runs it over a width that takes three, blocks over one."""
+    from myserve.ops.attention import _single_chunk
+
+    assert [_single_chunk(w, 8) for w in (8, 16, 24, 32, 40, 128)] == [8, 16, 24, 32, 8, 32]
+    assert _single_chunk(12, 2) == 6 and _single_chunk(10, 2) == 2
+
+
 WINDOWED = [(30, 1), (38, 1), (24, 13), (20, 7)]
 """(context before, tokens this step): decode rows late in their sequences, and prefill chunks cut
 into 4-token blocks, so that with a 6-token window each view's first chunks are behind every row."""

@@ -52,12 +52,13 @@ def core_arguments(
     leader = jax.process_count() > 1
     devices: list[Device] = [BroadcastingDevice(e, i) if leader else e for i, e in enumerate(executors)]
     logger.info(
-        "engine: %d replica(s) of %d pages x %d tokens, max_num_seqs=%d, token buckets %s",
+        "engine: %d replica(s) of %d pages x %d tokens, max_num_seqs=%d, token buckets %s, context buckets %s",
         len(executors),
         cfg.num_pages,
         cfg.page_size,
         cfg.max_num_seqs,
         buckets.tokens,
+        tuple(w * cfg.page_size for w in buckets.widths),
     )
     registry: AdapterRegistry | None = None
     zeros: tuple[np.ndarray, ...] = ()

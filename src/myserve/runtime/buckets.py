@@ -28,7 +28,22 @@ CHUNK_TOKENS = 128
 
 
 DEFAULT_FIRST_CONTEXT = 512
-"""The narrowest default context bucket (tokens): what most chat steps need, built before ready."""
+"""The narrowest default context bucket on accelerators (tokens), what most chat steps need; also
+the least context of the several-token decode calls (``first_width``)."""
+
+CPU_FIRST_CONTEXT = 128
+"""On CPU the default context buckets start with this one: the attention's loop costs per chunk it
+reads even where the chunk is padding, so a short prompt's prefill in a 512-token bucket cost the
+yardstick twice its 128-token one (``docs/performance.md``)."""
+
+
+def default_context_buckets(max_model_len: int, platform: str) -> tuple[int, ...]:
+    """``engine.context_buckets`` when null: ``DEFAULT_FIRST_CONTEXT`` tokens, then x4 up to
+    ``max_model_len``; on CPU ``CPU_FIRST_CONTEXT`` first."""
+    contexts = _powers_of_four(DEFAULT_FIRST_CONTEXT, max_model_len)
+    if platform == "cpu" and max_model_len > CPU_FIRST_CONTEXT:
+        contexts = (CPU_FIRST_CONTEXT, *contexts)
+    return contexts
 
 
 def _powers_of_four(start: int, stop: int) -> tuple[int, ...]:
@@ -66,10 +81,10 @@ class Buckets:
     @staticmethod
     def from_config(cfg: EngineConfig, max_model_len: int, min_tokens: int = 1, platform: str = "cpu") -> Buckets:
         """Buckets from the config: ``engine.token_buckets``, or powers of two up to the step budget;
-        ``engine.context_buckets``, or 512 tokens then x4 up to ``max_model_len``.
+        ``engine.context_buckets``, or ``default_context_buckets``.
 
         ``min_tokens``: steps are padded to at least this many tokens (int8 matmuls are slow below 8 rows).
-        ``platform``: whose default step budget a null ``max_num_batched_tokens`` means.
+        ``platform``: whose defaults a null ``max_num_batched_tokens`` or ``context_buckets`` means.
         """
         top = cfg.token_budget(platform)
         chosen = set(cfg.token_buckets) if cfg.token_buckets else set(_powers(1, top))
@@ -78,7 +93,7 @@ class Buckets:
         chunk_pages = max(1, CHUNK_TOKENS // cfg.page_size)
         max_pages = math.ceil(max_model_len / cfg.page_size)
         full = -(-max_pages // chunk_pages) * chunk_pages
-        contexts = cfg.context_buckets or _powers_of_four(DEFAULT_FIRST_CONTEXT, max_model_len)
+        contexts = cfg.context_buckets or default_context_buckets(max_model_len, platform)
         widths = {min(full, -(-math.ceil(c / cfg.page_size) // chunk_pages) * chunk_pages) for c in contexts}
         return Buckets(
             tokens=tokens,

@@ -313,7 +313,7 @@ def _prebuild(
 def step_buckets(config: Config, max_model_len: int) -> Buckets:
     """A deployment's step shapes (``Buckets.from_config``); w8a8 steps are at least MIN_ROWS tokens."""
     min_tokens = MIN_ROWS if config.model.quantization == "w8a8" else 1
-    return Buckets.from_config(config.engine, max_model_len, min_tokens)
+    return Buckets.from_config(config.engine, max_model_len, min_tokens, jax.default_backend())
 
 
 def lora_stacks(config: Config) -> tuple[int, int]:
