@@ -49,12 +49,14 @@ def test_one_context_bucket_builds_nothing_in_the_background() -> None:
 
 
 def test_default_context_buckets_start_at_128_tokens_on_cpu() -> None:
-    """Null ``engine.context_buckets``: 512 tokens then x4 up to max_model_len, with a 128-token
-    bucket first on CPU (where the attention's loop costs per chunk it reads)."""
-    assert default_context_buckets(8192, "cpu") == (128, 512, 2048, 8192)
+    """Null ``engine.context_buckets``: 512 tokens then x4 up to max_model_len, with 128- and
+    256-token buckets first on CPU (where the attention's loop costs per chunk it reads)."""
+    assert default_context_buckets(8192, "cpu") == (128, 256, 512, 2048, 8192)
     assert default_context_buckets(8192, "gpu") == default_context_buckets(8192, "tpu") == (512, 2048, 8192)
+    assert default_context_buckets(300, "cpu") == (128, 256, 300)
     assert default_context_buckets(256, "cpu") == (128, 256)
     assert default_context_buckets(128, "cpu") == (128,) and default_context_buckets(100, "gpu") == (100,)
     unset = EngineConfig(**{**CFG.__dict__, "context_buckets": ()})
-    assert Buckets.from_config(unset, 2048, platform="cpu").widths == (8, 32, 128)
+    assert Buckets.from_config(unset, 2048, platform="cpu").widths == (8, 16, 32, 128)
     assert Buckets.from_config(unset, 2048, platform="gpu").widths == (32, 128)
+    assert Buckets.from_config(unset, 2048, platform="cpu").first_width == 32  # several-token calls: 512
