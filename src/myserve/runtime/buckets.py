@@ -38,6 +38,14 @@ yardstick twice its 128-token one, and a 150-token prompt's on 16 layers 70 ms i
 bucket against 44 in a 256-token one (``docs/performance.md``)."""
 
 
+def _powers_of_four(start: int, stop: int) -> tuple[int, ...]:
+    values, v = [], start
+    while v < stop:
+        values.append(v)
+        v *= 4
+    return tuple(sorted({*values, stop}))
+
+
 def default_context_buckets(max_model_len: int, platform: str) -> tuple[int, ...]:
     """``engine.context_buckets`` when null: ``DEFAULT_FIRST_CONTEXT`` tokens, then x4 up to
     ``max_model_len``; on CPU ``CPU_FIRST_CONTEXTS`` first (those below ``max_model_len``)."""
@@ -45,14 +53,6 @@ def default_context_buckets(max_model_len: int, platform: str) -> tuple[int, ...
     if platform == "cpu":
         contexts = (*(c for c in CPU_FIRST_CONTEXTS if c < max_model_len), *contexts)
     return contexts
-
-
-def _powers_of_four(start: int, stop: int) -> tuple[int, ...]:
-    values, v = [], start
-    while v < stop:
-        values.append(v)
-        v *= 4
-    return tuple(sorted({*values, stop}))
 
 
 def _powers(start: int, stop: int) -> tuple[int, ...]:
