@@ -1,25 +1,40 @@
-"""The narrower context buckets built after ready, on the real engine and the tiny random Llama:
-requests served while they build (in the widest bucket) give the tokens they give once built (in
-the narrowest that holds them), and a second start loads them from the step cache in the
-background while its first steps run."""
+"""The narrower context buckets and the few-rows variants built after ready, on the real engine and
+the tiny random Llama: requests served while they build (in the widest bucket, every row) give the
+tokens they give once built (in the narrowest that holds them, with 8 single-view rows where a step
+samples no more), and a second start loads them from the step cache in the background while its
+first steps run."""
 
 from __future__ import annotations
 
 from myserve.testing import TINY_ENGINE, collect, start_service
 from myserve.wire.params import SamplingParams
 
-# A 64-token context bucket below the 512-token widest.
-ENGINE = (*[s for s in TINY_ENGINE if not s.startswith("engine.context_buckets")], "engine.context_buckets=[64]")
+# A 64-token context bucket below the 512-token widest; 16 rows, so the 64-token bucket has a variant
+# of 8 rows (``FEW_SINGLES``).
+ENGINE = (
+    *[s for s in TINY_ENGINE if not s.startswith(("engine.context_buckets", "engine.max_num_seqs"))],
+    "engine.context_buckets=[64]",
+    "engine.max_num_seqs=16",
+)
 PROMPTS = [[(5 * i + 7 * j) % 200 + 3 for j in range(4 + 9 * i)] for i in range(6)]  # 4-49 tokens
+MANY = [[(3 * i + 11 * j) % 200 + 3 for j in range(4)] for i in range(12)]  # 12 decodes: the full 16 rows
 
 
 def serve(service) -> list[list[int]]:
-    streams = [service.submit(p, SamplingParams(max_tokens=10, temperature=0.0)) for p in PROMPTS]
-    return [collect(s)[0] for s in streams]
+    out = []
+    for prompts in (PROMPTS, MANY):
+        streams = [service.submit(p, SamplingParams(max_tokens=10, temperature=0.0)) for p in prompts]
+        out += [collect(s)[0] for s in streams]
+    return out
 
 
 def widths_run(service) -> set[int]:
     return {s.width for s in service.replicas[0].runner._usable}
+
+
+def rows_run(service) -> set[tuple[int, int]]:
+    """(tokens, single-view rows) of the shapes steps ran in."""
+    return {(s.tokens, s.singles) for s in service.replicas[0].runner._usable}
 
 
 def test_steps_before_and_after_the_narrower_buckets_are_built_give_the_same_tokens(tiny_checkpoints) -> None:
@@ -33,6 +48,7 @@ def test_steps_before_and_after_the_narrower_buckets_are_built_give_the_same_tok
             assert early == late, start
             narrow, widest = runner.buckets.widths  # (the attention's chunks round 64 tokens up)
             assert widths_run(service) == {narrow}, "the steps now run in the narrow bucket"
+            assert {(64, 8), (64, 16)} <= rows_run(service), "both variants of the 64-token bucket"
             built = {k[1].width for k in runner.device.executables() if k[0] == "forward"}
             assert built == {narrow, widest}, start
         finally:

@@ -4,8 +4,10 @@ context bucket that holds its longest row and is built, else in a wider one, nev
 
 from __future__ import annotations
 
+import dataclasses
+
 from myserve.config import EngineConfig
-from myserve.runtime.buckets import Buckets, default_context_buckets
+from myserve.runtime.buckets import FEW_SINGLES, Buckets, default_context_buckets
 from myserve.runtime.step_layout import Span
 
 CFG = EngineConfig(
@@ -60,3 +62,35 @@ def test_default_context_buckets_start_at_128_tokens_on_cpu() -> None:
     assert Buckets.from_config(unset, 2048, platform="cpu").widths == (8, 16, 32, 128)
     assert Buckets.from_config(unset, 2048, platform="gpu").widths == (32, 128)
     assert Buckets.from_config(unset, 2048, platform="cpu").first_width == 32  # several-token calls: 512
+
+
+def prompt(tokens: int, pages: int) -> Span:
+    return Span(token_ids=[5] * tokens, start=0, pages=list(range(pages)), samples=True)
+
+
+def test_a_step_of_few_sampling_rows_takes_the_bucket_variant_with_few_rows() -> None:
+    """A token bucket with more single-view rows than ``FEW_SINGLES`` has a variant with fewer
+    (built in the background): a prompt's step samples one row, and each row of the full variant
+    reads its context bucket and goes through the LM head, padding or not."""
+    many = Buckets.from_config(EngineConfig(**{**CFG.__dict__, "max_num_seqs": 64}), 2048)
+    assert many.decode_rows() == [1, 8, 64] and many.few_singles == FEW_SINGLES == 8
+    full, few = many.shape(64, 8), many.shape(64, 8, few=True)
+    assert (full.singles, few.singles) == (64, 8) and (full.tokens, full.blocks) == (few.tokens, few.blocks)
+    assert many.variants(64, 8) == [few, full] and many.variants(8, 8) == [many.shape(8, 8)]
+
+    now, later = many.compile_ops()
+    assert [(s.width, s.tokens, s.singles) for s in now.shapes] == [(128, 1, 1), (128, 8, 8), (128, 64, 64)]
+    assert [(s.width, s.tokens, s.singles) for s in later.shapes] == [
+        (8, 1, 1), (8, 8, 8), (8, 64, 8), (8, 64, 64), (32, 1, 1), (32, 8, 8), (32, 64, 8), (32, 64, 64),
+        (128, 64, 8),
+    ]  # fmt: skip
+
+    one_prompt = [prompt(40, 3)]
+    assert many.fit(one_prompt) == few  # all built
+    assert many.fit(one_prompt, lambda shape: False) == many.shape(64, 128)  # none built: the widest, full
+    assert many.fit(one_prompt, lambda shape: shape.singles == 64) == full  # the full ones built first
+    with_decodes = [prompt(40, 3), *(decode(2) for _ in range(8))]  # nine sampling rows: the full variant
+    assert many.fit(with_decodes) == full and many.fit(with_decodes[:8]) == few
+    pooled = [dataclasses.replace(prompt(5, 1), samples=False, pool=(0, 5)) for _ in range(3)]
+    assert many.fit([*pooled, *(decode(2) for _ in range(5))]) == few
+    assert many.fit([*pooled, *(decode(2) for _ in range(6))]) == full  # a pooled span's row is its index

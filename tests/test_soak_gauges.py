@@ -56,9 +56,11 @@ def test_matchers_and_penalty_slots_return_to_zero(client) -> None:
     # the core reports every 0.25 s: a report may fall between the two, so wait for all of them.
     wait_for(
         metrics,
-        lambda g: g["myserve_grammar_matchers_active"] == 3
-        and g["myserve_penalty_slots_used"] >= 1
-        and g["myserve_kv_pages_used"] > 0,
+        lambda g: (
+            g["myserve_grammar_matchers_active"] == 3
+            and g["myserve_penalty_slots_used"] >= 1
+            and g["myserve_kv_pages_used"] > 0
+        ),
     )
     client.abort(long_ones[2].request_id)  # aborted mid-way: both choices give theirs back
     for stream in long_ones:

@@ -38,6 +38,13 @@ yardstick twice its 128-token one, and a 150-token prompt's on 16 layers 70 ms i
 bucket against 44 in a 256-token one (``docs/performance.md``)."""
 
 
+FEW_SINGLES = 8
+"""Larger token buckets also have a variant with this many single-view rows (or the most of the
+token buckets' row counts below it): a step of one long prompt samples one row, and the full
+variant's ``max_num_seqs`` rows each read the whole context bucket and go through the LM head (on
+the 16-layer yardstick a 200-token prompt's first token came in 56 ms with 8 rows, 72 with 64)."""
+
+
 def _powers_of_four(start: int, stop: int) -> tuple[int, ...]:
     values, v = [], start
     while v < stop:
@@ -109,19 +116,36 @@ class Buckets:
     def _widths(self) -> tuple[int, ...]:
         return self.widths or (-(-self.max_pages // self.chunk_pages) * self.chunk_pages,)
 
-    def shape(self, tokens: int, width: int | None = None) -> StepShape:
-        """The shape of one token bucket at one page-table width (None: the widest)."""
-        return StepShape.of(
+    def shape(self, tokens: int, width: int | None = None, few: bool = False) -> StepShape:
+        """The shape of one token bucket at one page-table width (None: the widest); ``few``: its
+        variant with ``few_singles`` single-view rows (the same when the bucket has no more)."""
+        shape = StepShape.of(
             tokens,
             max_num_seqs=self.max_num_seqs,
             block_tokens=self.block_tokens,
             max_pages=self._widths()[-1] if width is None else width,
             chunk_pages=self.chunk_pages,
         )
+        return dataclasses.replace(shape, singles=min(shape.singles, self.few_singles)) if few else shape
+
+    @property
+    def few_singles(self) -> int:
+        """Single-view rows of the few-rows variants: the most of the token buckets' row counts up to
+        ``FEW_SINGLES`` (a head is built for each of those counts), else the least of them."""
+        rows = self.decode_rows()
+        return max((r for r in rows if r <= FEW_SINGLES), default=rows[0])
+
+    def variants(self, tokens: int, width: int) -> list[StepShape]:
+        """The shapes of one token bucket at one width: its few-rows variant first, when it has more
+        rows than that, then the full one."""
+        full = self.shape(tokens, width)
+        few = self.shape(tokens, width, few=True)
+        return [few, full] if few != full else [full]
 
     def shapes(self) -> list[StepShape]:
-        """Every step shape: every token bucket at every context bucket, the narrowest first."""
-        return [self.shape(t, w) for w in self._widths() for t in self.tokens]
+        """Every step shape: every token bucket at every context bucket, the narrowest first, each
+        bucket's few-rows variant before its full one."""
+        return [v for w in self._widths() for t in self.tokens for v in self.variants(t, w)]
 
     @property
     def first_width(self) -> int:
@@ -139,20 +163,21 @@ class Buckets:
         """Warmup's two builds. Before serving: the forward of every token bucket at the widest
         context bucket (every step fits it), every sampler mode for each bucket's sampling rows,
         and the prompt scorer of each token bucket. Then in the background, narrowest first: the
-        forwards at the narrower context buckets (a step uses one once it is built, ``fit``), and
-        with ``decode_steps`` > 1 the several-token decode calls (every row count and mode, at the
-        first context bucket: a step that needs a wider one decodes one token per call). Start-up
-        so pays for one context bucket, as it did when the attention's loop had a dynamic length."""
+        forwards at the narrower context buckets and the few-rows variants (a step uses one once it
+        is built, ``fit``), and with ``decode_steps`` > 1 the several-token decode calls (every row
+        count and mode, at the first context bucket: a step that needs a wider one decodes one token
+        per call). Start-up so pays for one context bucket, as it did when the attention's loop had
+        a dynamic length."""
         rows = self.decode_rows()
         heads = tuple((r, mode) for r in rows for mode in HEAD_MODES)
         widest = self._widths()[-1]
-        shapes = self.shapes()
-        now = CompileSteps(tuple(s for s in shapes if s.width == widest), heads, tuple(self.tokens))
+        first = tuple(self.shape(t, widest) for t in self.tokens)
+        now = CompileSteps(first, heads, tuple(self.tokens))
         loops: tuple[tuple[StepShape, int, str], ...] = ()
         if decode_steps > 1:
             loops = tuple((self.decode_shape(r), decode_steps, mode) for r in rows for mode in HEAD_MODES)
-        narrower = tuple(s for s in shapes if s.width != widest)
-        return now, CompileSteps(narrower, loops=loops, background=True)
+        later = tuple(s for s in self.shapes() if s not in first)
+        return now, CompileSteps(later, loops=loops, background=True)
 
     def decode_rows(self) -> list[int]:
         """The sampling-row counts of the token buckets (also the several-token calls' row counts)."""
@@ -182,17 +207,18 @@ class Buckets:
         """The smallest shape that holds ``spans``: token bucket, then the narrowest context
         bucket that holds the longest row and is ``usable`` (built: a narrower bucket is built in
         the background after ready, and until then a step runs in a wider one; the widest, built
-        before ready, is always usable)."""
+        before ready, is always usable), its few-rows variant where that holds the step and is built."""
         need = count(spans, self.block_tokens)
         pages = max((len(s.pages) for s in spans), default=0)
         widths = [w for w in self._widths() if w >= pages]
         if not widths:
             raise ValueError(f"a step of {pages} pages per row exceeds the widest context bucket")
         for t in self.tokens:
-            if not self.shape(t, widths[-1]).fits(*need):
+            widest = self.shape(t, widths[-1])
+            if not widest.fits(*need):
                 continue
             for width in widths:
-                shape = self.shape(t, width)
-                if width == widths[-1] or usable is None or usable(shape):
-                    return shape
+                for shape in self.variants(t, width):
+                    if shape.fits(*need) and (shape == widest or usable is None or usable(shape)):
+                        return shape
         raise ValueError(f"a step of {need} (tokens, one-token rows, blocks) exceeds the largest bucket")

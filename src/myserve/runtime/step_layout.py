@@ -115,6 +115,8 @@ def count(spans: Sequence[Span], block_tokens: int) -> tuple[int, int, int]:
     tokens = sum(len(s.token_ids) for s in spans)
     singles = sum(1 for s in spans if len(s.token_ids) == 1)
     rows = sum(s.sample_count for s in spans if s.samples)  # the single view's N1 is the sampling rows too
+    if any(s.pool is not None for s in spans):  # and the pooling rows: a pooled span's is its index
+        rows = max(rows, len(spans))
     blocks = sum(s.blocks(block_tokens) for s in spans)
     return tokens, max(singles, rows), blocks
 
