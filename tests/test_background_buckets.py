@@ -6,6 +6,8 @@ first steps run."""
 
 from __future__ import annotations
 
+import time
+
 from myserve.testing import TINY_ENGINE, collect, start_service
 from myserve.wire.params import SamplingParams
 
@@ -53,3 +55,24 @@ def test_steps_before_and_after_the_narrower_buckets_are_built_give_the_same_tok
             assert built == {narrow, widest}, start
         finally:
             service.shutdown()
+
+
+def test_an_idle_engine_runs_every_built_executable_once(tiny_checkpoints) -> None:
+    """Warmup builds without running, and an executable's first run costs far more than the next
+    (XLA:CPU links its kernels then): the idle engine runs each one once (``PrimeSteps``), those
+    built in the background too, and requests served meanwhile are unharmed."""
+    service = start_service(tiny_checkpoints["llama3"], *ENGINE, "engine.decode_steps=4")
+    try:
+        runner = service.replicas[0].runner
+        executor = runner.device
+        served = serve(service)  # while the engine primes between requests
+        assert runner.device.background_builds_done(600)
+        deadline = time.monotonic() + 120
+        while runner._to_prime and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not runner._to_prime, "every executable primed"
+        assert set(executor.executables()) <= executor._ran
+        assert {key[0] for key in executor._ran} == {"forward", "head", "score", "loop"}
+        assert serve(service) == served
+    finally:
+        service.shutdown()

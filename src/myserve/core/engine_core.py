@@ -199,8 +199,12 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, RequestEndings):
     # -- engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         try:
+            priming: bool | None = True  # as ``Runner.prime_next``: None once every replica is done
             while not self._stop.is_set():
-                self._drain_inbox(block=not self.has_work())
+                idle = not self.has_work()
+                # Idle with executables to prime: look for requests between primes (or, while the
+                # rest still build, every 0.1 s); with none left, wait for a request.
+                self._drain_inbox(block=idle and not priming, timeout=0.1 if idle and priming is False else None)
                 self._flush()
                 if self._stop.is_set():
                     break
@@ -209,6 +213,8 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, RequestEndings):
                     self._flush()
                     continue
                 self.timer.idle()  # the next step follows a wait for requests, not a step
+                if priming is not None:
+                    priming = self._prime_next()
         except BaseException as e:  # the engine must never die silently: fail every request
             logger.exception("engine thread crashed")
             self.dead = e
@@ -265,9 +271,20 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, RequestEndings):
         """Whether a sequence waits or runs on some replica, or a step is in flight."""
         return self._inflight is not None or any(r.scheduler.has_work() for r in self.replicas)
 
-    def _drain_inbox(self, *, block: bool) -> None:
+    def _prime_next(self) -> bool | None:
+        """One replica's next executable run once (``Runner.prime_next``): True if one ran, False if
+        some are still building, None when every replica's have all run."""
+        states = []
+        for rep in self.replicas:
+            state = rep.runner.prime_next()
+            if state:
+                return True
+            states.append(state)
+        return False if False in states else None
+
+    def _drain_inbox(self, *, block: bool, timeout: float | None = None) -> None:
         try:
-            item = self._inbox.get(block=block)
+            item = self._inbox.get(block=block or timeout is not None, timeout=timeout)
         except queue.Empty:
             return
         while True:

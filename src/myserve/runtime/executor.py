@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +45,16 @@ from myserve.runtime.small_ops import clear_slot, copy_page, write_adapter, writ
 from myserve.runtime.step_arrays import pack_step
 from myserve.runtime.step_cache import StepCache
 from myserve.runtime.step_layout import StepShape, layout
-from myserve.runtime.step_ops import ClearSlot, CompileSteps, CopyPage, Op, Progress, StepCall, WriteAdapter
+from myserve.runtime.step_ops import (
+    ClearSlot,
+    CompileSteps,
+    CopyPage,
+    Op,
+    PrimeSteps,
+    Progress,
+    StepCall,
+    WriteAdapter,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +140,8 @@ class Executor:
         self._no_masks: dict[int, Any] = {}
         self._no_samples: dict[int, SampleOutput] = {}
         self._small_ops: dict[Any, jax.stages.Compiled] = {}
+        self._ran: set[BuildKey] = set()
+        """Executables that have run at least once (a step's, or ``PrimeSteps``')."""
 
     def run(self, ops: Sequence[Op], progress: Progress | None = None) -> list[StepOutput]:
         """Apply ``ops`` in order (dispatched, not awaited); the outputs of its steps, in order."""
@@ -157,6 +168,10 @@ class Executor:
                 self.counts, self.prompt_mask = self._small_op(clear_slot, args)
             elif isinstance(op, WriteAdapter):
                 self._write_adapter(op)
+            elif isinstance(op, PrimeSteps):
+                for key in self.keys(op.steps):
+                    if key not in self._ran and self._executables.ready(key):
+                        self._prime(key)
             else:
                 args = (
                     self.counts,
@@ -239,7 +254,9 @@ class Executor:
         assert weights is not None, f"a step on weight slot {op.weights}, which holds none"
         _, outer, layers = weights
         if op.steps > 1:
-            loop = self._executables.get(("loop", op.shape, op.steps, op.mode))
+            key: BuildKey = ("loop", op.shape, op.steps, op.mode)
+            self._ran.add(key)
+            loop = self._executables.get(key)
             sampled, self.kv_cache, self.counts, self.fed = loop(
                 outer, layers, self.kv_cache, self.counts, self.prompt_mask, self.fed,
                 pack_step(op.batch, op.ints, op.floats), self._bitmask(op),
@@ -247,19 +264,47 @@ class Executor:
             return StepOutput(sampled, None, np.zeros((n1, 0), np.float32))  # nothing pools here
         fwd: ForwardOutput
         forward = self._executables.get(("forward", op.shape))
+        self._ran.add(("forward", op.shape))
         packed = pack_step(op.batch, op.ints, op.floats)  # the step's one transfer
         fwd, self.kv_cache = forward(outer, layers, self.kv_cache, self.fed, packed)
         if self.sampler:
+            self._ran.add(("head", n1, op.mode))
             head = self._executables.get(("head", n1, op.mode))
             sampled, self.counts, self.fed = head(
                 outer, fwd.last, self.counts, self.prompt_mask, self.fed, fwd.ints, fwd.floats, self._bitmask(op)
             )
         else:
             sampled = self._zero_samples(n1)
-        scores = (
-            self._executables.get(("score", op.shape.tokens))(outer, fwd.hidden, fwd.following) if op.score else None
-        )
+        scores = None
+        if op.score:
+            self._ran.add(("score", op.shape.tokens))
+            scores = self._executables.get(("score", op.shape.tokens))(outer, fwd.hidden, fwd.following)
         return StepOutput(sampled, scores, fwd.pooled)
+
+    def _prime(self, key: BuildKey) -> None:
+        """Run the built executable of ``key`` once on an empty batch (``PrimeSteps``): the
+        arguments warmup traced it with, stand-ins made zeros; the donated cache and penalty
+        counts come back unchanged but for the scratch slot, and ``fed`` is a throwaway copy, so
+        a step in flight still feeds the next one its tokens."""
+        args = list(self._call_args(key)[2])
+        if key[0] == "head":  # (outer, last, counts, mask, fed, ints, floats, bitmask)
+            rows = SamplingRows.empty(cast(int, key[1]), self.scratch_slot)  # in the scratch slot
+            args[5], args[6] = (jax.device_put(a, self.replicated) for a in (rows.ints, rows.floats))
+            args[7] = self._no_mask(rows.ints.shape[0])
+        if key[0] == "loop":  # (..., packed, bitmask)
+            args[-1] = self._no_mask(cast(StepShape, key[1]).singles)
+        fed = jax.device_put(np.zeros(self.fed.shape, self.fed.dtype), self.replicated)
+        out = self._executables.get(key)(*(fed if a is self.fed else _zeros_of(a) for a in args))
+        if key[0] == "forward":
+            self.kv_cache = out[1]
+        elif key[0] == "head":
+            self.counts = out[1]
+        elif key[0] == "loop":
+            self.kv_cache, self.counts = out[1], out[2]
+        # Waited for: the engine primes one executable at a time between requests, and a request's
+        # step must not queue behind every prime dispatched so far.
+        jax.block_until_ready(out)
+        self._ran.add(key)
 
     def _bitmask(self, op: StepCall) -> Any:
         """The step's grammar masks for every sampling row: the constrained rows' masks, or the
@@ -410,6 +455,13 @@ class Executor:
         """What every step takes after its static arguments: the weights, the cache (donated), the
         penalty tables and the last step's samples."""
         return self.outer, self.layers, self.kv_cache, self.counts, self.prompt_mask, self.fed
+
+
+def _zeros_of(arg: Any) -> Any:
+    """``arg``, or zeros of its shape, dtype and sharding where it is a stand-in (``_call_args``)."""
+    if isinstance(arg, jax.ShapeDtypeStruct):
+        return jax.device_put(np.zeros(arg.shape, arg.dtype), arg.sharding)
+    return arg
 
 
 Prebuilt = tuple[dict[BuildKey, Step], list[tuple[object, ...]]]
