@@ -33,6 +33,14 @@ class _NoTracing:
         raise AssertionError("a step was traced although the step cache holds it")
 
 
+@pytest.fixture(autouse=True)
+def fresh_process() -> None:
+    """Each start here stands for a new process: JAX's in-process cache would hand a compile the
+    executable an earlier engine ran (the engine runs every executable once while idle), and
+    XLA:CPU cannot serialize one that has run a sort, so it would not be stored."""
+    jax.clear_caches()
+
+
 def test_a_warm_start_loads_every_step_without_tracing_and_serves_the_same_tokens(
     tiny_checkpoints, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -66,6 +74,7 @@ def test_a_warm_start_loads_every_step_without_tracing_and_serves_the_same_token
     damaged = [b"not an executable", entries[1].read_bytes()[:1000], b""]
     for entry, data in zip(entries[:3], damaged, strict=True):
         entry.write_bytes(data)
+    jax.clear_caches()  # (a new process: see ``fresh_process``)
     with caplog.at_level(logging.WARNING, logger="myserve.runtime.step_cache"):
         rebuilt = start_service(tiny_checkpoints["llama3"], *engine)
     try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,7 @@ from myserve.runtime.model_step import (
     score_step,
     split_model,
 )
+from myserve.runtime.priming import prime_built
 from myserve.runtime.sampler import SampleOutput
 from myserve.runtime.sampling_rows import MAX_TOP_LOGPROBS, SamplingRows
 from myserve.runtime.small_ops import clear_slot, copy_page, write_adapter, write_slot
@@ -140,8 +141,7 @@ class Executor:
         self._no_masks: dict[int, Any] = {}
         self._no_samples: dict[int, SampleOutput] = {}
         self._small_ops: dict[Any, jax.stages.Compiled] = {}
-        self._ran: set[BuildKey] = set()
-        """Executables that have run at least once (a step's, or ``PrimeSteps``')."""
+        self._ran: set[BuildKey] = set()  # executables run at least once (a step, or ``priming.py``)
 
     def run(self, ops: Sequence[Op], progress: Progress | None = None) -> list[StepOutput]:
         """Apply ``ops`` in order (dispatched, not awaited); the outputs of its steps, in order."""
@@ -169,9 +169,7 @@ class Executor:
             elif isinstance(op, WriteAdapter):
                 self._write_adapter(op)
             elif isinstance(op, PrimeSteps):
-                for key in self.keys(op.steps):
-                    if key not in self._ran and self._executables.ready(key):
-                        self._prime(key)
+                prime_built(self, op)
             else:
                 args = (
                     self.counts,
@@ -280,31 +278,6 @@ class Executor:
             self._ran.add(("score", op.shape.tokens))
             scores = self._executables.get(("score", op.shape.tokens))(outer, fwd.hidden, fwd.following)
         return StepOutput(sampled, scores, fwd.pooled)
-
-    def _prime(self, key: BuildKey) -> None:
-        """Run the built executable of ``key`` once on an empty batch (``PrimeSteps``): the
-        arguments warmup traced it with, stand-ins made zeros; the donated cache and penalty
-        counts come back unchanged but for the scratch slot, and ``fed`` is a throwaway copy, so
-        a step in flight still feeds the next one its tokens."""
-        args = list(self._call_args(key)[2])
-        if key[0] == "head":  # (outer, last, counts, mask, fed, ints, floats, bitmask)
-            rows = SamplingRows.empty(cast(int, key[1]), self.scratch_slot)  # in the scratch slot
-            args[5], args[6] = (jax.device_put(a, self.replicated) for a in (rows.ints, rows.floats))
-            args[7] = self._no_mask(rows.ints.shape[0])
-        if key[0] == "loop":  # (..., packed, bitmask)
-            args[-1] = self._no_mask(cast(StepShape, key[1]).singles)
-        fed = jax.device_put(np.zeros(self.fed.shape, self.fed.dtype), self.replicated)
-        out = self._executables.get(key)(*(fed if a is self.fed else _zeros_of(a) for a in args))
-        if key[0] == "forward":
-            self.kv_cache = out[1]
-        elif key[0] == "head":
-            self.counts = out[1]
-        elif key[0] == "loop":
-            self.kv_cache, self.counts = out[1], out[2]
-        # Waited for: the engine primes one executable at a time between requests, and a request's
-        # step must not queue behind every prime dispatched so far.
-        jax.block_until_ready(out)
-        self._ran.add(key)
 
     def _bitmask(self, op: StepCall) -> Any:
         """The step's grammar masks for every sampling row: the constrained rows' masks, or the
@@ -455,13 +428,6 @@ class Executor:
         """What every step takes after its static arguments: the weights, the cache (donated), the
         penalty tables and the last step's samples."""
         return self.outer, self.layers, self.kv_cache, self.counts, self.prompt_mask, self.fed
-
-
-def _zeros_of(arg: Any) -> Any:
-    """``arg``, or zeros of its shape, dtype and sharding where it is a stand-in (``_call_args``)."""
-    if isinstance(arg, jax.ShapeDtypeStruct):
-        return jax.device_put(np.zeros(arg.shape, arg.dtype), arg.sharding)
-    return arg
 
 
 Prebuilt = tuple[dict[BuildKey, Step], list[tuple[object, ...]]]

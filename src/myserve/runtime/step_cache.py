@@ -146,7 +146,10 @@ class StepCache:
         """Write ``compiled`` under ``key`` (atomically) if it can be loaded back by ``load``."""
         try:
             blob, in_tree, got_out_tree = serialize_executable.serialize(compiled)
-        except (ValueError, NotImplementedError) as e:  # a backend or executable without serialization
+        except (ValueError, NotImplementedError, jax.errors.JaxRuntimeError) as e:
+            # A backend or executable without serialization; or, on XLA:CPU, one that has run (a
+            # sort's comparator then is not serializable): JAX's in-process cache hands back the
+            # executable an earlier engine of this process ran, for a step it compiles again.
             logger.debug("step executable not serializable (%s): not cached", e)
             return
         if in_tree != _in_tree(args) or str(got_out_tree) != str(out_tree):
