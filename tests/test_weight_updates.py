@@ -51,7 +51,8 @@ def references(checkpoints, service):
             "a": [run(service, p)[0] for p in PROMPTS],
             "b": [run(plain_b, p)[0] for p in PROMPTS],
         }
-    finally:
+    finally:  # its background builds done first: one still compiling would count in the test's process
+        assert plain_b.replicas[0].runner.device.background_builds_done(600)
         plain_b.shutdown()
 
 

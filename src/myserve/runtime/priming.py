@@ -36,9 +36,11 @@ class Executor(Protocol):
 
 
 def prime_built(ex: Executor, op: PrimeSteps) -> None:
-    """Prime each executable of ``op`` that is built and has not yet run."""
+    """Prime each executable of ``op`` that has not yet run. The runner sends only built ones; a
+    multi-host follower whose own background build lags waits for it (as for a step), so that
+    every process runs the same executables (their collectives) in the same order."""
     for key in ex.keys(op.steps):
-        if key not in ex._ran and ex._executables.ready(key):
+        if key not in ex._ran:
             prime(ex, key)
 
 
