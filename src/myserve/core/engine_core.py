@@ -199,7 +199,7 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, RequestEndings):
     # -- engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         try:
-            priming: bool | None = True  # as ``Runner.prime_next``: None once every replica is done
+            priming: bool | None = True  # as ``ModelRunner.prime_next``: None once every replica is done
             while not self._stop.is_set():
                 idle = not self.has_work()
                 # Idle with executables to prime: look for requests between primes (or, while the
@@ -272,7 +272,7 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, RequestEndings):
         return self._inflight is not None or any(r.scheduler.has_work() for r in self.replicas)
 
     def _prime_next(self) -> bool | None:
-        """One replica's next executable run once (``Runner.prime_next``): True if one ran, False if
+        """One replica's next executable run once (``ModelRunner.prime_next``): True if one ran, False if
         some are still building, None when every replica's have all run."""
         states = []
         for rep in self.replicas:
