@@ -69,13 +69,13 @@ def prompt(tokens: int, pages: int) -> Span:
 
 
 def test_a_step_of_few_sampling_rows_takes_the_bucket_variant_with_few_rows() -> None:
-    """A token bucket with more single-view rows than ``FEW_SINGLES`` has a variant with fewer
-    (built in the background): a prompt's step samples one row, and each row of the full variant
-    reads its context bucket and goes through the LM head, padding or not."""
+    """A token bucket with more single-view rows than ``FEW_SINGLES`` has a variant with fewer, and
+    half the blocks (built in the background): a prompt's step samples one row and fills half the
+    blocks, and each row and block of the full variant reads its context bucket, padding or not."""
     many = Buckets.from_config(EngineConfig(**{**CFG.__dict__, "max_num_seqs": 64}), 2048)
     assert many.decode_rows() == [1, 8, 64] and many.few_singles == FEW_SINGLES == 8
     full, few = many.shape(64, 8), many.shape(64, 8, few=True)
-    assert (full.singles, few.singles) == (64, 8) and (full.tokens, full.blocks) == (few.tokens, few.blocks)
+    assert (full.singles, few.singles) == (64, 8) and (full.tokens, full.blocks, few.blocks) == (few.tokens, 4, 2)
     assert many.variants(64, 8) == [few, full] and many.variants(8, 8) == [many.shape(8, 8)]
 
     now, later = many.compile_ops()
@@ -91,6 +91,8 @@ def test_a_step_of_few_sampling_rows_takes_the_bucket_variant_with_few_rows() ->
     assert many.fit(one_prompt, lambda shape: shape.singles == 64) == full  # the full ones built first
     with_decodes = [prompt(40, 3), *(decode(2) for _ in range(8))]  # nine sampling rows: the full variant
     assert many.fit(with_decodes) == full and many.fit(with_decodes[:8]) == few
-    pooled = [dataclasses.replace(prompt(5, 1), samples=False, pool=(0, 5)) for _ in range(3)]
-    assert many.fit([*pooled, *(decode(2) for _ in range(5))]) == few
-    assert many.fit([*pooled, *(decode(2) for _ in range(6))]) == full  # a pooled span's row is its index
+    pooled = [dataclasses.replace(prompt(5, 1), samples=False, pool=(0, 5)) for _ in range(2)]
+    assert many.fit([*pooled, *(decode(2) for _ in range(6))]) == few
+    assert many.fit([*pooled, *(decode(2) for _ in range(7))]) == full  # a pooled span's row is its index
+    # The variant holds the blocks of one 64-token chunk: three prompts' chunks round up to three.
+    assert many.fit([prompt(60, 4)]) == few and many.fit([prompt(20, 2) for _ in range(3)]) == full

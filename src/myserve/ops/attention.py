@@ -7,8 +7,9 @@ decode rows on the GPU kernel when the batch is marked for it (``ops/gpu_attenti
 ``resolve_backend`` picks the implementation once per deployment.
 
 The reference reads each view's rows (``ops/ragged_batch.py``) in chunks of ``chunk_pages`` pages
-of their context (one-token rows: up to four chunks at once, ``_single_chunk``) with an online
-softmax (as flash attention does), in a loop of static length: the page tables' width, which is
+of their context (one-token rows, and a CPU's prefill blocks: up to four chunks at once,
+``_single_chunk``) with an online softmax (as flash attention does; a plain one when one iteration
+reads the whole context), in a loop of static length: the page tables' width, which is
 the step's context bucket (``runtime/buckets.py``), divided by the chunk. The host picks the
 smallest context bucket holding the step's longest context, so the loop follows the context
 without a data-dependent trip count (on a GPU, that is one host round trip per iteration). Rows
@@ -149,10 +150,8 @@ def _view_attention(
         oldest = jnp.maximum(view.positions[:, 0] - (window - 1), 0)
         first = jnp.clip(oldest // span, 0, num_chunks - steps).astype(jnp.int32)
 
-    def body(
-        i: int | jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        m, denom, acc = carry
+    def scores(i: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Chunk ``i``'s masked scores [KVH, N, span, M] and values [KVH, N, span, D]."""
         if window is None:  # every row reads chunk i
             pages = lax.dynamic_slice_in_dim(view.pages, i * chunk_pages, chunk_pages, axis=1)
             kv_pos = jnp.broadcast_to(i * span + jnp.arange(span), (n, span))
@@ -169,27 +168,46 @@ def _view_attention(
         s = jnp.einsum("knsd,nkmd->knsm", keys, qm, preferred_element_type=jnp.float32) * sm_scale
         if soft_cap is not None:  # as transformers: on the scaled scores, before the mask
             s = soft_cap * jnp.tanh(s / soft_cap)
-        s = jnp.where(mask[None], s, _MASK_VALUE)  # [KVH, N, span, M]
-        m_new = jnp.maximum(m, s.max(axis=2))
-        p = jnp.exp(s - m_new[:, :, None, :])
-        correction = jnp.exp(m - m_new)
-        denom = denom * correction + p.sum(axis=2)
-        pv = jnp.einsum("knsm,knsd->nkmd", p.astype(values.dtype), values, preferred_element_type=jnp.float32)
-        acc = acc * correction.transpose(1, 0, 2)[..., None] + pv
-        return m_new, denom, acc
+        return jnp.where(mask[None], s, _MASK_VALUE), values  # [KVH, N, span, M]
 
-    init = (
-        jnp.full((kvh, n, m_rows), _MASK_VALUE, jnp.float32),
-        jnp.zeros((kvh, n, m_rows), jnp.float32),
-        jnp.zeros((n, kvh, m_rows, d), jnp.float32),
-    )
-    _, denom, acc = lax.fori_loop(0, steps, body, init)
+    def weighted(p: jax.Array, values: jax.Array) -> jax.Array:
+        """The values summed by weights ``p`` [KVH, N, span, M]: [N, KVH, M, D] float32."""
+        return jnp.einsum("knsm,knsd->nkmd", p.astype(values.dtype), values, preferred_element_type=jnp.float32)
+
+    if steps == 1:
+        # One chunk (most decode steps): a plain softmax. The online one's first iteration gives
+        # the same numbers (its corrections multiply zeros), through more small ops: a decode
+        # token's layer is dozens of them, each costing more to run than to compute on a CPU.
+        s, values = scores(0)
+        p = jnp.exp(s - s.max(axis=2, keepdims=True))
+        denom, acc = p.sum(axis=2), weighted(p, values)
+    else:
+
+        def body(
+            i: int | jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]
+        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+            m, denom, acc = carry
+            s, values = scores(i)
+            m_new = jnp.maximum(m, s.max(axis=2))
+            p = jnp.exp(s - m_new[:, :, None, :])
+            correction = jnp.exp(m - m_new)
+            denom = denom * correction + p.sum(axis=2)
+            acc = acc * correction.transpose(1, 0, 2)[..., None] + weighted(p, values)
+            return m_new, denom, acc
+
+        init = (
+            jnp.full((kvh, n, m_rows), _MASK_VALUE, jnp.float32),
+            jnp.zeros((kvh, n, m_rows), jnp.float32),
+            jnp.zeros((n, kvh, m_rows, d), jnp.float32),
+        )
+        _, denom, acc = lax.fori_loop(0, steps, body, init)
     out = acc / jnp.maximum(denom, 1e-30).transpose(1, 0, 2)[..., None]
     return out.reshape(n, kvh, qn, g, d).transpose(0, 2, 1, 3, 4).reshape(n, qn, h, d)
 
 
 SINGLE_CHUNKS = 4
-"""One-token rows read up to this many chunks per iteration of the attention's loop."""
+"""One-token rows (and on CPU prefill blocks) read up to this many chunks per iteration of the
+attention's loop."""
 
 
 def _single_chunk(width: int, chunk_pages: int) -> int:
@@ -238,7 +256,11 @@ def ragged_attention(
             out = out.at[view.idx[:, 0]].set(rows.astype(jnp.float32))
             continue
         chunk = batch.chunk_pages
-        if view is batch.single and window is None:  # (a window's loop skips whole chunks behind it)
+        # Longer iterations where they are cheap: a one-token row's scores are small, and a CPU's
+        # memory holds a prompt's (a 300-token prompt's first token on the 16-layer yardstick:
+        # 49 -> 40 ms); an accelerator's blocks keep the chunk that bounds their scores' memory.
+        # (A window's loop skips whole chunks behind it.)
+        if window is None and (view is batch.single or jax.default_backend() == "cpu"):
             chunk = _single_chunk(view.pages.shape[1], chunk)
         rows = _view_attention(
             padded, cache, layer, view,

@@ -40,9 +40,10 @@ bucket against 44 in a 256-token one (``docs/performance.md``)."""
 
 FEW_SINGLES = 8
 """Larger token buckets also have a variant with this many single-view rows (or the most of the
-token buckets' row counts below it): a step of one long prompt samples one row, and the full
-variant's ``max_num_seqs`` rows each read the whole context bucket and go through the LM head (on
-the 16-layer yardstick a 200-token prompt's first token came in 56 ms with 8 rows, 72 with 64)."""
+token buckets' row counts below it) and half the blocks: a step of one long prompt samples one row
+and fills half the blocks, and the full variant's ``max_num_seqs`` rows and padding blocks each read
+the whole context bucket (on the 16-layer yardstick a 200-token prompt's first token came in 56 ms
+with 8 rows, 72 with 64; a 300-token prompt's in 49 ms with 16 blocks, 73 with 32)."""
 
 
 def _powers_of_four(start: int, stop: int) -> tuple[int, ...]:
@@ -118,7 +119,8 @@ class Buckets:
 
     def shape(self, tokens: int, width: int | None = None, few: bool = False) -> StepShape:
         """The shape of one token bucket at one page-table width (None: the widest); ``few``: its
-        variant with ``few_singles`` single-view rows (the same when the bucket has no more)."""
+        variant with ``few_singles`` single-view rows and half the blocks (the blocks of one chunk
+        as long as the bucket)."""
         shape = StepShape.of(
             tokens,
             max_num_seqs=self.max_num_seqs,
@@ -126,7 +128,12 @@ class Buckets:
             max_pages=self._widths()[-1] if width is None else width,
             chunk_pages=self.chunk_pages,
         )
-        return dataclasses.replace(shape, singles=min(shape.singles, self.few_singles)) if few else shape
+        if not few:
+            return shape
+        # The full shape holds twice the blocks its tokens fill (every chunk rounds up to whole
+        # blocks); the variant holds what they fill, so a prompt's step does not pay for the rest.
+        blocks = max(1, tokens // self.block_tokens) if shape.blocks else 0
+        return dataclasses.replace(shape, singles=min(shape.singles, self.few_singles), blocks=blocks)
 
     @property
     def few_singles(self) -> int:
@@ -139,8 +146,9 @@ class Buckets:
         """The shapes of one token bucket at one width: its few-rows variant first, when it has more
         rows than that, then the full one."""
         full = self.shape(tokens, width)
-        few = self.shape(tokens, width, few=True)
-        return [few, full] if few != full else [full]
+        if full.singles <= self.few_singles:  # (buckets of few rows have no variant: fewer builds)
+            return [full]
+        return [self.shape(tokens, width, few=True), full]
 
     def shapes(self) -> list[StepShape]:
         """Every step shape: every token bucket at every context bucket, the narrowest first, each
