@@ -71,8 +71,8 @@ def test_an_idle_engine_runs_every_built_executable_once(tiny_checkpoints) -> No
         while runner._to_prime and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not runner._to_prime, "every executable primed"
-        assert set(executor.executables()) <= executor._ran
-        assert {key[0] for key in executor._ran} == {"forward", "head", "score", "loop"}
+        assert set(executor.executables()) <= executor.ran
+        assert {key[0] for key in executor.ran} == {"forward", "head", "score", "loop"}
         assert serve(service) == served
     finally:
         service.shutdown()

@@ -128,7 +128,7 @@ class Executor:
             self.kv_cache = make_cache(arrays, backend)
         else:
             self.kv_cache = init_kv_cache(model.spec, num_pages, page_size, dtype, mesh, mapping, backend)
-        self._executables = Executables(self._call_args, out_trees(self.kv_cache), tuple(mesh.devices.flat), step_cache)
+        self.compiled = Executables(self.call_args, out_trees(self.kv_cache), tuple(mesh.devices.flat), step_cache)
         # The dtype of the hidden states the forward hands the head (that of the embeddings).
         self._hidden_dtype = jax.eval_shape(lambda o: o.embed_tokens(jnp.zeros((1, 1), jnp.int32)), self.outer).dtype
         self.counts = place((num_slots, vocab), np.int32, self.replicated)
@@ -141,7 +141,7 @@ class Executor:
         self._no_masks: dict[int, Any] = {}
         self._no_samples: dict[int, SampleOutput] = {}
         self._small_ops: dict[Any, jax.stages.Compiled] = {}
-        self._ran: set[BuildKey] = set()  # executables run at least once (a step, or ``priming.py``)
+        self.ran: set[BuildKey] = set()  # executables run at least once (a step, or ``priming.py``)
 
     def run(self, ops: Sequence[Op], progress: Progress | None = None) -> list[StepOutput]:
         """Apply ``ops`` in order (dispatched, not awaited); the outputs of its steps, in order."""
@@ -151,13 +151,13 @@ class Executor:
                 outputs.append(self._step(op))
             elif isinstance(op, CompileSteps):
                 keys = self.keys(op)
-                built = self._executables.built
+                built = self.compiled.built
                 if op.background:
-                    self._executables.build_in_background(keys)
+                    self.compiled.build_in_background(keys)
                     continue
                 built.update(self._take_prebuilt())
                 missing = [key for key in keys if key not in built]
-                built.update(self._executables.build(missing, progress))
+                built.update(self.compiled.build(missing, progress))
                 if progress is not None and not missing:
                     progress(len(keys), len(keys))
             elif isinstance(op, CopyPage):
@@ -253,21 +253,21 @@ class Executor:
         _, outer, layers = weights
         if op.steps > 1:
             key: BuildKey = ("loop", op.shape, op.steps, op.mode)
-            self._ran.add(key)
-            loop = self._executables.get(key)
+            self.ran.add(key)
+            loop = self.compiled.get(key)
             sampled, self.kv_cache, self.counts, self.fed = loop(
                 outer, layers, self.kv_cache, self.counts, self.prompt_mask, self.fed,
                 pack_step(op.batch, op.ints, op.floats), self._bitmask(op),
             )  # fmt: skip
             return StepOutput(sampled, None, np.zeros((n1, 0), np.float32))  # nothing pools here
         fwd: ForwardOutput
-        forward = self._executables.get(("forward", op.shape))
-        self._ran.add(("forward", op.shape))
+        forward = self.compiled.get(("forward", op.shape))
+        self.ran.add(("forward", op.shape))
         packed = pack_step(op.batch, op.ints, op.floats)  # the step's one transfer
         fwd, self.kv_cache = forward(outer, layers, self.kv_cache, self.fed, packed)
         if self.sampler:
-            self._ran.add(("head", n1, op.mode))
-            head = self._executables.get(("head", n1, op.mode))
+            self.ran.add(("head", n1, op.mode))
+            head = self.compiled.get(("head", n1, op.mode))
             sampled, self.counts, self.fed = head(
                 outer, fwd.last, self.counts, self.prompt_mask, self.fed, fwd.ints, fwd.floats, self._bitmask(op)
             )
@@ -275,15 +275,15 @@ class Executor:
             sampled = self._zero_samples(n1)
         scores = None
         if op.score:
-            self._ran.add(("score", op.shape.tokens))
-            scores = self._executables.get(("score", op.shape.tokens))(outer, fwd.hidden, fwd.following)
+            self.ran.add(("score", op.shape.tokens))
+            scores = self.compiled.get(("score", op.shape.tokens))(outer, fwd.hidden, fwd.following)
         return StepOutput(sampled, scores, fwd.pooled)
 
     def _bitmask(self, op: StepCall) -> Any:
         """The step's grammar masks for every sampling row: the constrained rows' masks, or the
         all-ones mask kept on the device when no row is constrained."""
         if op.bitmask is None:
-            return self._no_mask(op.shape.singles)
+            return self.no_mask(op.shape.singles)
         # Placed as the all-ones one is: the executable takes one sharding.
         return jax.device_put(_full_mask(op, self.mask_words), self.replicated)
 
@@ -298,15 +298,15 @@ class Executor:
 
     def executables(self) -> dict[BuildKey, Step]:
         """Every executable built so far, by ``BuildKey`` (tests read their compiled HLO)."""
-        return dict(self._executables.built)
+        return dict(self.compiled.built)
 
     def background_builds_done(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds for the background builds; whether they are all done."""
-        return self._executables.background_done(timeout)
+        return self.compiled.background_done(timeout)
 
     def stop_background_builds(self) -> None:
         """Cancel the background builds not yet started (the one under way ends on its own)."""
-        self._executables.stop_background()
+        self.compiled.stop_background()
 
     def memory_stats(self) -> list[dict[str, int]]:
         """Each device's allocator figures (``peak_bytes_in_use``, ``bytes_limit``...); empty
@@ -316,7 +316,7 @@ class Executor:
 
     def step_ready(self, shape: StepShape) -> bool:
         """Whether the forward of ``shape`` is built (without waiting)."""
-        return self._executables.ready(("forward", shape))
+        return self.compiled.ready(("forward", shape))
 
     def read(self, output: StepOutput, *, tops: bool, scored: bool, pooled: bool = False) -> StepRead:
         """A step's results on the host, fetched in one transfer (``Device.read``)."""
@@ -350,10 +350,10 @@ class Executor:
         return self._lower(key)
 
     def _lower(self, key: BuildKey) -> jax.stages.Lowered:
-        fn, static, args = self._call_args(key)
+        fn, static, args = self.call_args(key)
         return fn.lower(*static, *args)
 
-    def _call_args(self, key: BuildKey) -> tuple[Any, tuple[object, ...], tuple[object, ...]]:
+    def call_args(self, key: BuildKey) -> tuple[Any, tuple[object, ...], tuple[object, ...]]:
         """(jitted function, static arguments, dynamic arguments) of the executable of ``key``; the
         dynamic ones are this executor's arrays, or stand-ins of their shapes and shardings."""
         rep = self.replicated
@@ -390,7 +390,7 @@ class Executor:
         following = jax.ShapeDtypeStruct((tokens,), np.int32, sharding=rep)
         return score_step, (), (self.outer, hidden, following)
 
-    def _no_mask(self, rows: int) -> Any:
+    def no_mask(self, rows: int) -> Any:
         """The all-ones bitmask of a step with ``rows`` sampling rows, kept on the device."""
         mask = self._no_masks.get(rows)
         if mask is None:
@@ -402,7 +402,7 @@ class Executor:
     def build_all(self, op: CompileSteps) -> Prebuilt:
         """``_build`` for an abstract executor's early start: its builds of ``op``'s executables,
         and the signature they were built for (shapes, dtypes and shardings of every state array)."""
-        return self._executables.build(self.keys(op)), _signature(self._state())
+        return self.compiled.build(self.keys(op)), _signature(self._state())
 
     def _zero_samples(self, rows: int) -> SampleOutput:
         """What an embedding-only deployment's steps return for samples (nothing samples), kept on the device."""

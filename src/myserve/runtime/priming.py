@@ -27,12 +27,12 @@ class Executor(Protocol):
     fed: Any
     replicated: Any
     scratch_slot: int
-    _ran: set[BuildKey]
-    _executables: Executables
+    ran: set[BuildKey]
+    compiled: Executables
 
     def keys(self, op: CompileSteps) -> list[BuildKey]: ...
-    def _call_args(self, key: BuildKey) -> tuple[Any, tuple[object, ...], tuple[object, ...]]: ...
-    def _no_mask(self, rows: int) -> Any: ...
+    def call_args(self, key: BuildKey) -> tuple[Any, tuple[object, ...], tuple[object, ...]]: ...
+    def no_mask(self, rows: int) -> Any: ...
 
 
 def prime_built(ex: Executor, op: PrimeSteps) -> None:
@@ -40,7 +40,7 @@ def prime_built(ex: Executor, op: PrimeSteps) -> None:
     multi-host follower whose own background build lags waits for it (as for a step), so that
     every process runs the same executables (their collectives) in the same order."""
     for key in ex.keys(op.steps):
-        if key not in ex._ran:
+        if key not in ex.ran:
             prime(ex, key)
 
 
@@ -51,15 +51,15 @@ def prime(ex: Executor, key: BuildKey) -> None:
     KV (padding writes are dropped), its sampling rows count in the scratch penalty slot, and
     ``fed`` is a throwaway copy, so a step in flight still feeds the next one its tokens. The
     donated cache and counts come back as they were but for the scratch slot."""
-    args = list(ex._call_args(key)[2])
+    args = list(ex.call_args(key)[2])
     if key[0] == "head":  # (outer, last, counts, mask, fed, ints, floats, bitmask)
         rows = SamplingRows.empty(cast(int, key[1]), ex.scratch_slot)
         args[5], args[6] = (jax.device_put(a, ex.replicated) for a in (rows.ints, rows.floats))
-        args[7] = ex._no_mask(rows.ints.shape[0])
+        args[7] = ex.no_mask(rows.ints.shape[0])
     if key[0] == "loop":  # (..., packed, bitmask)
-        args[-1] = ex._no_mask(cast(StepShape, key[1]).singles)
+        args[-1] = ex.no_mask(cast(StepShape, key[1]).singles)
     fed = jax.device_put(np.zeros(ex.fed.shape, ex.fed.dtype), ex.replicated)
-    out = ex._executables.get(key)(*(fed if a is ex.fed else _zeros_of(a) for a in args))
+    out = ex.compiled.get(key)(*(fed if a is ex.fed else _zeros_of(a) for a in args))
     if key[0] == "forward":
         ex.kv_cache = out[1]
     elif key[0] == "head":
@@ -67,11 +67,11 @@ def prime(ex: Executor, key: BuildKey) -> None:
     elif key[0] == "loop":
         ex.kv_cache, ex.counts = out[1], out[2]
     jax.block_until_ready(out)
-    ex._ran.add(key)
+    ex.ran.add(key)
 
 
 def _zeros_of(arg: Any) -> Any:
-    """``arg``, or zeros of its shape, dtype and sharding where it is a stand-in (``_call_args``)."""
+    """``arg``, or zeros of its shape, dtype and sharding where it is a stand-in (``call_args``)."""
     if isinstance(arg, jax.ShapeDtypeStruct):
         return jax.device_put(np.zeros(arg.shape, arg.dtype), arg.sharding)
     return arg
