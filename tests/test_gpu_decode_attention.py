@@ -43,7 +43,7 @@ def test_the_decode_kernel_equals_the_reference_on_a_mixed_ragged_step(interpret
     layers, kvh, h, d, ps, n_pages = 2, 2, 6, 16, 4, 64
     shape, spans, batch = mixed_step(rng, n_pages, ps, [*MIXED, (0, 1)])  # and a first token without context
     real = sum(len(span.token_ids) for span in spans)
-    cache = KVCache(*(jnp.asarray(rng.randn(layers, kvh, n_pages, ps, d), jnp.float32) for _ in range(2)))
+    cache = KVCache(*(jnp.asarray(rng.randn(layers, kvh, n_pages + 1, ps, d), jnp.float32) for _ in range(2)))
     k_new, v_new = (jnp.asarray(rng.randn(1, shape.tokens, kvh, d), jnp.float32) for _ in range(2))
     cache = write_kv(cache, 1, k_new, v_new, batch)
     q = jnp.asarray(rng.randn(shape.tokens, h, d), jnp.float32)

@@ -52,10 +52,14 @@ def test_the_stand_in_equals_jax_reference_of_the_kernel(options: dict) -> None:
 
 def _both_layouts(rng: np.random.RandomState, layers: int, kvh: int, n_pages: int, ps: int, d: int):
     """The same random K/V in the reference layout and in the kernel's."""
-    k = rng.randn(layers, kvh, n_pages, ps, d).astype(np.float32)
-    v = rng.randn(layers, kvh, n_pages, ps, d).astype(np.float32)
+    k = rng.randn(layers, kvh, n_pages + 1, ps, d).astype(np.float32)  # the reference's spare page last
+    v = rng.randn(layers, kvh, n_pages + 1, ps, d).astype(np.float32)
     # kernel: [layers, pages, page_size, 2 * kv_heads, D], combined head 2h = K of head h, 2h + 1 its V
-    kv = np.stack([k, v], axis=2).transpose(0, 3, 4, 1, 2, 5).reshape(layers, n_pages, ps, 2 * kvh, d)
+    kv = (
+        np.stack([k[:, :, :n_pages], v[:, :, :n_pages]], axis=2)
+        .transpose(0, 3, 4, 1, 2, 5)
+        .reshape(layers, n_pages, ps, 2 * kvh, d)
+    )
     return KVCache(jnp.asarray(k), jnp.asarray(v)), KernelKVCache(jnp.asarray(kv))
 
 

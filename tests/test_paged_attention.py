@@ -80,7 +80,8 @@ def test_reference_attention_matches_naive_numpy() -> None:
     kv_lens = np.array([9, 7])  # sequence 1 has only 2 query tokens (positions 5, 6)
     q_lens = np.array([3, 2])
     tables = [[7, 2, 5], [0, 9, 3]]
-    cache = KVCache(jnp.zeros((1, kvh, n_pages, ps, d), jnp.float32), jnp.zeros((1, kvh, n_pages, ps, d), jnp.float32))
+    # Pages 0-9 and the spare page (KVCache.spare_page) past them.
+    cache = KVCache(*(jnp.zeros((1, kvh, n_pages + 1, ps, d), jnp.float32) for _ in range(2)))
     # Write all 9 (or 7) tokens of each sequence through the op's own write path, in one step.
     shape = shape_for(16, max_pages=3, block_tokens=4, chunk_pages=1)
     writes = [Span([0] * int(n), 0, tables[i], samples=False) for i, n in enumerate(kv_lens)]
@@ -118,7 +119,7 @@ def test_ragged_attention_equals_per_token_attention() -> None:
     kvh, h, d, ps, n_pages = 2, 6, 8, 4, 64
     seqs = MIXED
     shape, spans, batch = mixed_step(rng, n_pages, ps)
-    cache_shape = (1, kvh, n_pages, ps, d)
+    cache_shape = (1, kvh, n_pages + 1, ps, d)  # and the spare page
     cache = KVCache(
         jnp.asarray(rng.randn(*cache_shape), jnp.float32), jnp.asarray(rng.randn(*cache_shape), jnp.float32)
     )
@@ -179,8 +180,8 @@ def test_ragged_attention_with_window_and_soft_cap(window, soft_cap) -> None:
     rng = np.random.RandomState(2)
     kvh, h, d, ps, n_pages, span = 2, 6, 8, 4, 64, 8
     shape, spans, batch = mixed_step(rng, n_pages, ps, WINDOWED, first_page=1)
-    k_np = rng.randn(1, kvh, n_pages, ps, d).astype(np.float32)
-    v_np = rng.randn(1, kvh, n_pages, ps, d).astype(np.float32)
+    k_np = rng.randn(1, kvh, n_pages + 1, ps, d).astype(np.float32)  # and the spare page
+    v_np = rng.randn(1, kvh, n_pages + 1, ps, d).astype(np.float32)
     clean = v_np.copy()
     if window is not None:
         for view in ([s for s in spans if len(s.token_ids) == 1], [s for s in spans if len(s.token_ids) > 1]):
@@ -243,3 +244,54 @@ def test_the_gpu_decode_kernel_is_not_used_for_windows_or_soft_caps(monkeypatch:
     assert resolve_backend("auto", **shapes, soft_cap=True) == "reference"
     with pytest.raises(ConfigError, match="no sliding-window"):
         resolve_backend("pallas", **shapes, sliding_window=True)
+
+
+def test_a_step_writes_its_tokens_to_their_slots_and_its_padding_to_the_spare_page() -> None:
+    """Each real token's K/V lands in its page at ``position % page_size``; the step's padding
+    tokens (a 32-token step holding fewer) write only the spare page past the pool, so every other
+    slot of the pool keeps what it held."""
+    import jax
+
+    rng = np.random.RandomState(3)
+    kvh, d, ps, n_pages = 2, 8, 4, 64
+    shape, spans, batch = mixed_step(rng, n_pages, ps)
+    real = sum(len(span.token_ids) for span in spans)
+    assert real < shape.tokens  # the step has padding
+    before = rng.randn(1, kvh, n_pages + 1, ps, d).astype(np.float32)
+    cache = KVCache(jnp.asarray(before), jnp.asarray(before))
+    assert cache.num_pages == n_pages and cache.spare_page == n_pages
+    k_new = rng.randn(1, shape.tokens, kvh, d).astype(np.float32)
+    after = np.asarray(jax.jit(write_kv, static_argnums=1)(cache, 0, jnp.asarray(k_new), -jnp.asarray(k_new), batch).k)
+    want = before.copy()
+    flat = 0
+    for span in spans:
+        for pos in range(span.start, span.start + len(span.token_ids)):
+            want[0, :, span.pages[pos // ps], pos % ps] = k_new[0, flat]
+            flat += 1
+    np.testing.assert_array_equal(after[:, :, :n_pages], want[:, :, :n_pages])
+    assert not np.array_equal(after[:, :, n_pages], before[:, :, n_pages])  # the padding went there
+
+
+def test_a_one_token_step_writes_its_slot_or_only_the_spare_page() -> None:
+    """A one-token step (a one-row decode call) writes its token's slot; a row that stopped (its
+    write page the spare one, as the decode loop sets it) leaves the whole pool as it was."""
+    import dataclasses
+
+    import jax
+
+    rng = np.random.RandomState(4)
+    kvh, d, ps, n_pages = 2, 8, 4, 16
+    shape = shape_for(1, max_pages=2, block_tokens=1, chunk_pages=1)
+    batch = device_batch([Span([0], 5, [3, 7], samples=True)], shape, ps)
+    before = rng.randn(1, kvh, n_pages + 1, ps, d).astype(np.float32)
+    cache = KVCache(jnp.asarray(before), jnp.asarray(before))
+    k_new = rng.randn(1, 1, kvh, d).astype(np.float32)
+    write = jax.jit(write_kv, static_argnums=1)
+    after = np.asarray(write(cache, 0, jnp.asarray(k_new), jnp.asarray(k_new), batch).k)
+    want = before.copy()
+    want[0, :, 7, 5 % ps] = k_new[0, 0]
+    np.testing.assert_array_equal(after, want)
+    stopped = dataclasses.replace(batch, write_pages=jnp.full_like(batch.write_pages, cache.spare_page))
+    after = np.asarray(write(cache, 0, jnp.asarray(k_new), jnp.asarray(k_new), stopped).k)
+    np.testing.assert_array_equal(after[:, :, :n_pages], before[:, :, :n_pages])
+    np.testing.assert_array_equal(after[0, :, n_pages, 5 % ps], k_new[0, 0])

@@ -47,6 +47,7 @@ from myserve.models.spec import LayerKind, ModelSpec
 from myserve.ops.attention import paged_attention
 from myserve.ops.paged_cache import KernelKVCache, KVCache
 from myserve.ops.ragged_batch import RaggedBatch
+from myserve.ops.reductions import fused_mean
 
 
 def rms_norm(x: NamedArray, weight: NamedArray, axis: Axis, eps: float, scale_f32: bool = False) -> NamedArray:
@@ -55,7 +56,8 @@ def rms_norm(x: NamedArray, weight: NamedArray, axis: Axis, eps: float, scale_f3
     Llama casts the normalized x to its dtype, then scales; Gemma (``scale_f32``, its weight held in
     float32 with the 1 of ``1 + w`` added) scales in float32, then casts. Equal in float32."""
     xf = x.astype(jnp.float32)
-    var = hax.mean(xf * xf, axis=axis)
+    sq = xf * xf
+    var = hax.named(fused_mean(sq.array, sq.axis_indices(axis)), hax.eliminate_axes(sq.axes, axis))
     if scale_f32:
         return (xf * hax.rsqrt(var + eps) * weight.astype(jnp.float32)).astype(x.dtype)
     normed = (xf * hax.rsqrt(var + eps)).astype(x.dtype)
@@ -240,7 +242,7 @@ def _rms_norm_raw(x: jax.Array, weight: jax.Array, eps: float, scale_f32: bool =
     """RMSNorm over the last axis of a raw array (the per-head q/k norm of Qwen3 and Gemma 3),
     float32 inside; ``scale_f32`` as in ``rms_norm``."""
     xf = x.astype(jnp.float32)
-    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    normed = xf * jax.lax.rsqrt(fused_mean(xf * xf, axis=-1, keepdims=True) + eps)
     if scale_f32:
         return (normed * weight.astype(jnp.float32)).astype(x.dtype)
     return normed.astype(x.dtype) * weight

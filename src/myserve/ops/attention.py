@@ -43,6 +43,7 @@ from myserve.errors import ConfigError
 from myserve.ops.gpu_attention import decode_attention, gpu_fit
 from myserve.ops.paged_cache import KernelKVCache, KVCache, write_kv, write_kv_kernel
 from myserve.ops.ragged_batch import AttentionView, RaggedBatch
+from myserve.ops.reductions import fused_max, fused_sum
 from myserve.ops.tpu_attention import kernel_attention, pallas_fit
 
 logger = logging.getLogger(__name__)
@@ -179,8 +180,8 @@ def _view_attention(
         # the same numbers (its corrections multiply zeros), through more small ops: a decode
         # token's layer is dozens of them, each costing more to run than to compute on a CPU.
         s, values = scores(0)
-        p = jnp.exp(s - s.max(axis=2, keepdims=True))
-        denom, acc = p.sum(axis=2), weighted(p, values)
+        p = jnp.exp(s - fused_max(s, axis=2, keepdims=True))
+        denom, acc = fused_sum(p, axis=2), weighted(p, values)
     else:
 
         def body(
@@ -188,10 +189,10 @@ def _view_attention(
         ) -> tuple[jax.Array, jax.Array, jax.Array]:
             m, denom, acc = carry
             s, values = scores(i)
-            m_new = jnp.maximum(m, s.max(axis=2))
+            m_new = jnp.maximum(m, fused_max(s, axis=2))
             p = jnp.exp(s - m_new[:, :, None, :])
             correction = jnp.exp(m - m_new)
-            denom = denom * correction + p.sum(axis=2)
+            denom = denom * correction + fused_sum(p, axis=2)
             acc = acc * correction.transpose(1, 0, 2)[..., None] + weighted(p, values)
             return m_new, denom, acc
 
@@ -244,16 +245,15 @@ def ragged_attention(
         raise ValueError("the GPU decode kernel has no sliding window or soft cap")
     t, h, d = q.shape
     padded = jnp.concatenate([q, jnp.zeros((1, h, d), q.dtype)])
-    out = jnp.zeros((t + 1, h, d), jnp.float32)
-    for view in (batch.single, batch.blocks):
-        if view.idx.shape[0] == 0:
-            continue
+    views = [view for view in (batch.single, batch.blocks) if view.idx.shape[0]]
+    outputs = []
+    for view in views:
         if batch.decode_kernel and view is batch.single:
             rows = decode_attention(
                 padded[view.idx[:, 0]], cache, layer, view.kv_lens, view.pages,
                 sm_scale=sm_scale, cache_sharding=cache_sharding,
             )  # fmt: skip
-            out = out.at[view.idx[:, 0]].set(rows.astype(jnp.float32))
+            outputs.append(rows.astype(jnp.float32).reshape(-1, h, d))
             continue
         chunk = batch.chunk_pages
         # Longer iterations where they are cheap: a one-token row's scores are small, and a CPU's
@@ -267,9 +267,26 @@ def ragged_attention(
             chunk_pages=chunk, sm_scale=sm_scale, heads_sharded=heads_sharded,
             window=window, soft_cap=soft_cap,
         )  # fmt: skip
-        # Padding entries all point at row T, which is dropped.
-        out = out.at[view.idx.reshape(-1)].set(rows.reshape(-1, h, d))
-    return out[:t].astype(q.dtype)
+        outputs.append(rows.reshape(-1, h, d))
+    # Each token's row, gathered (a scatter of rows into the tokens is an op of its own and a
+    # bounds check per layer on XLA:CPU; the gather fuses into the output projection's input).
+    stacked = jnp.concatenate([*outputs, jnp.zeros((1, h, d), jnp.float32)])
+    out = stacked.at[token_rows(views, t)].get(mode="promise_in_bounds")
+    return out.astype(q.dtype)
+
+
+def token_rows(views: list[AttentionView], num_tokens: int) -> jax.Array:
+    """[T] where each flat token's attention output sits among ``views``' rows stacked (each view's
+    rows flattened, in order), or one past them for a token no view holds (padding). The same for
+    every layer, so XLA computes it once per step."""
+    total = sum(view.idx.size for view in views)
+    rows = jnp.full((num_tokens + 1,), total, jnp.int32)
+    at = 0
+    for view in views:
+        # Padding entries all point at token T, which is dropped.
+        rows = rows.at[view.idx.reshape(-1)].set(at + jnp.arange(view.idx.size, dtype=jnp.int32))
+        at += view.idx.size
+    return rows[:num_tokens]
 
 
 def resolve_backend(

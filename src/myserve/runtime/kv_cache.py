@@ -22,11 +22,12 @@ Cache = KVCache | KernelKVCache
 
 
 def kv_cache_shape(spec: ModelSpec, num_pages: int, page_size: int, backend: str = "reference") -> tuple[int, ...]:
-    """Shape of each cache array: the reference's K (and V) [layers, kv_heads, pages, page_size,
-    head_dim], or the kernel's [layers, pages, page_size, 2 * kv_heads, head_dim]."""
+    """Shape of each cache array for a pool of ``num_pages``: the reference's K (and V) [layers,
+    kv_heads, pages + 1, page_size, head_dim] (with its spare page, ``KVCache.spare_page``), or the
+    kernel's [layers, pages, page_size, 2 * kv_heads, head_dim]."""
     if backend == "pallas":
         return (spec.num_layers, num_pages, page_size, 2 * spec.num_kv_heads, spec.head_dim)
-    return (spec.num_layers, spec.num_kv_heads, num_pages, page_size, spec.head_dim)
+    return (spec.num_layers, spec.num_kv_heads, num_pages + 1, page_size, spec.head_dim)
 
 
 def make_cache(arrays: list[jax.Array], backend: str = "reference") -> Cache:

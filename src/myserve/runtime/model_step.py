@@ -216,7 +216,7 @@ def decode_loop(
     row_steps = ints[:, STEPS]
     view = batch.single
     pos0 = view.positions[:, 0]
-    page_size, dropped = cache.page_size, cache.num_pages  # a write to page num_pages is dropped
+    page_size, dropped = cache.page_size, cache.spare_page  # a write there leaves the pool untouched
     stop_ids = sampling.banned_ids  # [N1, MAX_BANNED], -1 padding
 
     def body(
