@@ -17,6 +17,9 @@ from myserve.runtime.device import Device
 from myserve.runtime.kv_sizing import peak_report
 from myserve.runtime.step_ops import CompileSteps
 
+_BAR_LOCK = threading.RLock()
+"""The lock of every warm-up progress bar of this process."""
+
 logger = logging.getLogger(__name__)
 
 
@@ -54,8 +57,10 @@ def warm_up(
         from tqdm import tqdm
 
         # tqdm's default lock is a multiprocessing semaphore, which a core process leaves
-        # behind (it ends with os._exit) and the resource tracker warns about at exit.
-        tqdm.set_lock(threading.RLock())
+        # behind (it ends with os._exit) and the resource tracker warns about at exit. One lock
+        # for the process: engines warming up in threads at once (replicas) each setting a new
+        # one would release a lock another bar acquired ("cannot release un-acquired lock").
+        tqdm.set_lock(_BAR_LOCK)
         bar = tqdm(total=total, desc="warmup (compiling step shapes)", unit="shape")
     # Counted from when the deployment started building steps early, if it did.
     t0, *before = since or (t0, *compile_counts())
