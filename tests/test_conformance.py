@@ -18,7 +18,7 @@ from myserve.bench.soak_checks import parse_metrics
 from myserve.frontend.app import create_app
 from myserve.frontend.detokenizer import token_bytes
 from myserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
-from myserve.testing import collect
+from myserve.testing import collect, wait_primed
 from myserve.wire.params import SamplingParams
 
 MODEL = "smol"
@@ -321,10 +321,7 @@ def test_time_in_the_queue_counts_toward_the_deadline(service, caplog: pytest.Lo
     running = 16  # service's engine.max_num_seqs: one request more waits behind them
     # In this process the idle engine may still be priming (each executable's first run, up to a
     # second each on a loaded machine): a request waits for the one in progress, which is not queue time.
-    for replica in getattr(service, "replicas", ()):
-        until = time.monotonic() + 300
-        while not replica.runner.primed and time.monotonic() < until:
-            time.sleep(0.1)
+    wait_primed(service)
 
     async def one(client: httpx.AsyncClient, i: int) -> tuple[int, float]:
         t0 = time.monotonic()

@@ -211,10 +211,13 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, RequestEndings):
                 if self.has_work():
                     self._step()
                     self._flush()
+                    if priming is None:  # look again once the work is done (see below)
+                        priming = True
                     continue
                 self.timer.idle()  # the next step follows a wait for requests, not a step
-                if priming is not None:
-                    priming = self._prime_next()
+                # Asked again after each spell of work (cheap once none is left): a runner warmed up
+                # again (a test's, on its own thread while this one waited) has executables to prime.
+                priming = self._prime_next()
         except BaseException as e:  # the engine must never die silently: fail every request
             logger.exception("engine thread crashed")
             self.dead = e

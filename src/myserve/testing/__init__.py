@@ -13,7 +13,7 @@ from myserve.testing.checkpoints import (
     make_tiny_checkpoint,
 )
 from myserve.testing.fake_core import FakeCore, FakeDevice, FakeTokenizer, assert_consistent, scripted_token
-from myserve.testing.services import collect, start_client, start_service, streamed_and_not
+from myserve.testing.services import collect, start_client, start_service, streamed_and_not, wait_primed
 
 __all__ = [
     "NESTED_SCHEMA",
@@ -33,4 +33,5 @@ __all__ = [
     "start_client",
     "start_service",
     "streamed_and_not",
+    "wait_primed",
 ]

@@ -4,6 +4,7 @@ to drain their streams."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -70,3 +71,17 @@ def collect(stream: Any) -> tuple[list[int], str, str | None]:
         text += out.text
         finish = out.finish_reason or finish
     return tokens, text, finish
+
+
+def wait_primed(service: Any, timeout_s: float = 300.0) -> None:
+    """Wait until every replica of an in-process ``service`` has run each step executable once.
+
+    The idle engine thread primes them one at a time (``ModelRunner.prime_next``), and a prime
+    donates the KV cache and the penalty counts: a test that drives the runner from its own thread
+    (``runner.warmup()``) must wait, or both threads donate the same arrays; a test that times a
+    request must wait, or the request queues behind the prime in progress."""
+    for replica in getattr(service, "replicas", ()):
+        until = time.monotonic() + timeout_s
+        while not replica.runner.primed and time.monotonic() < until:
+            time.sleep(0.05)
+        assert replica.runner.primed, f"the engine did not prime its executables in {timeout_s:.0f} s"
