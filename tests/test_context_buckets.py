@@ -8,6 +8,7 @@ import dataclasses
 
 from myserve.config import EngineConfig
 from myserve.runtime.buckets import FEW_SINGLES, Buckets, default_context_buckets
+from myserve.runtime.sampling_rows import HEAD_MODES
 from myserve.runtime.step_layout import Span
 
 CFG = EngineConfig(
@@ -30,6 +31,24 @@ def test_warmup_builds_the_widest_now_and_the_narrower_in_the_background_narrowe
     assert later.loops == ()
     _, with_loops = BUCKETS.compile_ops(decode_steps=4)
     assert with_loops.shapes == later.shapes and with_loops.loops  # the loops after the forwards
+
+
+def test_several_token_calls_take_the_narrowest_decode_width_that_holds_every_row() -> None:
+    """Several-token decode calls are built at every context bucket up to ``first_width`` (512
+    tokens), widest first, for each row count and sampler mode; a call takes the narrowest that
+    holds its longest page table (a one-row decode's attention reads the whole bucket each token)."""
+    assert BUCKETS.first_width == 32 and BUCKETS.decode_widths == [8, 32]
+    _, later = BUCKETS.compile_ops(decode_steps=4)
+    loops = [(shape.width, shape.singles, steps, mode) for shape, steps, mode in later.loops]
+    assert loops == [(w, r, 4, m) for w in (32, 8) for r in (1, 8) for m in HEAD_MODES]
+    assert all(shape.blocks == 0 and shape.tokens == shape.singles for shape, _, _ in later.loops)
+    assert BUCKETS.fit_decode([decode(3), decode(8)]) == BUCKETS.decode_shape(8, 8)
+    assert BUCKETS.fit_decode([decode(9)]) == BUCKETS.decode_shape(1, 32) == BUCKETS.decode_shape(1)
+    assert BUCKETS.fit_decode([decode(32)]).width == 32 and BUCKETS.fit_decode([decode(33)]) is None
+    assert BUCKETS.fit_decode([decode(2)] * 9) is None  # more rows than the largest decode call
+    # Where no context bucket is narrower than 512 tokens (the accelerators' defaults), one width.
+    gpu = Buckets.from_config(EngineConfig(**{**CFG.__dict__, "context_buckets": ()}), 2048, platform="gpu")
+    assert gpu.decode_widths == [gpu.first_width] == [32]
 
 
 def test_a_step_takes_the_narrowest_built_context_bucket_that_holds_it() -> None:

@@ -163,6 +163,14 @@ class Buckets:
         least = -(-DEFAULT_FIRST_CONTEXT // self.page_size)
         return next((w for w in widths if w >= least), widths[-1])
 
+    @property
+    def decode_widths(self) -> list[int]:
+        """The context buckets of the several-token decode calls, narrowest first: ``first_width``
+        and the narrower ones (on CPU, ``CPU_FIRST_CONTEXTS``). A call's attention reads its whole
+        context bucket for each row and token, so a row whose context fits a narrower one decodes
+        in it (16-layer yardstick, one row: 0.80 ms a token in a 128-token bucket, 1.12 in 512)."""
+        return [w for w in self._widths() if w <= self.first_width]
+
     def first_shapes(self) -> list[StepShape]:
         """Every token bucket at the first context bucket (``first_width``)."""
         return [self.shape(t, self.first_width) for t in self.tokens]
@@ -174,8 +182,8 @@ class Buckets:
         forwards at the narrower context buckets and the few-rows variants (a step uses one once it
         is built, ``fit``), and with ``decode_steps`` > 1 the several-token decode calls (every row
         count and mode, at the first context bucket: a step that needs a wider one decodes one token
-        per call). Start-up so pays for one context bucket, as it did when the attention's loop had
-        a dynamic length."""
+        per call; built at each of ``decode_widths``). Start-up so pays for one context bucket, as
+        it did when the attention's loop had a dynamic length."""
         rows = self.decode_rows()
         heads = tuple((r, mode) for r in rows for mode in HEAD_MODES)
         widest = self._widths()[-1]
@@ -183,7 +191,12 @@ class Buckets:
         now = CompileSteps(first, heads, tuple(self.tokens))
         loops: tuple[tuple[StepShape, int, str], ...] = ()
         if decode_steps > 1:
-            loops = tuple((self.decode_shape(r), decode_steps, mode) for r in rows for mode in HEAD_MODES)
+            loops = tuple(
+                (self.decode_shape(r, w), decode_steps, mode)
+                for w in reversed(self.decode_widths)
+                for r in rows
+                for mode in HEAD_MODES
+            )
         later = tuple(s for s in self.shapes() if s not in first)
         return now, CompileSteps(later, loops=loops, background=True)
 
@@ -191,18 +204,20 @@ class Buckets:
         """The sampling-row counts of the token buckets (also the several-token calls' row counts)."""
         return sorted({shape.singles for shape in self.first_shapes()})
 
-    def decode_shape(self, rows: int) -> StepShape:
-        """A step of ``rows`` one-token rows and no blocks at the narrowest context bucket: the shape
-        of a several-token decode call."""
-        return dataclasses.replace(self.shape(rows, self.first_width), tokens=rows, singles=rows, blocks=0)
+    def decode_shape(self, rows: int, width: int | None = None) -> StepShape:
+        """A step of ``rows`` one-token rows and no blocks at context bucket ``width`` (by default
+        ``first_width``, the widest of ``decode_widths``): the shape of a several-token decode call."""
+        width = self.first_width if width is None else width
+        return dataclasses.replace(self.shape(rows, width), tokens=rows, singles=rows, blocks=0)
 
     def fit_decode(self, spans: Sequence[Span]) -> StepShape | None:
-        """The several-token call shape that holds ``spans`` (one-token rows only), or None when
-        none does (more rows than the largest, or a context wider than the narrowest bucket)."""
-        if max((len(s.pages) for s in spans), default=0) > self.first_width:
-            return None
+        """The several-token call shape that holds ``spans`` (one-token rows only): the fewest rows,
+        then the narrowest of ``decode_widths`` that holds the longest page table; None when none
+        does (more rows than the largest, or a context wider than ``first_width``)."""
+        pages = max((len(s.pages) for s in spans), default=0)
+        width = next((w for w in self.decode_widths if w >= pages), None)
         rows = next((r for r in self.decode_rows() if r >= len(spans)), None)
-        return None if rows is None else self.decode_shape(rows)
+        return None if rows is None or width is None else self.decode_shape(rows, width)
 
     @property
     def max_prefill_chunks(self) -> int:
