@@ -46,6 +46,11 @@ def test_several_token_calls_take_the_narrowest_decode_width_that_holds_every_ro
     assert BUCKETS.fit_decode([decode(9)]) == BUCKETS.decode_shape(1, 32) == BUCKETS.decode_shape(1)
     assert BUCKETS.fit_decode([decode(32)]).width == 32 and BUCKETS.fit_decode([decode(33)]) is None
     assert BUCKETS.fit_decode([decode(2)] * 9) is None  # more rows than the largest decode call
+    # The narrower calls are built after first_width's and used once built; first_width's always are.
+    assert BUCKETS.fit_decode([decode(3)], lambda shape: False) == BUCKETS.decode_shape(1, 32)
+    only_one_row = {BUCKETS.decode_shape(1, 8)}
+    assert BUCKETS.fit_decode([decode(3)], lambda shape: shape in only_one_row) == BUCKETS.decode_shape(1, 8)
+    assert BUCKETS.fit_decode([decode(3)] * 2, lambda shape: shape in only_one_row) == BUCKETS.decode_shape(8, 32)
     # Where no context bucket is narrower than 512 tokens (the accelerators' defaults), one width.
     gpu = Buckets.from_config(EngineConfig(**{**CFG.__dict__, "context_buckets": ()}), 2048, platform="gpu")
     assert gpu.decode_widths == [gpu.first_width] == [32]

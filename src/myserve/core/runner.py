@@ -147,6 +147,7 @@ class ModelRunner:
         self.decode_steps = decode_steps
         self._loops_ready = False
         self._usable: set[StepShape] = set()  # forwards of narrower context buckets seen built
+        self._loops_usable: set[StepShape] = set()  # several-token calls of narrower ones seen built
         self._to_prime: list[list[PrimeSteps]] = []
         """Executables to run once while the engine is idle (``prime_next``): those built before
         ready, then those built in the background."""
@@ -217,7 +218,7 @@ class ModelRunner:
         spans = [span_of(c, self._inflight_rows) for c in chunks]
         steps = max((c.steps for c in chunks), default=1)
         if steps > 1:  # one-token rows only, each decoding its own count of tokens in one call
-            decode_shape = self.buckets.fit_decode(spans)
+            decode_shape = self.buckets.fit_decode(spans, self._loop_built)
             assert decode_shape is not None, "the scheduler sizes several-token decodes to fit a call"
             shape, steps = decode_shape, self.decode_steps
         else:
@@ -320,13 +321,24 @@ class ModelRunner:
     def _built(self, shape: StepShape) -> bool:
         return shape_built(self.device, self._usable, shape)
 
+    def _loop_built(self, shape: StepShape) -> bool:
+        if shape in self._loops_usable:
+            return True
+        if self.device.loop_ready(shape, self.decode_steps):
+            self._loops_usable.add(shape)
+            return True
+        return False
+
     def several_tokens_ready(self) -> bool:
-        """Whether several-token decode calls can be planned: their executables are built (they are
-        built in the background after warmup; until then every decode is one token per call)."""
+        """Whether several-token decode calls can be planned: those at ``Buckets.first_width`` are
+        built for every row count and mode (they are built in the background after warmup, after the
+        narrower forwards; until then every decode is one token per call). The narrower ones come
+        next and are used once built (``Buckets.fit_decode``)."""
         if not self._loops_ready:
-            self._loops_ready = self.device.background_builds_done(0)
+            rows = self.buckets.decode_rows()
+            self._loops_ready = all(self._loop_built(self.buckets.decode_shape(r)) for r in rows)
             if self._loops_ready:
-                logger.info("background builds done: all context buckets; %d tokens per decode call", self.decode_steps)
+                logger.info("several-token calls built: %d tokens per decode call", self.decode_steps)
         return self._loops_ready
 
     # -- warmup -------------------------------------------------------------------------------

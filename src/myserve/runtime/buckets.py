@@ -210,14 +210,20 @@ class Buckets:
         width = self.first_width if width is None else width
         return dataclasses.replace(self.shape(rows, width), tokens=rows, singles=rows, blocks=0)
 
-    def fit_decode(self, spans: Sequence[Span]) -> StepShape | None:
+    def fit_decode(self, spans: Sequence[Span], usable: Callable[[StepShape], bool] | None = None) -> StepShape | None:
         """The several-token call shape that holds ``spans`` (one-token rows only): the fewest rows,
-        then the narrowest of ``decode_widths`` that holds the longest page table; None when none
-        does (more rows than the largest, or a context wider than ``first_width``)."""
+        then the narrowest of ``decode_widths`` that holds the longest page table and is ``usable``
+        (built: the narrower ones are built after ``first_width``'s, which is always usable); None
+        when none holds them (more rows than the largest, or a context wider than ``first_width``)."""
         pages = max((len(s.pages) for s in spans), default=0)
-        width = next((w for w in self.decode_widths if w >= pages), None)
         rows = next((r for r in self.decode_rows() if r >= len(spans)), None)
-        return None if rows is None or width is None else self.decode_shape(rows, width)
+        if rows is None or pages > self.first_width:
+            return None
+        for width in self.decode_widths:
+            shape = self.decode_shape(rows, width)
+            if width >= pages and (width == self.first_width or usable is None or usable(shape)):
+                return shape
+        raise AssertionError("first_width is the widest of decode_widths")
 
     @property
     def max_prefill_chunks(self) -> int:

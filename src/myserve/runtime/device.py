@@ -71,3 +71,8 @@ class Device(Protocol):
         """Whether the forward executable of ``shape`` is built, without waiting (one of a narrower
         context bucket is built in the background after ready)."""
         ...
+
+    def loop_ready(self, shape: StepShape, steps: int) -> bool:
+        """Whether the several-token decode executables of ``shape`` and ``steps`` are built for
+        every sampler mode, without waiting (they are built in the background after ready)."""
+        ...

@@ -41,7 +41,7 @@ from myserve.runtime.model_step import (
 )
 from myserve.runtime.priming import prime_built
 from myserve.runtime.sampler import SampleOutput
-from myserve.runtime.sampling_rows import MAX_TOP_LOGPROBS, SamplingRows
+from myserve.runtime.sampling_rows import HEAD_MODES, MAX_TOP_LOGPROBS, SamplingRows
 from myserve.runtime.small_ops import clear_slot, copy_page, write_adapter, write_slot
 from myserve.runtime.step_arrays import pack_step
 from myserve.runtime.step_cache import StepCache
@@ -317,6 +317,10 @@ class Executor:
     def step_ready(self, shape: StepShape) -> bool:
         """Whether the forward of ``shape`` is built (without waiting)."""
         return self.compiled.ready(("forward", shape))
+
+    def loop_ready(self, shape: StepShape, steps: int) -> bool:
+        """Whether the several-token decode calls of ``shape`` are built for every sampler mode (without waiting)."""
+        return bool(self.sampler) and all(self.compiled.ready(("loop", shape, steps, mode)) for mode in HEAD_MODES)
 
     def read(self, output: StepOutput, *, tops: bool, scored: bool, pooled: bool = False) -> StepRead:
         """A step's results on the host, fetched in one transfer (``Device.read``)."""

@@ -116,6 +116,10 @@ class BroadcastingDevice:
         waits for its own build when the step comes)."""
         return self.executor.step_ready(shape)
 
+    def loop_ready(self, shape: StepShape, steps: int) -> bool:
+        """Whether this process has built the several-token calls of ``shape`` (as ``step_ready``)."""
+        return self.executor.loop_ready(shape, steps)
+
 
 def _step_channel() -> StepChannel:
     assert _channel is not None, "multihost.initialize opens the step channel of a multi-process run"

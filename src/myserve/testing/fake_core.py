@@ -160,6 +160,10 @@ class FakeDevice:
         """Nothing is built here: every shape is ready."""
         return True
 
+    def loop_ready(self, shape: Any, steps: int) -> bool:
+        """Nothing is built here: every several-token call is ready."""
+        return True
+
     def read(self, output: Any, *, tops: bool, scored: bool, pooled: bool = False) -> Any:
         """The step's rows, with top logprobs, prompt scores and pooled rows only when asked for (as
         ``Executor.read``)."""
