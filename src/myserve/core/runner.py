@@ -148,6 +148,7 @@ class ModelRunner:
         self._loops_ready = False
         self._usable: set[StepShape] = set()  # forwards of narrower context buckets seen built
         self._loops_usable: set[StepShape] = set()  # several-token calls of narrower ones seen built
+        self._first_loops = [buckets.decode_shape(r) for r in buckets.decode_rows()]  # at first_width
         self._to_prime: list[list[PrimeSteps]] = []
         """Executables to run once while the engine is idle (``prime_next``): those built before
         ready, then those built in the background."""
@@ -334,9 +335,8 @@ class ModelRunner:
         built for every row count and mode (they are built in the background after warmup, after the
         narrower forwards; until then every decode is one token per call). The narrower ones come
         next and are used once built (``Buckets.fit_decode``)."""
-        if not self._loops_ready:
-            rows = self.buckets.decode_rows()
-            self._loops_ready = all(self._loop_built(self.buckets.decode_shape(r)) for r in rows)
+        if not self._loops_ready and self.decode_steps > 1:  # (asked every step: K = 1 answers at once)
+            self._loops_ready = all(self._loop_built(shape) for shape in self._first_loops)
             if self._loops_ready:
                 logger.info("several-token calls built: %d tokens per decode call", self.decode_steps)
         return self._loops_ready
