@@ -105,11 +105,10 @@ class Executor:
             (model, outer, layers),
             None,
         ]
-        """Two slots of weights (model, outer part, each layer's leaves): a step runs on the one its
-        ``StepCall.weights`` names; the second holds a new version while the old one drains."""
+        """Two weight slots (model, outer, layers' leaves): a step runs on ``StepCall.weights``'s;
+        the second holds a new version while the old one drains."""
         self._lora_leaves = lora_leaf_indices(model)
-        """Positions of the LoRA stacks among a layer's leaves (``LoraLayer`` field order; none
-        without adapters)."""
+        """Positions of the LoRA stacks among a layer's leaves (``LoraLayer`` order; none without)."""
         backend = model.attention_backend  # picks the cache's layout (the kernel reads its own)
         self.cache_sharding = kv_cache_sharding(mapping, mesh, backend)
         # Penalty state is small next to the cache: replicated, so every row's slot is local.
@@ -236,9 +235,8 @@ class Executor:
 
     def _small_op(self, fn: Any, args: tuple[Any, ...], static: tuple[Any, ...] = ()) -> Any:
         """A page copy or penalty-slot write, through its executable built on first use (warmup's):
-        a jitted call would compile again whenever its inputs' sharding objects change (a step
-        loaded from the step cache returns its outputs with other, equivalent, sharding objects
-        than a compiled one), and nothing may compile after warmup."""
+        a jitted call would compile again whenever its inputs' sharding objects change (a loaded
+        step returns equivalent but other ones than a compiled one); nothing compiles after warmup."""
         compiled = self._small_ops.get(fn)
         if compiled is None:
             compiled = self._small_ops[fn] = fn.lower(*args, *static).compile()
@@ -280,8 +278,7 @@ class Executor:
         return StepOutput(sampled, scores, fwd.pooled)
 
     def _bitmask(self, op: StepCall) -> Any:
-        """The step's grammar masks for every sampling row: the constrained rows' masks, or the
-        all-ones mask kept on the device when no row is constrained."""
+        """Every sampling row's grammar mask: the constrained rows', or the device's all-ones one."""
         if op.bitmask is None:
             return self.no_mask(op.shape.singles)
         # Placed as the all-ones one is: the executable takes one sharding.
@@ -309,8 +306,7 @@ class Executor:
         self.compiled.stop_background()
 
     def memory_stats(self) -> list[dict[str, int]]:
-        """Each device's allocator figures (``peak_bytes_in_use``, ``bytes_limit``...); empty
-        dicts where the platform reports none (the CPU)."""
+        """Each device's allocator figures (``peak_bytes_in_use``...); empty where none (the CPU)."""
         here = jax.process_index()  # another process's devices of a multi-host mesh report nothing here
         return [dict(d.memory_stats() or {}) for d in self.mesh.devices.flat if d.process_index == here]
 
@@ -319,8 +315,8 @@ class Executor:
         return self.compiled.ready(("forward", shape))
 
     def loop_ready(self, shape: StepShape, steps: int) -> bool:
-        """Whether the several-token decode calls of ``shape`` are built for every sampler mode (without waiting)."""
-        return bool(self.sampler) and all(self.compiled.ready(("loop", shape, steps, mode)) for mode in HEAD_MODES)
+        """Whether the several-token calls of ``shape`` are built for every sampler mode (without waiting)."""
+        return bool(self.sampler) and all(self.compiled.ready(("loop", shape, steps, m)) for m in HEAD_MODES)
 
     def read(self, output: StepOutput, *, tops: bool, scored: bool, pooled: bool = False) -> StepRead:
         """A step's results on the host, fetched in one transfer (``Device.read``)."""
