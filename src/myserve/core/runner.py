@@ -94,13 +94,13 @@ def _tops(read: Any, tops: bool, i: int, row: int) -> tuple[np.ndarray, np.ndarr
     return read.top_ids[i, row], read.top_logprobs[i, row]
 
 
-def shape_built(device: Device, seen: set[StepShape], shape: StepShape) -> bool:
-    """Whether a step may run in ``shape`` on ``device``: its forward is built (one of a narrower
-    context bucket is built in the background after ready; until then the step takes a wider one).
-    ``seen`` remembers the shapes found built."""
+def shape_built(device: Device, seen: set[StepShape], shape: StepShape, steps: int = 1) -> bool:
+    """Whether a step may run in ``shape`` on ``device``: its forward is built, or with ``steps`` > 1
+    its several-token calls (those of a narrower context bucket are built in the background after
+    ready; until then the step takes a wider one). ``seen`` remembers the shapes found built."""
     if shape in seen:
         return True
-    if device.step_ready(shape):
+    if device.step_ready(shape) if steps == 1 else device.loop_ready(shape, steps):
         seen.add(shape)
         return True
     return False
@@ -323,12 +323,7 @@ class ModelRunner:
         return shape_built(self.device, self._usable, shape)
 
     def _loop_built(self, shape: StepShape) -> bool:
-        if shape in self._loops_usable:
-            return True
-        if self.device.loop_ready(shape, self.decode_steps):
-            self._loops_usable.add(shape)
-            return True
-        return False
+        return shape_built(self.device, self._loops_usable, shape, self.decode_steps)
 
     def several_tokens_ready(self) -> bool:
         """Whether several-token decode calls can be planned: those at ``Buckets.first_width`` are
