@@ -139,8 +139,10 @@ def _view_attention(
     kvh = cache.k.shape[1]
     g = h // kvh
     m_rows = qn * g
-    # [N, KVH, Q * g, D]: the queries of a row that read one KV head, query-major.
-    qm = q[view.idx].reshape(n, qn, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(n, kvh, m_rows, d)
+    # [KVH, N, Q * g, D]: the queries of a row that read one KV head, query-major. Scores are
+    # [KVH, N, Q * g, span], keys last: the softmax reduces the minor axis and its output is the
+    # values product's left operand as XLA:CPU's dot takes it, with no transposed copy between.
+    qm = q[view.idx].reshape(n, qn, kvh, g, d).transpose(2, 0, 1, 3, 4).reshape(kvh, n, m_rows, d)
     q_pos = jnp.repeat(view.positions, g, axis=1)  # [N, Q * g]
     span = chunk_pages * cache.page_size
     num_chunks = view.pages.shape[1] // chunk_pages
@@ -152,7 +154,7 @@ def _view_attention(
         first = jnp.clip(oldest // span, 0, num_chunks - steps).astype(jnp.int32)
 
     def scores(i: int | jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Chunk ``i``'s masked scores [KVH, N, span, M] and values [KVH, N, span, D]."""
+        """Chunk ``i``'s masked scores [KVH, N, M, span] and values [KVH, N, span, D]."""
         if window is None:  # every row reads chunk i
             pages = lax.dynamic_slice_in_dim(view.pages, i * chunk_pages, chunk_pages, axis=1)
             kv_pos = jnp.broadcast_to(i * span + jnp.arange(span), (n, span))
@@ -163,25 +165,25 @@ def _view_attention(
         keys, values = (
             _gather_pages(x, layer, pages, heads_sharded).reshape(kvh, n, span, d) for x in (cache.k, cache.v)
         )
-        mask = (kv_pos[:, :, None] <= q_pos[:, None, :]) & (kv_pos[:, :, None] < view.kv_lens[:, None, None])
+        mask = (kv_pos[:, None, :] <= q_pos[:, :, None]) & (kv_pos[:, None, :] < view.kv_lens[:, None, None])
         if window is not None:
-            mask &= kv_pos[:, :, None] > q_pos[:, None, :] - window
-        s = jnp.einsum("knsd,nkmd->knsm", keys, qm, preferred_element_type=jnp.float32) * sm_scale
+            mask &= kv_pos[:, None, :] > q_pos[:, :, None] - window
+        s = jnp.einsum("knmd,knsd->knms", qm, keys, preferred_element_type=jnp.float32) * sm_scale
         if soft_cap is not None:  # as transformers: on the scaled scores, before the mask
             s = soft_cap * jnp.tanh(s / soft_cap)
-        return jnp.where(mask[None], s, _MASK_VALUE), values  # [KVH, N, span, M]
+        return jnp.where(mask[None], s, _MASK_VALUE), values  # [KVH, N, M, span]
 
     def weighted(p: jax.Array, values: jax.Array) -> jax.Array:
-        """The values summed by weights ``p`` [KVH, N, span, M]: [N, KVH, M, D] float32."""
-        return jnp.einsum("knsm,knsd->nkmd", p.astype(values.dtype), values, preferred_element_type=jnp.float32)
+        """The values summed by weights ``p`` [KVH, N, M, span]: [KVH, N, M, D] float32."""
+        return jnp.einsum("knms,knsd->knmd", p.astype(values.dtype), values, preferred_element_type=jnp.float32)
 
     if steps == 1:
         # One chunk (most decode steps): a plain softmax. The online one's first iteration gives
         # the same numbers (its corrections multiply zeros), through more small ops: a decode
         # token's layer is dozens of them, each costing more to run than to compute on a CPU.
         s, values = scores(0)
-        p = jnp.exp(s - fused_max(s, axis=2, keepdims=True))
-        denom, acc = fused_sum(p, axis=2), weighted(p, values)
+        p = jnp.exp(s - fused_max(s, axis=3, keepdims=True))
+        denom, acc = fused_sum(p, axis=3), weighted(p, values)
     else:
 
         def body(
@@ -189,21 +191,21 @@ def _view_attention(
         ) -> tuple[jax.Array, jax.Array, jax.Array]:
             m, denom, acc = carry
             s, values = scores(i)
-            m_new = jnp.maximum(m, fused_max(s, axis=2))
-            p = jnp.exp(s - m_new[:, :, None, :])
+            m_new = jnp.maximum(m, fused_max(s, axis=3))
+            p = jnp.exp(s - m_new[..., None])
             correction = jnp.exp(m - m_new)
-            denom = denom * correction + fused_sum(p, axis=2)
-            acc = acc * correction.transpose(1, 0, 2)[..., None] + weighted(p, values)
+            denom = denom * correction + fused_sum(p, axis=3)
+            acc = acc * correction[..., None] + weighted(p, values)
             return m_new, denom, acc
 
         init = (
             jnp.full((kvh, n, m_rows), _MASK_VALUE, jnp.float32),
             jnp.zeros((kvh, n, m_rows), jnp.float32),
-            jnp.zeros((n, kvh, m_rows, d), jnp.float32),
+            jnp.zeros((kvh, n, m_rows, d), jnp.float32),
         )
         _, denom, acc = lax.fori_loop(0, steps, body, init)
-    out = acc / jnp.maximum(denom, 1e-30).transpose(1, 0, 2)[..., None]
-    return out.reshape(n, kvh, qn, g, d).transpose(0, 2, 1, 3, 4).reshape(n, qn, h, d)
+    out = acc / jnp.maximum(denom, 1e-30)[..., None]
+    return out.reshape(kvh, n, qn, g, d).transpose(1, 2, 0, 3, 4).reshape(n, qn, h, d)
 
 
 SINGLE_CHUNKS = 4
