@@ -15,7 +15,7 @@ decode token's layer is.)
 
 Head-major: the pages of one KV head are one contiguous block, so gathering a row's pages for a
 head gives its keys as a contiguous ``[context, head_dim]`` matrix, and the reference attention
-computes ``K @ q^T`` with the keys as the left operand of a plain GEMM. With K/V interleaved per
+computes ``q @ K^T`` with the keys as they lie (a GEMM with a transposed operand). With K/V interleaved per
 token XLA:CPU has to transpose the gathered keys of every layer of every step, and that transpose,
 the gather and tiny per-head batched dots cost SmolLM2 about 2x the time of all its matmuls at 32
 concurrent decodes (measured: 6.5 -> 3.4 ms per layer). The GPU decode kernel reads this layout too.
