@@ -285,6 +285,7 @@ def test_disconnected_requests_count_their_tokens(live, service, caplog: pytest.
 def test_request_timeout_aborts_and_counts(service, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", logger="myserve.requests")
     server = LiveServer(create_app(service, served_model_name=MODEL, request_timeout_s=1.0))
+    wait_primed(service)  # the 2-token request below must not wait for a prime (a second each) or pay one
     try:
         assert post(server, "/v1/chat/completions", **{**LONG_CHAT, "max_tokens": 2}).status_code == 200
         before = counters(server)
@@ -319,8 +320,8 @@ def test_time_in_the_queue_counts_toward_the_deadline(service, caplog: pytest.Lo
     caplog.set_level("INFO", logger="myserve.requests")
     server = LiveServer(create_app(service, served_model_name=MODEL, request_timeout_s=1.0))
     running = 16  # service's engine.max_num_seqs: one request more waits behind them
-    # In this process the idle engine may still be priming (each executable's first run, up to a
-    # second each on a loaded machine): a request waits for the one in progress, which is not queue time.
+    # The idle engine may still be priming (each executable's first run, up to a second each on a
+    # loaded machine): a request waits for the one in progress, which is not queue time.
     wait_primed(service)
 
     async def one(client: httpx.AsyncClient, i: int) -> tuple[int, float]:

@@ -62,6 +62,7 @@ class EngineCounters:
             weight_swaps=self.weight_swaps,
             weights_version=str(self.weights_info["version"]),
             weights_loaded_at=float(cast(float, self.weights_info["loaded_at"])),
+            primed=all(r.runner.warmed_up and r.runner.primed for r in self.replicas),
         )
 
 

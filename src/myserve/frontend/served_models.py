@@ -57,11 +57,12 @@ class ServedModels:
         return context
 
     def cards(self) -> list[dict[str, Any]]:
-        """``/v1/models``: one card per name (aliases too), models in order, each followed by its
-        LoRA adapters'."""
+        """``/v1/models``: one card per name (aliases too) of each model that serves (loaded), models
+        in order, each followed by its LoRA adapters'."""
         return [
             card
             for context in self.contexts
+            if context.engine.ready.is_set()
             for card in [*(context.model_card(name) for name in context.names), *context.adapter_cards()]
         ]
 

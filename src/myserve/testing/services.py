@@ -74,14 +74,19 @@ def collect(stream: Any) -> tuple[list[int], str, str | None]:
 
 
 def wait_primed(service: Any, timeout_s: float = 300.0) -> None:
-    """Wait until every replica of an in-process ``service`` has run each step executable once.
+    """Wait until ``service``'s engine has run each step executable once: every replica of an
+    in-process service, or an engine core in its own process (as its stats report it).
 
     The idle engine thread primes them one at a time (``ModelRunner.prime_next``), and a prime
     donates the KV cache and the penalty counts: a test that drives the runner from its own thread
     (``runner.warmup()``) must wait, or both threads donate the same arrays; a test that times a
     request must wait, or the request queues behind the prime in progress."""
-    for replica in getattr(service, "replicas", ()):
-        until = time.monotonic() + timeout_s
-        while not replica.runner.primed and time.monotonic() < until:
-            time.sleep(0.05)
-        assert replica.runner.primed, f"the engine did not prime its executables in {timeout_s:.0f} s"
+    replicas = getattr(service, "replicas", None)
+    if replicas is not None:
+        primed = lambda: all(r.runner.primed for r in replicas)  # noqa: E731
+    else:
+        primed = lambda: service.stats().primed  # noqa: E731  (refreshed by the core's heartbeats)
+    until = time.monotonic() + timeout_s
+    while not primed() and time.monotonic() < until:
+        time.sleep(0.05)
+    assert primed(), f"the engine did not prime its executables in {timeout_s:.0f} s"

@@ -123,3 +123,6 @@ class EngineStats:
     """The label of the version of the weights new requests run on."""
     weights_loaded_at: float = 0.0
     """Unix time that version began serving."""
+    primed: bool = False
+    """Whether every step executable has run once (``ModelRunner.primed``); until then the idle engine
+    runs them one at a time, and a request that arrives waits for the one in progress."""
