@@ -116,7 +116,7 @@ class AppContext:
         if self.state.draining:
             raise APIError(503, "the server is shutting down", code="server_draining")
         if not self.engine.ready.is_set():
-            raise APIError(503, "the model is still loading", code="server_not_ready")
+            raise model_loading()
         if model is not None and model not in self.names and model not in self.engine.adapter_paths:
             raise model_not_found(model)
 
@@ -193,6 +193,11 @@ class AppContext:
         if self.request_timeout_s is None:
             return None
         return asyncio.get_running_loop().time() + self.request_timeout_s
+
+
+def model_loading() -> APIError:
+    """The 503 for a model whose engine is still loading."""
+    return APIError(503, "the model is still loading", code="server_not_ready")
 
 
 def model_not_found(model: str) -> APIError:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from myserve.frontend.errors import APIError
+from myserve.frontend.app_context import model_loading
 from myserve.frontend.served_models import Models
 
 router = APIRouter()
@@ -15,7 +15,7 @@ router = APIRouter()
 @router.get("/v1/models")
 async def models(served: Models) -> dict:
     if not any(engine.ready.is_set() for engine in served.engines):
-        raise APIError(503, "the model is still loading", code="server_not_ready")
+        raise model_loading()
     return {"object": "list", "data": served.cards()}
 
 
@@ -25,5 +25,5 @@ async def models(served: Models) -> dict:
 async def model_by_id(model: str, served: Models) -> dict:
     context = served.resolve(model)
     if not context.engine.ready.is_set():
-        raise APIError(503, "the model is still loading", code="server_not_ready")
+        raise model_loading()
     return context.model_card(model)
