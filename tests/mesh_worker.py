@@ -48,6 +48,10 @@ if GPU_KERNEL:
     interpreted = functools.partial(paged_attention, interpret=True)
     gpu_attention._gpu_kernel = lambda: interpreted  # type: ignore[assignment]
     deployment.resolve_backend = lambda *a, **k: "pallas_gpu"  # type: ignore[assignment]
+if os.environ.get("GPU_RAGGED_KERNEL") == "1":  # our kernel: interpreted on a CPU by itself
+    from myserve.runtime import deployment
+
+    deployment.resolve_backend = lambda *a, **k: "pallas_gpu_ragged"  # type: ignore[assignment]
 
 # A small engine: few shapes to compile per mesh.
 ENGINE = (
@@ -108,6 +112,7 @@ def tokens_on(checkpoint: str | None, data: int, model: int, expert: int = 1) ->
             "compiles": stats.compile_count,
             "compiles_after_warmup": compile_count() - warm,
             "cache_layout": type(executor.kv_cache).__name__,
+            "attention_backend": executor.model.attention_backend,
             "cache_spec": str(cache.sharding.spec),
             "cache_kept": cache.sharding.is_equivalent_to(executor.cache_sharding, 5),
             "decode_collectives": decode_collectives(service),

@@ -3,9 +3,11 @@ chunks), and the served step's logits of a sequence fed in chunks, for the parit
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -67,3 +69,13 @@ def chunked_logits(
 def _bucket(n: int) -> int:
     """The power of two at or above ``n``: steps are padded to a few token buckets, as served."""
     return 1 << max(0, (n - 1).bit_length())
+
+
+def cuda_target() -> contextlib.AbstractContextManager[object]:
+    """Where Pallas's Triton lowering reads its GPU: since jax 0.11 it asks the device it lowers for
+    (a compute capability) and, with no GPU here, needs an abstract one: an H100's. Before, it
+    lowered without asking."""
+    if not hasattr(jax.sharding, "AbstractDevice"):
+        return contextlib.nullcontext()
+    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100))

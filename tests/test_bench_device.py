@@ -25,14 +25,25 @@ def test_device_command_runs_tiny_on_cpu(tmp_path: Path) -> None:
     with a reason."""
     output = tmp_path / "device.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "myserve.bench.device", "--workdir", str(tmp_path / "work"), "--output", str(output)],
+        [
+            sys.executable,
+            "-m",
+            "myserve.bench.device",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--output",
+            str(output),
+            "--set",
+            "engine.seed=0",
+        ],  # fmt: skip
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(output.read_text())
-    assert set(doc) == {"device", "jax", "ceilings", "runs"}
+    assert set(doc) == {"device", "jax", "ceilings", "overrides", "runs"}
+    assert doc["overrides"] == ["engine.seed=0"]
     assert doc["device"] == "cpu" and doc["jax"]
     assert set(doc["ceilings"]) == {"copy_bytes_per_s", "matmul_flops_per_s"}
     assert all(v > 0 for v in doc["ceilings"].values())
@@ -45,7 +56,11 @@ def test_device_command_runs_tiny_on_cpu(tmp_path: Path) -> None:
         assert r["tokens_per_s"] > 0 and r["roofline_tokens_per_s"] > 0 and r["prompt_tokens"] > 0
         assert math.isclose(r["roofline_share"], r["tokens_per_s"] / r["roofline_tokens_per_s"], rel_tol=1e-9)
     assert runs["int4-c1"]["quantization"] == "int4" and runs["bf16-c64"]["quantization"] == "none"
-    assert runs["bf16-4k-c64"]["prompt_tokens"] == TINY.long_prompt
+    assert runs["bf16-4k-c64"]["prompt_tokens"] == runs["bf16-4k-c1"]["prompt_tokens"] == TINY.long_prompt
+    # Many streams: the prefill and the decode apart (issue 46's figures).
+    long = runs["bf16-4k-c64"]
+    assert long["prefill_tokens_per_s"] > 0 and long["decode_tokens_per_s"] > 0
+    assert 0 < long["prefill_s"] < long["seconds"]
     # int8 reads about a quarter of the float32 weights' bytes; the MoE only its routed experts' share
     assert runs["int8-c1"]["weight_read_bytes"] < 0.4 * runs["bf16-c1"]["weight_read_bytes"]
     assert "skipped" in runs["llama-3.1-8b-h100"] and runs["llama-3.1-8b-h100"]["tokens_per_s"] is None

@@ -212,7 +212,8 @@ def test_request_timeout_is_off_by_default_and_takes_seconds() -> None:
         ("model.pooling=max", "overrides: model.pooling must be one of auto, last, mean, cls, got 'max'"),
         (
             "engine.attention_backend=flash",
-            "overrides: engine.attention_backend must be one of auto, reference, pallas, got 'flash'",
+            "overrides: engine.attention_backend must be one of auto, reference, pallas, pallas_decode, "
+            "pallas_ragged, got 'flash'",
         ),
         (
             "server.log_level=INFO",

@@ -10,7 +10,6 @@ was available to check that or the kernel's speed).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -18,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
-from ragged_steps import MIXED, mixed_step
+from ragged_steps import MIXED, cuda_target, mixed_step
 
 from myserve.errors import ConfigError
 from myserve.ops import gpu_attention
@@ -77,16 +76,6 @@ def test_split_sizes_divide_as_the_kernel_asserts(width: int) -> None:
         assert (k_splits, per_block) == (16, 8)
 
 
-def _cuda_target() -> contextlib.AbstractContextManager[object]:
-    """Where Pallas's Triton lowering reads its GPU: since jax 0.11 it asks the device it lowers for
-    (a compute capability) and, with no GPU here, needs an abstract one: an H100's. Before, it
-    lowered without asking."""
-    if not hasattr(jax.sharding, "AbstractDevice"):
-        return contextlib.nullcontext()
-    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100))
-
-
 def test_the_step_lowers_to_one_triton_call_reading_the_whole_cache_for_cuda() -> None:
     """Exported for CUDA (no GPU needed to lower): a layer's attention is one Triton custom call
     whose K and V operands are the whole cache merged (a bitcast), not a copy of the layer."""
@@ -101,7 +90,7 @@ def test_the_step_lowers_to_one_triton_call_reading_the_whole_cache_for_cuda() -
     )
     step = jax.jit(lambda q, c, layer, lens, pages: decode_attention(q, c, layer, lens, pages, sm_scale=0.125))
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    with _cuda_target():
+    with cuda_target():
         text = jax.export.export(step, platforms=["cuda"], disabled_checks=[triton])(*args).mlir_module()
     calls = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line]
     assert len(calls) == 1

@@ -132,3 +132,12 @@ def test_the_gpu_kernel_path_serves_identically_on_every_mesh(tiny_checkpoints) 
     check_identical(result, vocab=256)
     assert all(r["cache_layout"] == "KVCache" for r in result.values())
     assert result["2x2"]["cache_spec"] == "P(None, 'model')"  # [layers, kv_heads, ...]: heads split
+
+
+def test_the_gpu_ragged_kernel_path_serves_identically_on_every_mesh(tiny_checkpoints) -> None:
+    """Our GPU ragged kernel's path (interpreted): both views on the kernel per device under
+    shard_map with the KV heads split over model, the same tokens on every mesh."""
+    result = served_tokens(str(tiny_checkpoints["llama3"]), env={"GPU_RAGGED_KERNEL": "1"}, meshes=KERNEL_MESHES)
+    check_identical(result, vocab=256)
+    assert all(r["attention_backend"] == "pallas_gpu_ragged" for r in result.values())
+    assert result["2x2"]["cache_spec"] == "P(None, 'model')"

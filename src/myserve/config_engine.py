@@ -5,7 +5,7 @@ import dataclasses
 
 from myserve.config_fields import check, check_choice, check_not_empty
 
-ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas_decode", "pallas_ragged")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -25,8 +25,10 @@ class EngineConfig:
     CPU, VLLM_CPU_KVCACHE_SPACE GiB if set, else 4 GiB or a quarter of the available memory,
     whichever is less (never more pages than max_num_seqs sequences of max_model_len can hold)."""
     attention_backend: str = "auto"
-    """Paged attention implementation: auto, reference (pure JAX) or pallas;
-    auto = pallas where a kernel exists for the platform, else reference."""
+    """Paged attention implementation: auto, reference (pure JAX), pallas (the platform's kernel:
+    the ragged kernel on TPU, JAX's paged decode kernel for decode rows on GPU), pallas_decode (that
+    GPU kernel by name) or pallas_ragged (GPU: our ragged kernel for prefill and decode rows, with
+    sliding windows and soft caps); auto = pallas where the model fits it, else reference."""
     compilation_cache_dir: str | None = "~/.cache/myserve/xla"
     """Directory for JAX's persistent compilation cache, so a restart skips most of warmup's
     compiling; null = no persistent cache."""

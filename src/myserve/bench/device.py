@@ -128,7 +128,7 @@ def run_variant(variant: Variant, mode: Mode, workdir: Path, env: dict[str, str]
                 "config": variant.config,
                 # The step cache stays the engine's own (engine.compilation_cache_dir): variants of
                 # the same engine settings share executables, and a second run is a warm start.
-                "overrides": [f"model.checkpoint={checkpoint}", *variant.overrides],
+                "overrides": [f"model.checkpoint={checkpoint}", *variant.overrides, *args.set],
                 "runs": [entries[r.name] for r in variant.runs],
                 "max_tokens": mode.max_tokens,
                 "trace_dir": str(args.trace_dir) if args.profile else None,
@@ -185,6 +185,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, help="seconds per deployment (default 150 tiny, 420 full, 600 configs)")
     p.add_argument("--profile", action="store_true", help="trace a few steps per run with jax.profiler")
     p.add_argument("--config-dir", type=Path, default=_SOURCE_CONFIG_DIR, help="where the *h100.yaml deployments are")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="config override for every run, after the run's own (e.g. engine.attention_backend=pallas_ragged)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -225,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "device": ceilings["device"],
         "jax": ceilings["jax"],
         "ceilings": {k: ceilings[k] for k in ("copy_bytes_per_s", "matmul_flops_per_s")},
+        "overrides": args.set,
         "runs": runs,
     }
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ RUN_NAMES = (
     "int8-c64",
     "int4-c1",
     "int4-c64",
+    "bf16-4k-c1",
     "bf16-4k-c64",
     "moe-c1",
     "moe-c64",
@@ -40,7 +41,7 @@ class Mode:
     dtype: str
     concurrency: int
     long_prompt: int
-    """Prompt tokens of the long-context run (``bf16-4k-c64``)."""
+    """Prompt tokens of the long-context runs (``bf16-4k-c1``, ``bf16-4k-c64``)."""
     max_tokens: int
     timeout_s: float
     """Time limit of one variant's child process."""
@@ -136,7 +137,7 @@ def variants(mode: Mode) -> list[Variant]:
         return Variant(label, shape, quantization, overrides, runs)
 
     long_overrides = (*dtype, "model.quantization=none", *mode.long)
-    long_run = (Run("bf16-4k-c64", c, mode.long_prompt),)
+    long_run = (Run("bf16-4k-c1", 1, mode.long_prompt), Run("bf16-4k-c64", c, mode.long_prompt))
     return [
         chat("bf16", mode.dense, "none"),
         chat("int8", mode.dense, "int8"),

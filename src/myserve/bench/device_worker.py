@@ -165,7 +165,8 @@ def run_engine(job: dict[str, Any], out: Path) -> None:
                 entry |= {"tokens_per_s": single["decode_tokens_per_s"], "ttft_s": single["ttft_s"]}
             else:
                 many = bench_myserve(service, prompts, max_tokens)
-                entry |= {k: many[k] for k in ("tokens_per_s", "ttft_p50_s", "seconds", "generated_tokens")}
+                keys = ("tokens_per_s", "ttft_p50_s", "seconds", "generated_tokens", "prefill_s")
+                entry |= {k: many[k] for k in (*keys, "prefill_tokens_per_s", "decode_tokens_per_s")}
             if job.get("trace_dir"):
                 entry["profile"] = _profile(service, prompts, Path(job["trace_dir"]) / f"{run['name']}.trace.json.gz")
             runs.append(entry)

@@ -93,22 +93,29 @@ def bench_myserve(
 
     Each stream is drained by its own thread so first-token times are taken when they happen.
     ``params(i)``: request ``i``'s parameters (default: greedy, ``max_tokens``, EOS ignored).
+    The two phases apart: ``prefill_s`` runs until the last request's first token (every prompt
+    read; ``prefill_tokens_per_s`` = prompt tokens over it), and ``decode_tokens_per_s`` counts the
+    tokens that came after it over the time left (no prompt shares those steps).
     """
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     params = params or (lambda i: greedy)
     ttfts: list[float] = []
     counts: list[int] = []
+    arrivals: list[tuple[float, int]] = []
     lock = threading.Lock()
 
     def drain(stream, t0: float) -> None:
-        first, n = None, 0
+        first, n, seen = None, 0, []
         for out in stream:
+            now = time.perf_counter() - t0
             if out.token_ids and first is None:
-                first = time.perf_counter() - t0
+                first = now
             n += len(out.token_ids)
+            seen.append((now, len(out.token_ids)))
         with lock:
             ttfts.append(first if first is not None else float("nan"))
             counts.append(n)
+            arrivals.extend(seen)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=drain, args=(service.submit(p, params(i)), t0)) for i, p in enumerate(prompts)]
@@ -119,12 +126,17 @@ def bench_myserve(
     elapsed = time.perf_counter() - t0
     generated = sum(counts)
     ttfts.sort()
+    prefill_s = ttfts[-1]
+    after = sum(n for at, n in arrivals if at > prefill_s)
     return {
         "requests": len(prompts),
         "generated_tokens": generated,
         "seconds": elapsed,
         "tokens_per_s": generated / elapsed,
         "ttft_p50_s": ttfts[len(ttfts) // 2],
+        "prefill_s": prefill_s,
+        "prefill_tokens_per_s": sum(map(len, prompts)) / prefill_s if prefill_s > 0 else None,
+        "decode_tokens_per_s": after / (elapsed - prefill_s) if after and elapsed > prefill_s else None,
     }
 
 

@@ -40,6 +40,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 
 from myserve.errors import ConfigError
+from myserve.ops import gpu_ragged_attention
 from myserve.ops.gpu_attention import decode_attention, gpu_fit
 from myserve.ops.paged_cache import KernelKVCache, KVCache, write_kv, write_kv_kernel
 from myserve.ops.ragged_batch import AttentionView, RaggedBatch
@@ -48,7 +49,10 @@ from myserve.ops.tpu_attention import kernel_attention, pallas_fit
 
 logger = logging.getLogger(__name__)
 
-AttentionBackend = Literal["auto", "reference", "pallas"]
+AttentionBackend = Literal["auto", "reference", "pallas", "pallas_decode", "pallas_ragged"]
+Resolved = Literal["reference", "pallas", "pallas_gpu", "pallas_gpu_ragged"]
+"""What ``resolve_backend`` picks: the reference, the TPU kernel, the GPU decode kernel for the
+decode rows (blocks on the reference), or our GPU ragged kernel for both views."""
 
 # Finite, so a fully masked (padding) row gives a uniform softmax instead of NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -242,7 +246,8 @@ def ragged_attention(
     step's K/V already written); returns [T, heads, D] in q's dtype (padding tokens: zeros). Pure
     JAX, except the single view on the GPU decode kernel when ``batch.decode_kernel`` (which reads
     ``cache_sharding`` to run per device when heads are split). ``window``, ``soft_cap``: as
-    ``paged_attention``; the GPU kernel has neither (``resolve_backend`` does not pick it then)."""
+    ``paged_attention``; the GPU decode kernel has neither (``resolve_backend`` does not pick it
+    then). ``batch.ragged_kernel``: every view on our GPU ragged kernel (``ops/gpu_ragged_attention.py``)."""
     if batch.decode_kernel and (window is not None or soft_cap is not None):
         raise ValueError("the GPU decode kernel has no sliding window or soft cap")
     t, h, d = q.shape
@@ -250,6 +255,13 @@ def ragged_attention(
     views = [view for view in (batch.single, batch.blocks) if view.idx.shape[0]]
     outputs = []
     for view in views:
+        if batch.ragged_kernel:
+            rows = gpu_ragged_attention.view_attention(
+                padded, cache, layer, view, num_tokens=t, sm_scale=sm_scale,
+                window=window, soft_cap=soft_cap, cache_sharding=cache_sharding,
+            )  # fmt: skip
+            outputs.append(rows.reshape(-1, h, d))
+            continue
         if batch.decode_kernel and view is batch.single:
             rows = decode_attention(
                 padded[view.idx[:, 0]], cache, layer, view.kv_lens, view.pages,
@@ -300,20 +312,30 @@ def resolve_backend(
     page_size: int,
     sliding_window: bool = False,
     soft_cap: bool = False,
-) -> Literal["reference", "pallas", "pallas_gpu"]:
+) -> Resolved:
     """Pick the attention implementation. ``auto`` and ``pallas``: on TPU the Pallas ragged kernel
-    (``pallas``), on GPU the Pallas paged decode kernel for the decode rows (``pallas_gpu``,
+    (``pallas``), on GPU JAX's Pallas paged decode kernel for the decode rows (``pallas_gpu``,
     ``ops/gpu_attention.py``), each when it imports and the model fits it; the reference otherwise
-    (``pallas`` instead fails with the reason). ``reference`` forces the reference.
+    (an explicit choice instead fails with the reason). ``pallas_decode`` is that GPU choice by
+    name; ``pallas_ragged`` is our GPU kernel for both views (``pallas_gpu_ragged``,
+    ``ops/gpu_ragged_attention.py``: it has sliding windows and soft caps), not the default until a
+    GPU has measured it against the decode kernel. ``reference`` forces the reference.
     ``sliding_window``, ``soft_cap``: whether any layer of the model has one (the TPU kernel does
     both, the GPU decode kernel neither)."""
     if backend == "reference":
         return "reference"
     platform = jax.default_backend()
+    gpu = platform in ("gpu", "cuda", "rocm")
+    if backend in ("pallas_decode", "pallas_ragged") and not gpu:
+        raise ConfigError(f"engine.attention_backend {backend!r} needs a GPU; use 'auto', 'pallas' or 'reference'")
+    picked: Resolved
     if platform == "tpu":
         misfit = pallas_fit(num_heads, num_kv_heads, head_dim, page_size)  # it imports the kernel's module
-        picked: Literal["pallas", "pallas_gpu"] = "pallas"
-    elif platform in ("gpu", "cuda", "rocm"):
+        picked = "pallas"
+    elif gpu and backend == "pallas_ragged":
+        misfit = gpu_ragged_attention.ragged_fit(num_heads, num_kv_heads, head_dim, page_size)
+        picked = "pallas_gpu_ragged"
+    elif gpu:
         misfit = gpu_fit(num_heads, num_kv_heads, head_dim, page_size, sliding_window=sliding_window, soft_cap=soft_cap)
         picked = "pallas_gpu"
     elif backend == "pallas":
@@ -322,7 +344,7 @@ def resolve_backend(
         return "reference"
     if misfit is None:
         return picked
-    if backend == "pallas":
-        raise ConfigError(f"engine.attention_backend 'pallas' cannot serve this model: {misfit}")
+    if backend != "auto":
+        raise ConfigError(f"engine.attention_backend {backend!r} cannot serve this model: {misfit}")
     logger.warning("Pallas attention kernel not used (%s); using the reference", misfit)
     return "reference"

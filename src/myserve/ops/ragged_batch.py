@@ -72,19 +72,25 @@ class RaggedBatch(eqx.Module):
     """The same rows as the TPU kernel's sequences (``kernel_meta``), when it is used."""
     decode_kernel: bool = eqx.field(static=True, default=False)
     """The single view runs on the GPU decode kernel (``ops/gpu_attention.py``)."""
+    ragged_kernel: bool = eqx.field(static=True, default=False)
+    """Both views run on our GPU ragged kernel (``ops/gpu_ragged_attention.py``)."""
     adapters: jax.Array | None = None
     """[1, T] the LoRA slot of each token's sequence (-1: the base model; ``models/lora.py``);
     None: no adapter applies."""
 
     def with_kernel(self, kernel: KernelMeta) -> RaggedBatch:
         """This batch with the TPU kernel's metadata attached."""
-        return self._with(kernel, self.decode_kernel)
+        return self._with(kernel, self.decode_kernel, self.ragged_kernel)
 
     def with_decode_kernel(self) -> RaggedBatch:
         """This batch with its single view marked for the GPU decode kernel."""
-        return self._with(self.kernel, True)
+        return self._with(self.kernel, True, False)
 
-    def _with(self, kernel: KernelMeta | None, decode_kernel: bool) -> RaggedBatch:
+    def with_ragged_kernel(self) -> RaggedBatch:
+        """This batch with both views marked for the GPU ragged kernel."""
+        return self._with(self.kernel, False, True)
+
+    def _with(self, kernel: KernelMeta | None, decode_kernel: bool, ragged_kernel: bool) -> RaggedBatch:
         return RaggedBatch(
             self.positions,
             self.q_lens,
@@ -94,6 +100,7 @@ class RaggedBatch(eqx.Module):
             self.chunk_pages,
             kernel,
             decode_kernel,
+            ragged_kernel,
             self.adapters,
         )
 

@@ -320,6 +320,8 @@ def _forward(
         batch = batch.with_kernel(kernel_meta(batch, shape.tokens))
     elif outer.attention_backend == "pallas_gpu":
         batch = batch.with_decode_kernel()
+    elif outer.attention_backend == "pallas_gpu_ragged":
+        batch = batch.with_ragged_kernel()
     x = outer.embed_tokens(tokens[None])  # one row of T tokens: [1, T, embed]
     kinds = outer.spec.layer_kinds()
     for i, leaves in enumerate(layers):
