@@ -1,5 +1,5 @@
-"""The grouped expert MLP (``ops/moe.py``): both implementations against a per-token reference,
-under any routing (skewed, every token on one expert), and split across expert shards."""
+"""The grouped expert MLP (``ops/moe.py``): every implementation (the GPU kernel interpreted) against
+a per-token reference, under any routing (skewed, every token on one expert), and split across expert shards."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def problem(t: int, e: int, k: int, seed: int, skew: bool = False):
     return x, np.asarray(ids), np.asarray(weights), gate_up, down
 
 
-@pytest.mark.parametrize("impl", ["loop", "ragged_dot"])
+@pytest.mark.parametrize("impl", ["loop", "ragged_dot", "pallas"])
 @pytest.mark.parametrize(
     ("t", "e", "k", "skew"), [(1, 8, 2, False), (5, 4, 2, True), (37, 8, 3, False), (64, 6, 6, True)]
 )
@@ -47,7 +47,7 @@ def test_grouped_mlp_matches_per_token_reference(impl: str, t: int, e: int, k: i
     np.testing.assert_allclose(np.asarray(got), reference(x, ids, weights, gate_up, down), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["loop", "ragged_dot"])
+@pytest.mark.parametrize("impl", ["loop", "ragged_dot", "pallas"])
 def test_expert_shards_sum_to_the_whole(impl: str) -> None:
     """Each shard computes only its experts' assignments; the shards' sum is the whole answer."""
     x, ids, weights, gate_up, down = problem(23, 8, 2, seed=3, skew=True)

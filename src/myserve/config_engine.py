@@ -29,6 +29,10 @@ class EngineConfig:
     the ragged kernel on TPU, JAX's paged decode kernel for decode rows on GPU), pallas_decode (that
     GPU kernel by name) or pallas_ragged (GPU: our ragged kernel for prefill and decode rows, with
     sliding windows and soft caps); auto = pallas where the model fits it, else reference."""
+    moe_backend: str = "auto"
+    """Grouped matmul of a Mixture-of-Experts layer's experts: auto, loop (a loop over tiles of one
+    expert's rows), ragged_dot (lax.ragged_dot) or pallas (GPU: our grouped matmul kernel, narrow
+    experts read narrow); auto = ragged_dot on TPU, loop elsewhere."""
     compilation_cache_dir: str | None = "~/.cache/myserve/xla"
     """Directory for JAX's persistent compilation cache, so a restart skips most of warmup's
     compiling; null = no persistent cache."""
@@ -99,6 +103,7 @@ class EngineConfig:
         kv_bytes = self.kv_cache_memory_bytes
         check(kv_bytes is None or kv_bytes > 0, f"engine.kv_cache_memory_bytes must be > 0, got {kv_bytes}")
         check_choice("engine.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check_choice("engine.moe_backend", self.moe_backend, ("auto", "loop", "ragged_dot", "pallas"))
         check_not_empty("engine.compilation_cache_dir", self.compilation_cache_dir)
         check(self.max_num_seqs >= 1, f"engine.max_num_seqs must be >= 1, got {self.max_num_seqs}")
         budget = self.max_num_batched_tokens

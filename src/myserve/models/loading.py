@@ -32,6 +32,7 @@ from myserve.models.native_checkpoint import NativeSource, is_native_checkpoint
 from myserve.models.placer import Combine, NarrowPlacer, Placer, Split, TensorSource
 from myserve.models.sharding import MeshAxes
 from myserve.models.spec import ModelSpec
+from myserve.ops.moe import resolve_moe_backend
 
 logger = logging.getLogger(__name__)
 
@@ -266,6 +267,7 @@ def load_model(
     abstract: bool = False,
     group_size: int = 128,
     lora: tuple[int, int] = (0, 0),
+    moe_backend: str = "auto",
 ) -> LlamaModel:
     """Build a ``LlamaModel`` from a tensor source, every weight placed on ``mesh`` by ``mapping``.
 
@@ -276,8 +278,10 @@ def load_model(
     would have (enough to lower the steps early). ``group_size``: elements per scale of weights
     quantized here (0: one per output channel). ``lora``: (slots, max rank) of the LoRA stacks each
     layer holds (``models/lora.py``; zeros until an adapter is written into a slot), or (0, 0): none.
+    ``moe_backend``: ``engine.moe_backend``, the experts' grouped matmul (``ops/moe.py``).
     """
     spec = source.spec
+    moe_impl = resolve_moe_backend(moe_backend) if spec.is_moe else "loop"
     ax = ModelAxes.of(spec)
     bits = {"int8": 8, "int4": 4}.get(quantization)
     placer = (
@@ -326,10 +330,11 @@ def load_model(
         }
         if moe_table:  # under w8a8 the experts stay in the model dtype (docs/design/models.md)
             fields["moe"] = MoeBlock(
+                impl=moe_impl,
                 **{
                     field: expert_weight(field, tuple(f"model.layers.{i}.{s}" for s in suffixes), axes, combine)
                     for field, (suffixes, axes, combine) in moe_table.items()
-                }
+                },
             )
         if lora[0]:
             fields["lora"] = LoraLayer(

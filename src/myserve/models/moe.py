@@ -32,7 +32,7 @@ from myserve.models.narrow import NarrowWeight
 from myserve.models.sharding import axis_mapping
 from myserve.models.spec import ModelSpec
 from myserve.ops.dequant import StackedNarrow
-from myserve.ops.moe import expert_mlp, grouped_impl, route
+from myserve.ops.moe import GroupedImpl, expert_mlp, route
 
 Experts = jax.Array | StackedNarrow
 """A layer's stacked expert weights as the grouped matmul takes them: float, or narrow."""
@@ -47,6 +47,8 @@ class MoeBlock(eqx.Module):
     shared_gate_up: NamedArray | NarrowWeight | None = None  # (embed, gate_up, shared_mlp)
     shared_down: NamedArray | NarrowWeight | None = None  # (shared_mlp, embed)
     shared_gate: NamedArray | None = None  # (embed,)
+    impl: GroupedImpl = eqx.field(static=True, default="loop")
+    """The grouped matmul (``ops/moe.py``): ``engine.moe_backend`` resolved (``resolve_moe_backend``)."""
 
 
 def moe_mlp(spec: ModelSpec, block: MoeBlock, h: NamedArray, mesh: Mesh | AbstractMesh | None) -> NamedArray:
@@ -60,7 +62,7 @@ def moe_mlp(spec: ModelSpec, block: MoeBlock, h: NamedArray, mesh: Mesh | Abstra
     weights, ids = route(logits, spec.experts_per_token, spec.norm_topk_prob)
     gate_up = _experts(block.gate_up, ("experts", "embed", "gate_up", "expert_mlp"), x.dtype)
     down = _experts(block.down, ("experts", "expert_mlp", "embed"), x.dtype)
-    y = _routed_experts(spec, x, ids, weights, gate_up, down, mesh).astype(x.dtype)
+    y = _routed_experts(spec, x, ids, weights, gate_up, down, mesh, block.impl).astype(x.dtype)
     if block.shared_gate_up is not None and block.shared_down is not None and block.shared_gate is not None:
         gu = jnp.einsum("th,hgi->tgi", x, _dense(block.shared_gate_up, ("embed", "gate_up", "shared_mlp")))
         shared = jnp.dot(jax.nn.silu(gu[:, 0]) * gu[:, 1], _dense(block.shared_down, ("shared_mlp", "embed")))
@@ -100,10 +102,10 @@ def _routed_experts(
     gate_up: Experts,
     down: Experts,
     mesh: Mesh | AbstractMesh | None,
+    impl: GroupedImpl,
 ) -> jax.Array:
     """The routed experts' float32 output [T, embed], per device under ``shard_map`` when the
     experts (``expert`` axis) or their hidden width (``model`` axis) are sharded."""
-    impl = grouped_impl()
     mapping = {} if mesh is None else axis_mapping(spec, mesh)
     # Each rule names one mesh axis (models/sharding.py); an axis of size 1 splits nothing.
     experts_axis, width_axis = (

@@ -31,15 +31,18 @@ and the caller sums the devices' partial outputs (``models/moe.py``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
+from myserve.errors import ConfigError
+from myserve.ops import gpu_grouped_matmul
 from myserve.ops.dequant import StackedNarrow
 
-GroupedImpl = Literal["ragged_dot", "loop"]
+GroupedImpl = Literal["ragged_dot", "loop", "pallas"]
 
 MAX_BLOCK_ROWS = 256
 """Upper bound on the rows of one block of the loop (a prefill step with many tokens per expert)."""
@@ -59,6 +62,18 @@ def route(router_logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array,
 def grouped_impl() -> GroupedImpl:
     """The grouped matmul for this platform: ``ragged_dot`` on TPU, ``loop`` elsewhere."""
     return "ragged_dot" if jax.default_backend() == "tpu" else "loop"
+
+
+def resolve_moe_backend(choice: str) -> GroupedImpl:
+    """``engine.moe_backend`` on this platform: ``auto`` is ``grouped_impl()``; ``loop`` and
+    ``ragged_dot`` run anywhere; ``pallas`` (the GPU grouped matmul kernel, not ``auto``'s choice
+    until a GPU has measured it) needs a GPU."""
+    if choice == "auto":
+        return grouped_impl()
+    if choice == "pallas" and jax.default_backend() not in ("gpu", "cuda", "rocm"):
+        raise ConfigError("engine.moe_backend 'pallas' needs a GPU; use 'auto', 'loop' or 'ragged_dot'")
+    assert choice in ("loop", "ragged_dot", "pallas"), choice
+    return choice  # type: ignore[return-value]
 
 
 def block_rows(assignments: int, experts: int) -> int:
@@ -102,6 +117,8 @@ def expert_mlp(
     if impl == "ragged_dot":
         y = _ragged(x[token], gate_up, down, sizes, act)
         rows = token
+    elif impl == "pallas":
+        y, rows = _expert_kernel(x, token, sizes, gate_up, down, act), token
     else:
         y, rows = _expert_loop(x, token, sizes, gate_up, down, act), token
     y = y * row_weight[:, None]
@@ -158,6 +175,42 @@ def _expert_loop(
         return jax.lax.dynamic_update_slice_in_dim(y, kept, at, 0)
 
     return jax.lax.fori_loop(0, num_tiles(n, e, b), tile, jnp.zeros((n + b, hdim), jnp.float32))[:n]
+
+
+def _expert_kernel(
+    x: jax.Array,
+    token: jax.Array,
+    sizes: jax.Array,
+    gate_up: jax.Array | StackedNarrow,
+    down: jax.Array | StackedNarrow,
+    act: Callable[[jax.Array], jax.Array],
+) -> jax.Array:
+    """Both matmuls as the GPU grouped matmul kernel (``ops/gpu_grouped_matmul.py``) over the rows
+    sorted by expert, tiles of at least 16 rows (a Triton dot's smallest): a decode step's tiles
+    are its routed experts, each read once. Narrow experts stay narrow. Returns [n, H] float32
+    (rows of other devices' experts: zeros)."""
+    t, hdim = x.shape
+    e = _num_experts(gate_up)
+    n = token.shape[0]
+    b = max(gpu_grouped_matmul.MIN_ROWS, block_rows(n, e))
+    xs = jnp.concatenate([x, jnp.zeros((1, hdim), x.dtype)])[jnp.concatenate([token, jnp.full(b, t, jnp.int32)])]
+    tiles = gpu_grouped_matmul.tiles_of(sizes, num_tiles(n, e, b), b, n)
+    call = functools.partial(gpu_grouped_matmul.grouped_matmul, block_rows=b)
+    gu = call(xs, _merge_gate_up(gate_up), *tiles)  # [n + b, 2 I]: gates, then ups
+    i = gu.shape[1] // 2
+    dn = down if isinstance(down, StackedNarrow) else jnp.asarray(down)
+    hidden = (act(gu[:, :i]) * gu[:, i:]).astype(dn.dtype)
+    return call(hidden, dn, *tiles)[:n]
+
+
+def _merge_gate_up(w: jax.Array | StackedNarrow) -> jax.Array | StackedNarrow:
+    """``[E, H, 2, I]`` experts as ``[E, H, 2 I]`` (gate columns, then up): bitcasts, narrow or not."""
+    if not isinstance(w, StackedNarrow):
+        e, h, _, i = w.shape
+        return w.reshape(e, h, 2 * i)
+    codes, scale = w.codes.reshape(*w.codes.shape[:3], -1), w.scale.reshape(*w.scale.shape[:2], -1)
+    offset = None if w.offset is None else w.offset.reshape(*w.offset.shape[:2], -1)
+    return StackedNarrow(codes, scale, offset, w.bits, 1, w.dtype)
 
 
 def _ragged(

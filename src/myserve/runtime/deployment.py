@@ -157,6 +157,7 @@ class Deployment:
                     quantization,
                     group_size=config.model.quantization_group_size,
                     lora=lora_stacks(config),
+                    moe_backend=config.engine.moe_backend,
                 )
                 for m in replica_meshes(mesh)
             )
@@ -304,6 +305,7 @@ def _prebuild(
             abstract=True,
             group_size=config.model.quantization_group_size,
             lora=lora_stacks(config),
+            moe_backend=config.engine.moe_backend,
         )
         futures.append(pool.submit(executor_for(config, model, replica_mesh, mapping).build_all, now))
     pool.shutdown(wait=False)  # the thread ends when its builds are done

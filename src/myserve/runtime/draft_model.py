@@ -70,7 +70,9 @@ def load_drafts(config: Config, mesh: Mesh, dtype: jnp.dtype, target: ModelSpec)
         sliding_window="sliding" in spec.layer_types,
         soft_cap=spec.attn_softcap is not None,
     )
-    models = tuple(load_model(source, m, mapping, dtype, backend) for m in replica_meshes(mesh))
+    models = tuple(
+        load_model(source, m, mapping, dtype, backend, moe_backend=engine.moe_backend) for m in replica_meshes(mesh)
+    )
     logger.info(
         "draft model %s (%s, %d layers): %d tokens per draft",
         resolved.path,

@@ -58,6 +58,7 @@ class WeightUpdater:
                 cfg.model.quantization,
                 group_size=cfg.model.quantization_group_size,
                 lora=lora_stacks(cfg),
+                moe_backend=cfg.engine.moe_backend,
             )
             for mesh in self.dep.meshes
         ]

@@ -1,0 +1,110 @@
+"""The GPU grouped matmul kernel (``ops/gpu_grouped_matmul.py``) behind ``engine.moe_backend=pallas``,
+run on CPU by Pallas's interpreter: narrow experts (int8 per channel, int4 with offsets, GGUF-sized
+groups) against the loop that widens them first, its tiles, that it lowers to Triton calls for CUDA
+that take the codes as stored, and a served MoE model against transformers. (Float experts: every
+implementation in ``tests/test_moe_ops.py``.) Compiling the Triton code and its speed need a GPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ragged_steps import cuda_target
+
+from myserve.errors import ConfigError
+from myserve.ops import gpu_grouped_matmul, moe
+from myserve.ops.dequant import StackedNarrow
+from myserve.ops.moe import expert_mlp, resolve_moe_backend, route
+
+
+def _narrow(rng: np.random.RandomState, e: int, k: int, out: tuple[int, ...], bits: int, group: int) -> StackedNarrow:
+    """Random narrow experts [E, K, *out] in ``ops/dequant.py``'s layout (int4: with offsets)."""
+    if bits == 4:
+        codes = rng.randint(0, 256, size=(e, k // group, group // 2, *out)).astype(np.uint8)
+        offset = jnp.asarray(rng.randn(e, k // group, *out) * 0.05, jnp.float32)
+    else:
+        codes, offset = rng.randint(-127, 128, size=(e, k // group, group, *out)).astype(np.int8), None
+    scale = jnp.asarray(rng.rand(e, k // group, *out) * 0.01, jnp.float32)
+    return StackedNarrow(jnp.asarray(codes), scale, offset, bits, len(out), jnp.float32)
+
+
+@pytest.mark.parametrize(("bits", "group"), [(8, 0), (4, 32), (8, 16)])
+@pytest.mark.parametrize("t", [1, 6, 40])
+def test_narrow_experts_equal_the_loop(bits: int, group: int, t: int) -> None:
+    """Narrow experts widened in the kernel give the loop's numbers (which widens each expert whole
+    first), for one decode token, a few tokens and a prefill's worth, and on an expert shard."""
+    rng = np.random.RandomState(t + bits)
+    e, h, i = 8, 64, 32
+    gate_up = _narrow(rng, e, h, (2, i), bits, group or h)
+    down = _narrow(rng, e, i, (h,), bits, group or i)
+    x = jnp.asarray(rng.randn(t, h), jnp.float32)
+    logits = rng.randn(t, e)
+    logits[0, [1, 6]] += 10.0  # the first token reaches both shards
+    weights, ids = route(jnp.asarray(logits, jnp.float32), 2, True)
+    for first, stack in ((0, (gate_up, down)), (4, tuple(_shard(w, 4) for w in (gate_up, down)))):
+        want = expert_mlp(x, ids, weights, *stack, jax.nn.silu, first_expert=first, impl="loop")
+        got = expert_mlp(x, ids, weights, *stack, jax.nn.silu, first_expert=first, impl="pallas")
+        top = float(np.abs(np.asarray(want)).max())
+        assert top > 1e-3  # something routed here
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * top, rtol=1e-5)
+
+
+def _shard(w: StackedNarrow, first: int) -> StackedNarrow:
+    """Experts ``first`` onwards: one device's shard."""
+    offset = None if w.offset is None else w.offset[first:]
+    return StackedNarrow(w.codes[first:], w.scale[first:], offset, w.bits, w.n_out, w.dtype)
+
+
+def test_tiles_cover_each_group_in_blocks() -> None:
+    """Groups of 3, 0, 20 and 1 rows in tiles of 16: one, none, two and one tile; the tiles past
+    them start at the spare rows and hold nothing."""
+    group, first, valid = gpu_grouped_matmul.tiles_of(jnp.asarray([3, 0, 20, 1]), 6, 16, 24)
+    assert np.asarray(group).tolist()[:4] == [0, 2, 2, 3]
+    assert np.asarray(first).tolist() == [0, 3, 19, 23, 24, 24]
+    assert np.asarray(valid).tolist() == [3, 16, 4, 1, 0, 0]
+
+
+def test_it_lowers_to_triton_calls_reading_the_codes_as_stored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exported for CUDA (no GPU needed to lower): int4 experts in bfloat16 are two Triton calls
+    (the gate/up and the down matmul), and the packed codes reach them only reshaped: nothing
+    widens them outside the kernel."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # not the interpreter: Triton
+    rng = np.random.RandomState(0)
+    e, h, i, t = 8, 128, 64, 16
+    gate_up, down = _narrow(rng, e, h, (2, i), 4, 32), _narrow(rng, e, i, (h,), 4, 32)
+    gate_up, down = (StackedNarrow(w.codes, w.scale, w.offset, 4, w.n_out, jnp.bfloat16) for w in (gate_up, down))
+    x = jnp.asarray(rng.randn(t, h), jnp.bfloat16)
+    weights, ids = route(jnp.asarray(rng.randn(t, e), jnp.float32), 2, True)
+    step = jax.jit(lambda x, ids, w, gu, dn: expert_mlp(x, ids, w, gu, dn, jax.nn.silu, impl="pallas"))
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    with cuda_target():
+        text = jax.export.export(step, platforms=["cuda"], disabled_checks=[triton])(
+            x, ids, weights, gate_up, down
+        ).mlir_module()
+    assert sum("custom_call @__gpu$xla.gpu.triton" in line for line in text.splitlines()) == 2
+    codes = [line for line in text.splitlines() if "xui8>" in line and "=" in line and "func" not in line]
+    assert codes and all(
+        op in ("stablehlo.reshape", "stablehlo.custom_call") for op in (ln.split("=", 1)[1].split()[0] for ln in codes)
+    ), codes
+
+
+def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_moe_backend("auto") == "loop" and resolve_moe_backend("ragged_dot") == "ragged_dot"
+    with pytest.raises(ConfigError, match="'pallas' needs a GPU"):
+        resolve_moe_backend("pallas")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert resolve_moe_backend("pallas") == "pallas" and resolve_moe_backend("auto") == "loop"
+
+
+def test_a_moe_model_served_on_the_kernel_matches_transformers(tiny_checkpoints, monkeypatch) -> None:
+    """Qwen3-MoE with its experts on the kernel (interpreted): 32 greedy tokens equal transformers'
+    under chunked prefill, preemption and prefix caching."""
+    from served_parity import check_served_greedy
+
+    monkeypatch.setattr("myserve.models.loading.resolve_moe_backend", lambda choice: "pallas")
+    calls = []
+    real = moe._expert_kernel
+    monkeypatch.setattr(moe, "_expert_kernel", lambda *a: calls.append(1) or real(*a))
+    check_served_greedy(tiny_checkpoints["qwen3_moe"])
+    assert calls  # the kernel's path was traced
