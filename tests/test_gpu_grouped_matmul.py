@@ -6,6 +6,9 @@ implementation in ``tests/test_moe_ops.py``.) Compiling the Triton code and its 
 
 from __future__ import annotations
 
+import dataclasses
+
+import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +16,7 @@ import pytest
 from ragged_steps import cuda_target
 
 from myserve.errors import ConfigError
+from myserve.models.narrow import NarrowWeight
 from myserve.ops import gpu_grouped_matmul, moe
 from myserve.ops.dequant import StackedNarrow
 from myserve.ops.moe import expert_mlp, resolve_moe_backend, route
@@ -108,3 +112,82 @@ def test_a_moe_model_served_on_the_kernel_matches_transformers(tiny_checkpoints,
     monkeypatch.setattr(moe, "_expert_kernel", lambda *a: calls.append(1) or real(*a))
     check_served_greedy(tiny_checkpoints["qwen3_moe"])
     assert calls  # the kernel's path was traced
+
+
+def _on_the_kernel(model):  # noqa: ANN001, ANN202
+    """``model`` with every dense narrow weight marked for the kernel."""
+    return jax.tree_util.tree_map(
+        lambda w: dataclasses.replace(w, kernel=True) if isinstance(w, NarrowWeight) and not w.n_lead else w,
+        model,
+        is_leaf=lambda w: isinstance(w, NarrowWeight),
+    )
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_dense_narrow_weights_on_the_kernel_give_the_dequantized_logits(
+    quantization: str, tiny_checkpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny Llama with int8 / int4 weights (every projection, the MLP and the head) through the
+    served step, a prefill chunk, two decode tokens and another chunk: the kernel's logits equal
+    those of the weights dequantized by XLA."""
+    from ragged_steps import chunked_logits
+
+    from myserve.models.checkpoint import resolve_checkpoint
+    from myserve.models.loading import load_model, open_source
+    from myserve.models.sharding import axis_mapping
+    from myserve.runtime.kv_cache import init_kv_cache
+    from myserve.runtime.mesh import make_mesh
+    from myserve.runtime.model_step import StepLogits
+
+    source = open_source(resolve_checkpoint(tiny_checkpoints["llama3"]))
+    mesh = make_mesh(1, 1)
+    mapping = axis_mapping(source.spec, mesh)
+    model = load_model(source, mesh, mapping, quantization=quantization)
+    calls: list[int] = []
+    real = gpu_grouped_matmul.dense_matmul
+    monkeypatch.setattr(gpu_grouped_matmul, "dense_matmul", lambda *a: calls.append(1) or real(*a))
+    ids = [int(t) for t in np.random.RandomState(3).randint(0, 256, size=45)]
+    out = []
+    for m in (model, _on_the_kernel(model)):
+        cache = init_kv_cache(m.spec, 4, 16, jnp.float32, mesh, mapping)
+        logits, _ = chunked_logits(StepLogits.of(m, mesh, mapping, 16), cache, ids, [3, 0, 2, 1], [20, 1, 1, 23])
+        out.append(logits)
+    assert calls  # the kernel's path was traced
+    top = float(np.abs(out[0]).max())
+    assert top > 1.0
+    np.testing.assert_allclose(out[1], out[0], atol=1e-5 * top, rtol=0)
+
+
+def test_a_dense_narrow_matmul_lowers_to_one_triton_call_reading_the_codes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exported for CUDA: an int4 projection in bfloat16 ([16 tokens, 256] x [256, 384]) is one Triton
+    call, the packed codes reaching it only reshaped."""
+    from haliax import Axis
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    rng = np.random.RandomState(1)
+    embed, out, pos = Axis("embed", 256), Axis("mlp", 384), Axis("position", 16)
+    stack = _narrow(rng, 1, embed.size, (out.size,), 4, 128)
+    codes = hax.named(stack.codes[0], (Axis("embed", 2), Axis("group", 64), out))
+    scale = hax.named(stack.scale[0], (Axis("embed", 2), out))
+    offset = hax.named(stack.offset[0], (Axis("embed", 2), out))  # type: ignore[index]
+    weight = NarrowWeight(codes, scale, offset, 4, (embed,), 0, jnp.dtype(jnp.bfloat16), kernel=True)
+    x = hax.named(jnp.asarray(rng.randn(16, 256), jnp.bfloat16), (pos, embed))
+    step = jax.jit(lambda x, w: w.matmul(x, embed).array)
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    with cuda_target():
+        text = jax.export.export(step, platforms=["cuda"], disabled_checks=[triton])(x, weight).mlir_module()
+    assert sum("custom_call @__gpu$xla.gpu.triton" in line for line in text.splitlines()) == 1
+    lines = [ln.strip() for ln in text.splitlines()]
+    codes_ops = [ln.split("=", 1)[1].split()[0] for ln in lines if "xui8>" in ln and ln.startswith("%")]
+    assert codes_ops and set(codes_ops) <= {"stablehlo.reshape", "stablehlo.custom_call"}, codes_ops
+
+
+def test_quantized_matmul_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not gpu_grouped_matmul.resolve_quantized_matmul("auto", 1)
+    with pytest.raises(ConfigError, match="'pallas' needs a GPU"):
+        gpu_grouped_matmul.resolve_quantized_matmul("pallas", 1)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert gpu_grouped_matmul.resolve_quantized_matmul("pallas", 1)
+    assert not gpu_grouped_matmul.resolve_quantized_matmul("xla", 1)
+    with pytest.raises(ConfigError, match="one device per replica, not 2"):
+        gpu_grouped_matmul.resolve_quantized_matmul("pallas", 2)

@@ -33,6 +33,10 @@ class EngineConfig:
     """Grouped matmul of a Mixture-of-Experts layer's experts: auto, loop (a loop over tiles of one
     expert's rows), ragged_dot (lax.ragged_dot) or pallas (GPU: our grouped matmul kernel, narrow
     experts read narrow); auto = ragged_dot on TPU, loop elsewhere."""
+    quantized_matmul: str = "auto"
+    """How narrow (model.quantization int8 / int4) dense weights multiply: auto, xla (dequantized in
+    the step, XLA fusing what it can) or pallas (GPU, one device per replica: our grouped matmul
+    kernel reads the codes as stored); auto = xla."""
     compilation_cache_dir: str | None = "~/.cache/myserve/xla"
     """Directory for JAX's persistent compilation cache, so a restart skips most of warmup's
     compiling; null = no persistent cache."""
@@ -104,6 +108,7 @@ class EngineConfig:
         check(kv_bytes is None or kv_bytes > 0, f"engine.kv_cache_memory_bytes must be > 0, got {kv_bytes}")
         check_choice("engine.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("engine.moe_backend", self.moe_backend, ("auto", "loop", "ragged_dot", "pallas"))
+        check_choice("engine.quantized_matmul", self.quantized_matmul, ("auto", "xla", "pallas"))
         check_not_empty("engine.compilation_cache_dir", self.compilation_cache_dir)
         check(self.max_num_seqs >= 1, f"engine.max_num_seqs must be >= 1, got {self.max_num_seqs}")
         budget = self.max_num_batched_tokens

@@ -32,6 +32,7 @@ from myserve.models.native_checkpoint import NativeSource, is_native_checkpoint
 from myserve.models.placer import Combine, NarrowPlacer, Placer, Split, TensorSource
 from myserve.models.sharding import MeshAxes
 from myserve.models.spec import ModelSpec
+from myserve.ops.gpu_grouped_matmul import resolve_quantized_matmul
 from myserve.ops.moe import resolve_moe_backend
 
 logger = logging.getLogger(__name__)
@@ -268,6 +269,7 @@ def load_model(
     group_size: int = 128,
     lora: tuple[int, int] = (0, 0),
     moe_backend: str = "auto",
+    quantized_matmul: str = "auto",
 ) -> LlamaModel:
     """Build a ``LlamaModel`` from a tensor source, every weight placed on ``mesh`` by ``mapping``.
 
@@ -279,13 +281,23 @@ def load_model(
     quantized here (0: one per output channel). ``lora``: (slots, max rank) of the LoRA stacks each
     layer holds (``models/lora.py``; zeros until an adapter is written into a slot), or (0, 0): none.
     ``moe_backend``: ``engine.moe_backend``, the experts' grouped matmul (``ops/moe.py``).
+    ``quantized_matmul``: ``engine.quantized_matmul``, how narrow dense weights multiply.
     """
     spec = source.spec
     moe_impl = resolve_moe_backend(moe_backend) if spec.is_moe else "loop"
     ax = ModelAxes.of(spec)
     bits = {"int8": 8, "int4": 4}.get(quantization)
     placer = (
-        NarrowPlacer(source, mesh, mapping, jnp.dtype(dtype), abstract, bits=bits, group=group_size)
+        NarrowPlacer(
+            source,
+            mesh,
+            mapping,
+            jnp.dtype(dtype),
+            abstract,
+            bits=bits,
+            group=group_size,
+            kernel=resolve_quantized_matmul(quantized_matmul, mesh.devices.size),
+        )  # fmt: skip
         if bits
         else Placer(source, mesh, mapping, jnp.dtype(dtype), abstract)
     )

@@ -16,12 +16,15 @@ contracted axis keeps each device's groups with the rows it holds.
 
 from __future__ import annotations
 
+import math
+
 import equinox as eqx
 import haliax as hax
 import jax.numpy as jnp
 from haliax import Axis, NamedArray
 
-from myserve.ops.dequant import dequantize
+from myserve.ops import gpu_grouped_matmul
+from myserve.ops.dequant import StackedNarrow, dequantize
 
 GROUP_AXIS = "group"
 """The name of the axis of a group's codes (never sharded)."""
@@ -39,6 +42,9 @@ class NarrowWeight(eqx.Module):
     n_lead: int = eqx.field(static=True, default=0)
     dtype: jnp.dtype = eqx.field(static=True, default=jnp.dtype(jnp.float32))
     """The model dtype: what the weight dequantizes to."""
+    kernel: bool = eqx.field(static=True, default=False)
+    """Matmuls run the GPU grouped matmul kernel (``ops/gpu_grouped_matmul.py``), the codes read as
+    stored and widened in registers (``engine.quantized_matmul: pallas``); False: dequantized by XLA."""
 
     @property
     def lead_axes(self) -> tuple[Axis, ...]:
@@ -66,8 +72,33 @@ class NarrowWeight(eqx.Module):
         return hax.named(raw.reshape(tuple(a.size for a in axes)), axes)
 
     def matmul(self, x: NamedArray, axis: Axis | tuple[Axis, ...], out_dtype: jnp.dtype | None = None) -> NamedArray:
-        """``x`` contracted with this weight over ``axis`` (the dequantized weight in x's dtype)."""
+        """``x`` contracted with this weight over ``axis`` (the dequantized weight in x's dtype, or
+        the kernel's product of the codes as stored)."""
+        if self.kernel and self.n_lead == 0:
+            out = self._kernel_matmul(x, out_dtype)
+            if out is not None:
+                return out
         return hax.dot(x, self.dequantize(x.dtype), axis=axis, preferred_element_type=out_dtype)
+
+    def _kernel_matmul(self, x: NamedArray, out_dtype: jnp.dtype | None) -> NamedArray | None:
+        """The kernel's product, or None where the weight's blocks do not suit it (``dense_fits``)."""
+        names = {a.name for a in self.in_axes}
+        batch = tuple(a for a in x.axes if a.name not in names)
+        k = math.prod(a.size for a in self.in_axes)
+        groups, group = self.codes.array.shape[:2]
+        n = math.prod(a.size for a in self.out_axes)
+        offset = None if self.offset is None else self.offset.array.reshape(1, groups, n)
+        stack = StackedNarrow(
+            self.codes.array.reshape(1, groups, group, n), self.scale.array.reshape(1, groups, n), offset,
+            self.bits, 1, x.dtype,
+        )  # fmt: skip
+        if not gpu_grouped_matmul.dense_fits(stack):
+            return None
+        rows = x.rearrange((*batch, *self.in_axes)).array.reshape(-1, k)
+        y = gpu_grouped_matmul.dense_matmul(rows, stack).astype(out_dtype or x.dtype)
+        return hax.named(
+            y.reshape(*(a.size for a in batch), *(a.size for a in self.out_axes)), (*batch, *self.out_axes)
+        )
 
     def take(self, axis: Axis, index: NamedArray) -> NamedArray:
         """Rows ``index`` of output axis ``axis``, dequantized: an embedding lookup of a table stored
@@ -75,7 +106,7 @@ class NarrowWeight(eqx.Module):
         codes = self.codes.take(axis.name, index)
         scale = self.scale.take(axis.name, index)
         offset = None if self.offset is None else self.offset.take(axis.name, index)
-        picked = NarrowWeight(codes, scale, offset, self.bits, self.in_axes, self.n_lead, self.dtype)
+        picked = NarrowWeight(codes, scale, offset, self.bits, self.in_axes, self.n_lead, self.dtype, self.kernel)
         return picked.dequantize()
 
     @property

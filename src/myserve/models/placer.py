@@ -204,9 +204,9 @@ class NarrowPlacer(Placer):
     """Places matmul weights as ``NarrowWeight``s (``model.quantization: int8 | int4``): GGUF blocks
     of a kept type as the file holds them, anything else quantized from float here."""
 
-    def __init__(self, *args: object, bits: int, group: int = QUANT_GROUP, **kwargs: object):
+    def __init__(self, *args: object, bits: int, group: int = QUANT_GROUP, kernel: bool = False, **kwargs: object):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.bits, self.group = bits, group
+        self.bits, self.group, self.kernel = bits, group, kernel
 
     def plan(self, every_layer: Sequence[tuple[str, ...]]) -> BlockLayout | None:
         """One layout for a field over all the layers it is read from (so every layer has the same
@@ -265,6 +265,7 @@ class NarrowPlacer(Placer):
             in_axes=tuple(in_axes),
             n_lead=n_lead,
             dtype=self.dtype,
+            kernel=self.kernel and n_lead == 0,
         )
 
     def put_exact(self, host: np.ndarray, axes: tuple) -> hax.NamedArray:

@@ -13,9 +13,10 @@ A quantized weight of logical shape ``[*lead, K, *out]`` (``K`` the contracted a
   (``G = K``) and no offset; int4 has ``G = 128`` with an offset (the group's minimum); GGUF blocks
   keep their own ``G`` (32, or 16 for Q6_K) and scales.
 
-``dequantize`` is elementwise on the codes, so on TPU and GPU XLA fuses it into the matmul that
-consumes it (the full-width weight is never written to memory); XLA:CPU has no such fusion and
-writes the widened weight once per step (docs/performance.md, "Quantized weights").
+``dequantize`` is elementwise on the codes, for XLA to fuse into the matmul that consumes it;
+XLA:CPU has no such fusion and writes the widened weight once per step, and on an H200 XLA widened
+the codes in kernels of their own too (docs/performance.md, "Quantized weights"). On a GPU,
+``ops/gpu_grouped_matmul.py`` reads this layout as stored and widens it in registers instead.
 """
 
 from __future__ import annotations

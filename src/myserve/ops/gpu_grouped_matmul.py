@@ -34,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from myserve.errors import ConfigError
 from myserve.ops.dequant import StackedNarrow
 
 BLOCK_N = 64
@@ -41,7 +42,12 @@ BLOCK_N = 64
 CODE_ROWS = 64
 """Rows of codes (or of a float weight) a program loads per step of the contracted axis, at most."""
 MIN_ROWS = 16
-"""A Triton dot's smallest dimension: tiles have at least this many rows."""
+"""A Triton dot's smallest dimension: tiles have at least this many rows (and output blocks columns)."""
+DENSE_ROWS = 64
+"""Rows per tile of a dense (one-group) matmul, at most."""
+PROGRAMS = 256
+"""Output blocks narrow (down to ``MIN_ROWS`` columns) until a call has about this many programs:
+a decode step's few tiles would otherwise leave most of a GPU's SMs idle (an H100 has 132)."""
 
 
 def grouped_matmul(
@@ -78,14 +84,16 @@ def grouped_matmul(
         pack, pack_rows, code_rows = 1, k, min(CODE_ROWS, k)
         assert k % code_rows == 0
         weights = [w]
+    num_tiles = tile_group.shape[0]
     block_n = min(BLOCK_N, n & -n)  # the largest power of two dividing N, up to BLOCK_N
+    while block_n > MIN_ROWS and num_tiles * (n // block_n) < PROGRAMS:
+        block_n //= 2
     steps = k // pack // code_rows
     kernel = functools.partial(
         _kernel, block_rows=block_rows, block_n=block_n, code_rows=code_rows, pack_rows=pack_rows,
         pack=pack, steps=steps, narrow=narrow, offset=narrow and len(weights) == 3,
     )  # fmt: skip
     zeros = jnp.zeros((m, n), jnp.float32)
-    num_tiles = tile_group.shape[0]
     return pl.pallas_call(  # type: ignore[no-any-return]
         kernel,
         grid=(num_tiles, n // block_n),
@@ -152,3 +160,35 @@ def tiles_of(sizes: jax.Array, num_tiles: int, block_rows: int, rows: int) -> tu
     first = jnp.where(real, starts[group] + local * block_rows, rows).astype(jnp.int32)
     valid = jnp.where(real, jnp.clip(sizes[group] - local * block_rows, 0, block_rows), 0).astype(jnp.int32)
     return group, first, valid
+
+
+def dense_fits(w: StackedNarrow) -> bool:
+    """Whether a one-group narrow weight suits the kernel on a GPU: Triton blocks of at least 16
+    code rows (a quantization group's) and 16 output columns."""
+    _, _, pack_rows, n = w.codes.shape
+    return min(pack_rows, CODE_ROWS) >= MIN_ROWS and (n & -n) >= MIN_ROWS
+
+
+def dense_matmul(x: jax.Array, w: StackedNarrow, interpret: bool | None = None) -> jax.Array:
+    """``x`` [R, K] times the one narrow weight of ``w`` ([1, K / g, g / pack, N]): float32 [R, N],
+    the rows in tiles of up to ``DENSE_ROWS``."""
+    r = x.shape[0]
+    b = max(MIN_ROWS, min(DENSE_ROWS, 1 << max(r - 1, 0).bit_length()))
+    num_tiles = -(-r // b)
+    xs = jnp.pad(x, ((0, num_tiles * b - r + b), (0, 0)))  # whole tiles, then the spare rows
+    start = jnp.arange(num_tiles, dtype=jnp.int32) * b
+    tiles = (jnp.zeros(num_tiles, jnp.int32), start, jnp.clip(r - start, 0, b).astype(jnp.int32))
+    return grouped_matmul(xs, w, *tiles, block_rows=b, interpret=interpret)[:r]
+
+
+def resolve_quantized_matmul(choice: str, devices: int) -> bool:
+    """``engine.quantized_matmul``: whether dense narrow weights run this kernel. ``auto`` and
+    ``xla``: no (XLA dequantizes; ``auto`` until a GPU has measured the kernel); ``pallas``: yes, on a
+    GPU and a replica of one device (``devices``: the replica's; the custom call is not partitioned)."""
+    if choice != "pallas":
+        return False
+    if jax.default_backend() not in ("gpu", "cuda", "rocm"):
+        raise ConfigError("engine.quantized_matmul 'pallas' needs a GPU; use 'auto' or 'xla'")
+    if devices != 1:
+        raise ConfigError(f"engine.quantized_matmul 'pallas' runs on one device per replica, not {devices}")
+    return True

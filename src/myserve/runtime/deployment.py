@@ -158,6 +158,7 @@ class Deployment:
                     group_size=config.model.quantization_group_size,
                     lora=lora_stacks(config),
                     moe_backend=config.engine.moe_backend,
+                    quantized_matmul=config.engine.quantized_matmul,
                 )
                 for m in replica_meshes(mesh)
             )
@@ -306,6 +307,7 @@ def _prebuild(
             group_size=config.model.quantization_group_size,
             lora=lora_stacks(config),
             moe_backend=config.engine.moe_backend,
+            quantized_matmul=config.engine.quantized_matmul,
         )
         futures.append(pool.submit(executor_for(config, model, replica_mesh, mapping).build_all, now))
     pool.shutdown(wait=False)  # the thread ends when its builds are done

@@ -59,6 +59,7 @@ class WeightUpdater:
                 group_size=cfg.model.quantization_group_size,
                 lora=lora_stacks(cfg),
                 moe_backend=cfg.engine.moe_backend,
+                quantized_matmul=cfg.engine.quantized_matmul,
             )
             for mesh in self.dep.meshes
         ]
