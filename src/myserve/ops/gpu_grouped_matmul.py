@@ -40,7 +40,8 @@ from myserve.ops.dequant import StackedNarrow
 BLOCK_N = 64
 """Output columns per program, at most (a power of two dividing N, at least 16)."""
 CODE_ROWS = 64
-"""Rows of codes (or of a float weight) a program loads per step of the contracted axis, at most."""
+"""Rows of codes (or of a float weight) a program loads per step of the contracted axis, at most (the
+largest power of two dividing a quantization group's code rows: 16 of the 48 of a group of 96)."""
 MIN_ROWS = 16
 """A Triton dot's smallest dimension: tiles have at least this many rows (and output blocks columns)."""
 DENSE_ROWS = 64
@@ -73,7 +74,7 @@ def grouped_matmul(
         assert w.n_out == 1, "a grouped matmul's weight has one output axis"
         groups, per_group, pack_rows, n = w.codes.shape
         pack = 2 if w.bits == 4 else 1
-        code_rows = min(CODE_ROWS, pack_rows)
+        code_rows = min(CODE_ROWS, pack_rows & -pack_rows)  # a power of two dividing a group's rows
         assert per_group * pack_rows * pack == k and pack_rows % code_rows == 0
         # [G, K / g * g / pack, N]: a bitcast; step s reads code rows s * code_rows onwards.
         weights: list[jax.Array] = [w.codes.reshape(groups, per_group * pack_rows, n), w.scale]
@@ -81,7 +82,7 @@ def grouped_matmul(
             weights.append(w.offset)
     else:
         groups, _, n = w.shape
-        pack, pack_rows, code_rows = 1, k, min(CODE_ROWS, k)
+        pack, pack_rows, code_rows = 1, k, min(CODE_ROWS, k & -k)
         assert k % code_rows == 0
         weights = [w]
     num_tiles = tile_group.shape[0]
@@ -166,7 +167,7 @@ def dense_fits(w: StackedNarrow) -> bool:
     """Whether a one-group narrow weight suits the kernel on a GPU: Triton blocks of at least 16
     code rows (a quantization group's) and 16 output columns."""
     _, _, pack_rows, n = w.codes.shape
-    return min(pack_rows, CODE_ROWS) >= MIN_ROWS and (n & -n) >= MIN_ROWS
+    return (pack_rows & -pack_rows) >= MIN_ROWS and (n & -n) >= MIN_ROWS
 
 
 def dense_matmul(x: jax.Array, w: StackedNarrow, interpret: bool | None = None) -> jax.Array:
