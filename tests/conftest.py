@@ -132,6 +132,15 @@ def live(service):
 
 
 @pytest.fixture(scope="session")
+def hf_tiny(tiny_checkpoints: dict[str, Path]):
+    """transformers' float32 load of the tiny llama3 checkpoint: the reference of served parity tests."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama3"], dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def hf_gguf_model(tmp_path_factory: pytest.TempPathFactory):
     """transformers' own load of the bundled GGUF (dequantized to float32): the parity reference.
 

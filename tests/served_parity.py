@@ -61,3 +61,20 @@ def check_served_greedy(checkpoint: Path, *overrides: str) -> None:
         assert tokens[: len(want)] == want
     finally:
         svc.shutdown()
+
+
+def check_served_on_backend(make_service, hf_tiny, backend: str, monkeypatch) -> None:  # noqa: ANN001
+    """The tiny Llama served with its attention on ``backend`` (``resolve_backend``'s pick forced):
+    chunked prefills beside decodes and a prefix-cache hit, each request's greedy tokens equal to
+    transformers alone, and every page returned."""
+    monkeypatch.setattr("myserve.runtime.deployment.resolve_backend", lambda *a, **k: backend)
+    svc = make_service("engine.num_pages=128")
+    assert svc.replicas[0].runner.device.outer.attention_backend == backend
+    rng = np.random.RandomState(5)
+    prompts = [[int(t) for t in rng.randint(3, 256, size=n)] for n in (3, 150, 17, 64, 5)]
+    prompts.append(prompts[1][:100] + [7, 8, 9])  # shares full pages with prompt 1
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    streams = [svc.submit(p, params) for p in prompts]
+    got = [collect(s)[0] for s in streams]
+    assert got == [hf_greedy(hf_tiny, p, 16, (2,)) for p in prompts]
+    assert svc.stats().pages_used == 0

@@ -284,7 +284,9 @@ def test_disconnected_requests_count_their_tokens(live, service, caplog: pytest.
 
 def test_request_timeout_aborts_and_counts(service, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", logger="myserve.requests")
-    server = LiveServer(create_app(service, served_model_name=MODEL, request_timeout_s=1.0))
+    # 3 s: the 2-token request below must finish within it even beside another test worker's
+    # compiles on 2 cores (1 s was missed there); 400 tokens take far longer.
+    server = LiveServer(create_app(service, served_model_name=MODEL, request_timeout_s=3.0))
     wait_primed(service)  # the 2-token request below must not wait for a prime (a second each) or pay one
     try:
         assert post(server, "/v1/chat/completions", **{**LONG_CHAT, "max_tokens": 2}).status_code == 200

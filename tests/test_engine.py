@@ -27,14 +27,6 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_tiny(tiny_checkpoints):
-    import torch
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama3"], dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def expected(hf_tiny, prompts) -> list[list[int]]:
     return [hf_greedy(hf_tiny, p, 24, (2,)) for p in prompts]
 

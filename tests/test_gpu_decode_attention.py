@@ -18,14 +18,13 @@ import numpy as np
 import pytest
 from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 from ragged_steps import MIXED, cuda_target, mixed_step
+from served_parity import check_served_on_backend
 
 from myserve.errors import ConfigError
 from myserve.ops import gpu_attention
 from myserve.ops.attention import ragged_attention, resolve_backend
 from myserve.ops.gpu_attention import decode_attention, gpu_fit, split_sizes
 from myserve.ops.paged_cache import KVCache, write_kv
-from myserve.testing import collect, hf_greedy
-from myserve.wire.params import SamplingParams
 
 
 @pytest.fixture
@@ -116,27 +115,9 @@ def test_backend_choice_on_a_gpu(monkeypatch: pytest.MonkeyPatch, caplog: pytest
         resolve_backend("pallas", **dict(fits, page_size=8))
 
 
-@pytest.fixture(scope="module")
-def hf_tiny(tiny_checkpoints):
-    import torch
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama3"], dtype=torch.float32).eval()
-
-
 def test_served_requests_through_the_gpu_kernel_path_match_transformers(
     make_service, hf_tiny, interpreted, monkeypatch
 ) -> None:
     """A whole engine whose decode rows take the kernel: chunked prefills beside decodes and a
     prefix-cache hit, each request's greedy tokens equal to transformers alone."""
-    monkeypatch.setattr("myserve.runtime.deployment.resolve_backend", lambda *a, **k: "pallas_gpu")
-    svc = make_service("engine.num_pages=128")
-    assert svc.replicas[0].runner.device.outer.attention_backend == "pallas_gpu"
-    rng = np.random.RandomState(5)
-    prompts = [[int(t) for t in rng.randint(3, 256, size=n)] for n in (3, 150, 17, 64, 5)]
-    prompts.append(prompts[1][:100] + [7, 8, 9])  # shares full pages with prompt 1
-    params = SamplingParams(max_tokens=16, temperature=0.0)
-    streams = [svc.submit(p, params) for p in prompts]
-    got = [collect(s)[0] for s in streams]
-    assert got == [hf_greedy(hf_tiny, p, 16, (2,)) for p in prompts]
-    assert svc.stats().pages_used == 0
+    check_served_on_backend(make_service, hf_tiny, "pallas_gpu", monkeypatch)

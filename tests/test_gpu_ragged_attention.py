@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from conftest import load_on_mesh
 from ragged_steps import MIXED, chunked_logits, cuda_target, device_batch, mixed_step
+from served_parity import check_served_on_backend
 
 from myserve.errors import ConfigError
 from myserve.ops import gpu_ragged_attention as kernel
@@ -23,8 +24,7 @@ from myserve.ops.paged_cache import KVCache, write_kv
 from myserve.runtime.kv_cache import init_kv_cache
 from myserve.runtime.model_step import StepLogits
 from myserve.runtime.step_layout import Span, StepShape
-from myserve.testing import collect, hf_greedy, hf_logits
-from myserve.wire.params import SamplingParams
+from myserve.testing import hf_logits
 
 
 def _step(rng: np.random.RandomState, dtype: jnp.dtype = jnp.float32, d: int = 16):
@@ -153,28 +153,10 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert kernel.ragged_fit(32, 8, 80, 16) == "head_dim 80 is not a power of two >= 16"
 
 
-@pytest.fixture(scope="module")
-def hf_tiny(tiny_checkpoints):
-    import torch
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama3"], dtype=torch.float32).eval()
-
-
 def test_served_requests_through_the_ragged_kernel_match_transformers(make_service, hf_tiny, monkeypatch) -> None:
     """A whole engine on the kernel (interpreted): chunked prefills beside decodes and a prefix-cache
     hit, each request's greedy tokens equal to transformers alone."""
-    monkeypatch.setattr("myserve.runtime.deployment.resolve_backend", lambda *a, **k: "pallas_gpu_ragged")
-    svc = make_service("engine.num_pages=128")
-    assert svc.replicas[0].runner.device.outer.attention_backend == "pallas_gpu_ragged"
-    rng = np.random.RandomState(5)
-    prompts = [[int(t) for t in rng.randint(3, 256, size=n)] for n in (3, 150, 17, 64, 5)]
-    prompts.append(prompts[1][:100] + [7, 8, 9])  # shares full pages with prompt 1
-    params = SamplingParams(max_tokens=16, temperature=0.0)
-    streams = [svc.submit(p, params) for p in prompts]
-    got = [collect(s)[0] for s in streams]
-    assert got == [hf_greedy(hf_tiny, p, 16, (2,)) for p in prompts]
-    assert svc.stats().pages_used == 0
+    check_served_on_backend(make_service, hf_tiny, "pallas_gpu_ragged", monkeypatch)
 
 
 def test_gemma2_logits_through_the_ragged_kernel_match_transformers(tiny_checkpoints) -> None:

@@ -97,14 +97,6 @@ def test_kernel_path_equals_the_reference_on_a_mixed_ragged_step(monkeypatch, wi
     assert int(meta.cu_q_lens[int(meta.num_seqs[0])]) == real
 
 
-@pytest.fixture(scope="module")
-def hf_tiny(tiny_checkpoints):
-    import torch
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama3"], dtype=torch.float32).eval()
-
-
 def test_served_requests_through_the_kernel_path_match_transformers(make_service, hf_tiny, monkeypatch) -> None:
     """A whole engine on the kernel's layout: chunked prefills beside decodes, prefix-cache hits and
     copy-on-write pages (n=3), each request's greedy tokens equal to transformers alone."""

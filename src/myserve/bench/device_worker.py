@@ -25,7 +25,7 @@ PROFILE_TOKENS = 16
 """Tokens per request in a profiled section: a few decode steps, a trace that stays small."""
 
 
-def _median_s(fn: Callable[..., Any], *args: Any, n: int = 7) -> float:
+def median_s(fn: Callable[..., Any], *args: Any, n: int = 7) -> float:
     """Median wall seconds of ``fn(*args)`` to completion, after one warm-up call (the compile)."""
     import jax
 
@@ -53,12 +53,12 @@ def measure_ceilings() -> dict[str, Any]:
     # tens of MiB on a CPU, whose last-level cache is a few MiB.
     copy_bytes = 32 << 20 if cpu else min(4 << 30, (limit or 32 << 30) // 8)
     x = jnp.ones((copy_bytes // jnp.dtype(dtype).itemsize,), dtype)
-    copy_s = _median_s(jax.jit(lambda a: a * 1.0001), x)
+    copy_s = median_s(jax.jit(lambda a: a * 1.0001), x)
     del x
     m = 1024 if cpu else 8192
     a = jax.random.normal(jax.random.key(1), (m, m), dtype)
     b = jax.random.normal(jax.random.key(2), (m, m), dtype)
-    matmul_s = _median_s(jax.jit(jnp.matmul), a, b)
+    matmul_s = median_s(jax.jit(jnp.matmul), a, b)
     return {
         "platform": device.platform,
         "device": str(device.device_kind),

@@ -17,9 +17,7 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from myserve.bench.device_worker import median_s
 from myserve.ops import gpu_grouped_matmul, gpu_ragged_attention
 from myserve.ops.attention import _view_attention
 from myserve.ops.dequant import StackedNarrow, dequantize
@@ -59,17 +58,6 @@ FULL = Sizes(32, 8, 64, 16, 4096, 64, 32, 1024, 576, 32, 4, 2048, 8192)
 TINY = Sizes(4, 2, 16, 4, 64, 4, 8, 64, 32, 8, 2, 64, 128)
 
 
-def _time(fn: Callable[..., Any], *args: Any, n: int) -> float:
-    """Median seconds of ``fn(*args)`` after one warm-up call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _compare(name: str, reference: Callable[..., Any], kernel: Callable[..., Any], args: tuple, n: int) -> dict:
     """One case: both paths jitted on ``args``; their difference and times."""
     ref, ker = jax.jit(reference), jax.jit(kernel)
@@ -80,8 +68,8 @@ def _compare(name: str, reference: Callable[..., Any], kernel: Callable[..., Any
         "case": name,
         "max_abs_diff": diff,
         "relative_diff": diff / top if top else None,
-        "reference_s": _time(ref, *args, n=n),
-        "kernel_s": _time(ker, *args, n=n),
+        "reference_s": median_s(ref, *args, n=n),
+        "kernel_s": median_s(ker, *args, n=n),
     }
 
 

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from myserve.ops.gpu_ragged_attention import ragged_fit as triton_fit
 from myserve.ops.paged_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -150,12 +151,9 @@ def gpu_fit(
         return "the kernel has no sliding-window attention"
     if soft_cap:
         return "the kernel has no attention soft cap"
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        return f"head_dim {head_dim} is not a power of two >= 16"
-    if page_size < 16 or page_size & (page_size - 1):
-        return f"page_size {page_size} is not a power of two >= 16"
-    if num_heads % num_kv_heads:
-        return f"{num_heads} query heads do not group evenly over {num_kv_heads} KV heads"
+    shapes = triton_fit(num_heads, num_kv_heads, head_dim, page_size)
+    if shapes is not None:
+        return shapes
     if _gpu_kernel() is None:
         return "the kernel does not import"
     return None

@@ -274,7 +274,7 @@ def ragged_fit(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int)
     """Why this kernel cannot serve a model on a GPU, or None if it can: Triton blocks need
     power-of-two sizes of at least 16, ``head_dim`` and a K/V block's tokens (whole pages, so a
     page of at least 16 tokens), and query heads grouped evenly on KV heads. Sliding windows and
-    soft caps it has."""
+    soft caps it has. (JAX's decode kernel has the same shape limits: ``gpu_attention.gpu_fit``.)"""
     if head_dim < 16 or head_dim & (head_dim - 1):
         return f"head_dim {head_dim} is not a power of two >= 16"
     if page_size < 16 or page_size & (page_size - 1):

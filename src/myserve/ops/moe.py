@@ -130,6 +130,13 @@ def _num_experts(w: jax.Array | StackedNarrow) -> int:
     return w.num if isinstance(w, StackedNarrow) else int(w.shape[0])
 
 
+def _sorted_rows(x: jax.Array, token: jax.Array, spare: int) -> jax.Array:
+    """The rows of ``x`` [T, H] in the sorted order ``token``, then ``spare`` zero rows, so that a
+    tile starting near the end stays in bounds."""
+    t, hdim = x.shape
+    return jnp.concatenate([x, jnp.zeros((1, hdim), x.dtype)])[jnp.concatenate([token, jnp.full(spare, t, jnp.int32)])]
+
+
 def num_tiles(assignments: int, experts: int, block: int) -> int:
     """Most tiles of ``block`` rows that ``assignments`` rows grouped over ``experts`` can need: each
     non-empty group rounds up once (static: a function of shapes)."""
@@ -147,12 +154,11 @@ def _expert_loop(
     """Both matmuls tile by tile (a loop of static length): tile ``j`` is ``B`` rows of one expert's
     group with that expert's weights. Returns the sorted rows' outputs [n, H] float32 (rows past
     the local groups: zeros)."""
-    t, hdim = x.shape
+    hdim = x.shape[1]
     e = _num_experts(gate_up)
     n = token.shape[0]
     b = block_rows(n, e)
-    # The sorted rows, plus B zero rows so that a tile starting near the end stays in bounds.
-    xs = jnp.concatenate([x, jnp.zeros((1, hdim), x.dtype)])[jnp.concatenate([token, jnp.full(b, t, jnp.int32)])]
+    xs = _sorted_rows(x, token, b)
     start = jnp.cumsum(sizes) - sizes
     tiles = (sizes + b - 1) // b  # [E] tiles of each expert's group
     tiles_end = jnp.cumsum(tiles)
@@ -189,11 +195,10 @@ def _expert_kernel(
     sorted by expert, tiles of at least 16 rows (a Triton dot's smallest): a decode step's tiles
     are its routed experts, each read once. Narrow experts stay narrow. Returns [n, H] float32
     (rows of other devices' experts: zeros)."""
-    t, hdim = x.shape
     e = _num_experts(gate_up)
     n = token.shape[0]
     b = max(gpu_grouped_matmul.MIN_ROWS, block_rows(n, e))
-    xs = jnp.concatenate([x, jnp.zeros((1, hdim), x.dtype)])[jnp.concatenate([token, jnp.full(b, t, jnp.int32)])]
+    xs = _sorted_rows(x, token, b)
     tiles = gpu_grouped_matmul.tiles_of(sizes, num_tiles(n, e, b), b, n)
     call = functools.partial(gpu_grouped_matmul.grouped_matmul, block_rows=b)
     gu = call(xs, _merge_gate_up(gate_up), *tiles)  # [n + b, 2 I]: gates, then ups
