@@ -20,6 +20,8 @@ from myserve.models.narrow import NarrowWeight
 from myserve.ops import gpu_grouped_matmul, moe
 from myserve.ops.dequant import StackedNarrow
 from myserve.ops.moe import expert_mlp, resolve_moe_backend, route
+from myserve.testing import collect
+from myserve.wire.params import SamplingParams
 
 
 def _narrow(rng: np.random.RandomState, e: int, k: int, out: tuple[int, ...], bits: int, group: int) -> StackedNarrow:
@@ -191,3 +193,24 @@ def test_quantized_matmul_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not gpu_grouped_matmul.resolve_quantized_matmul("xla", 1)
     with pytest.raises(ConfigError, match="one device per replica, not 2"):
         gpu_grouped_matmul.resolve_quantized_matmul("pallas", 2)
+
+
+def test_an_int4_engine_on_the_kernel_serves_the_tokens_of_xlas(make_service, monkeypatch) -> None:
+    """``engine.quantized_matmul=pallas`` through a whole deployment (its steps built early from
+    abstract weights, then the real ones): the int4 tiny Llama's greedy tokens equal those of the
+    same weights dequantized by XLA, and warmup compiled everything the requests ran."""
+    from myserve.runtime.compile_counter import compile_count
+
+    monkeypatch.setattr("myserve.models.loading.resolve_quantized_matmul", lambda choice, devices: choice == "pallas")
+    rng = np.random.RandomState(11)
+    prompts = [[int(t) for t in rng.randint(3, 256, size=n)] for n in (5, 70, 18)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for choice in ("xla", "pallas"):
+        svc = make_service("model.quantization=int4", f"engine.quantized_matmul={choice}")
+        kernel = svc.replicas[0].runner.device.model.layers[0].down_proj.kernel
+        assert kernel == (choice == "pallas")
+        warm = compile_count()
+        tokens.append([collect(svc.submit(p, params))[0] for p in prompts])
+        assert compile_count() == warm
+    assert tokens[0] == tokens[1] and all(len(t) == 12 for t in tokens[1])
