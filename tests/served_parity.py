@@ -34,21 +34,26 @@ def hf_model(checkpoint: Path):
 def check_served_greedy(checkpoint: Path, *overrides: str) -> None:
     """Serve ``checkpoint`` on a 48-page pool of 8 tokens (the prompts need ~100 pages: sequences
     are preempted) with 64-token steps (long prompts are prefilled in chunks); every prompt's 32
-    greedy tokens equal transformers' for that prompt alone. Then a prompt that shares a 96-token
-    cached prefix gives transformers' tokens too, computing only its uncached tokens."""
+    greedy tokens equal transformers' for that prompt alone, and so do the logprobs of every token
+    (transformers' log-softmax over the same sequence): tiny random models can repeat one token
+    whatever their attention computes (the tiny Gemma 2 does), and the logprobs still see it. Then
+    a prompt that shares a 96-token cached prefix gives transformers' tokens too, computing only
+    its uncached tokens."""
     ref = hf_model(checkpoint)
     ps = prompts()
     expected = [hf_greedy(ref, p, MAX_TOKENS, (0,)) for p in ps]
-    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
     svc = start_service(checkpoint, *TINY_ENGINE, "engine.num_pages=48", "model.max_model_len=256", *overrides)
     try:
         streams = [svc.submit(p, greedy) for p in ps]
-        got = [collect(s)[0] for s in streams]
+        got, logprobs = zip(*(_tokens_and_logprobs(s) for s in streams), strict=True)
         stats = svc.stats()
         assert stats.num_preemptions > 0, "the pool was meant to force preemption"
         for i, (g, e) in enumerate(zip(got, expected, strict=True)):
             # transformers stops at a sampled id 0; the engine ignores EOS and makes them all.
             assert len(g) == MAX_TOKENS and g[: len(e)] == e, f"prompt {i} ({len(ps[i])} tokens): {g} != {e}"
+            want_lp = hf_token_logprobs(ref, ps[i], g)
+            np.testing.assert_allclose(logprobs[i], want_lp, atol=2e-4, rtol=0, err_msg=f"prompt {i} logprobs")
         # Prefix caching: 100 shared tokens = 12 full pages of 8 come from the cache.
         prefix = ps[1][:100]
         first, second = prefix + [7, 8, 9], prefix + [10, 11, 12, 13]
@@ -61,6 +66,29 @@ def check_served_greedy(checkpoint: Path, *overrides: str) -> None:
         assert tokens[: len(want)] == want
     finally:
         svc.shutdown()
+
+
+def _tokens_and_logprobs(stream) -> tuple[list[int], list[float]]:  # noqa: ANN001
+    """A single-choice stream's tokens and each one's logprob."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for out in stream:
+        tokens.extend(out.token_ids)
+        logprobs.extend(entry.logprob for entry in out.logprobs or ())
+    assert len(logprobs) == len(tokens)
+    return tokens, logprobs
+
+
+def hf_token_logprobs(model, prompt: list[int], generated: list[int]) -> np.ndarray:  # noqa: ANN001
+    """transformers' float32 log-softmax of each ``generated`` token after ``prompt`` and the
+    generated tokens before it (one forward over the whole sequence)."""
+    import torch
+
+    ids = torch.tensor([prompt + generated[:-1]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 :].float()
+    picked = torch.log_softmax(logits, dim=-1)[torch.arange(len(generated)), torch.tensor(generated)]
+    return picked.numpy()
 
 
 def check_served_on_backend(make_service, hf_tiny, backend: str, monkeypatch) -> None:  # noqa: ANN001
