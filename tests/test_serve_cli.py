@@ -49,6 +49,9 @@ def test_serve_subprocess_curl_and_sigterm_drain() -> None:
                 pass
             assert time.monotonic() < deadline, "server never became ready:\n" + "".join(log[-30:])
             time.sleep(0.5)
+        # The line may reach the reader thread a moment after /health first answers.
+        while not any("ready on http://" in line for line in log) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert any("ready on http://" in line for line in log)
         models = httpx.get(f"{url}/v1/models").json()
         assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"
