@@ -7,7 +7,8 @@ by ``T`` alone: routing changes the group sizes, never a shape, so nothing recom
 changes, and there is no per-expert Python loop. No token is ever dropped: there is no capacity
 factor, a group may hold every assignment of the step (serving must be exact).
 
-Two implementations of the grouped matmul, the same numbers (``tests/test_moe_ops.py``):
+Three implementations of the grouped matmul, the same numbers (``tests/test_moe_ops.py``), chosen by
+``engine.moe_backend`` (``resolve_moe_backend``):
 
 - ``ragged_dot``: ``jax.lax.ragged_dot`` over the sorted rows, for TPU, where XLA runs it as a
   grouped matmul. XLA:CPU instead expands it into a dense matmul over *every* expert (measured:
@@ -23,6 +24,9 @@ Two implementations of the grouped matmul, the same numbers (``tests/test_moe_op
   copies a dynamically indexed weight before its dot reads it, so a prefill step whose experts
   take several tiles copies an expert's weights once per tile (about twice the used experts'
   bytes at the mean group size).
+- ``pallas`` (GPU, by choice): the grouped matmul kernel of ``ops/gpu_grouped_matmul.py`` over the
+  same tiles (at least 16 rows each), one call per matmul, narrow experts read as stored
+  (``_expert_kernel``).
 
 With experts sharded over the mesh's ``expert`` axis each device passes its own slice of the
 weights and ``first_expert``: assignments to other devices' experts go to a last, dropped group,
@@ -226,8 +230,8 @@ def _ragged(
     act: Callable[[jax.Array], jax.Array],
 ) -> jax.Array:
     """Both matmuls as ``lax.ragged_dot`` over rows sorted by expert (rows past the groups give 0).
-    Narrow experts are dequantized whole first: the stack widens inside the step (a grouped
-    matmul kernel reading narrow experts is future work)."""
+    Narrow experts are dequantized whole first: the stack widens inside the step (``pallas``, on a
+    GPU, reads them narrow instead)."""
     gate_up = gate_up.full() if isinstance(gate_up, StackedNarrow) else gate_up
     down = down.full() if isinstance(down, StackedNarrow) else down
     e, h, _, i = gate_up.shape
