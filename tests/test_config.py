@@ -40,7 +40,6 @@ def expected_default() -> Config:
             max_num_batched_tokens=256,
             token_buckets=(1, 4, 8, 16, 32, 64, 128, 256),
             context_buckets=(128, 512, 2048),
-            decode_steps=1,
         ),
         server=ServerConfig(host="127.0.0.1", port=8000, served_model_name="SmolLM2-135M-Instruct"),
         mesh=MeshConfig(data=1, model=1),

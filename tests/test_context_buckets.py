@@ -30,30 +30,31 @@ def test_warmup_builds_the_widest_now_and_the_narrower_in_the_background_narrowe
     ]  # fmt: skip
     assert later.loops == ()
     _, with_loops = BUCKETS.compile_ops(decode_steps=4)
-    assert with_loops.shapes == later.shapes and with_loops.loops  # the loops after the forwards
+    assert with_loops.shapes == later.shapes and with_loops.loops
+    # K = 1 builds decode calls too: a decode-only step is one call whatever K.
+    _, one = BUCKETS.compile_ops(decode_steps=1)
+    assert one.loops and {steps for _, steps, _ in one.loops} == {1}
 
 
-def test_several_token_calls_take_the_narrowest_decode_width_that_holds_every_row() -> None:
-    """Several-token decode calls are built at every context bucket up to ``first_width`` (512
-    tokens), widest first, for each row count and sampler mode; a call takes the narrowest that
-    holds its longest page table (a one-row decode's attention reads the whole bucket each token)."""
-    assert BUCKETS.first_width == 32 and BUCKETS.decode_widths == [8, 32]
+def test_decode_calls_take_the_narrowest_built_width_that_holds_every_row() -> None:
+    """Decode calls are built at every context bucket, narrowest first, for each row count and
+    sampler mode; a call takes the narrowest built one that holds its longest page table (a
+    one-row decode's attention reads the whole bucket each token)."""
+    assert BUCKETS.decode_widths == [8, 32, 128]
     _, later = BUCKETS.compile_ops(decode_steps=4)
     loops = [(shape.width, shape.singles, steps, mode) for shape, steps, mode in later.loops]
-    assert loops == [(w, r, 4, m) for w in (32, 8) for r in (1, 8) for m in HEAD_MODES]
+    assert loops == [(w, r, 4, m) for w in (8, 32, 128) for r in (1, 8) for m in HEAD_MODES]
     assert all(shape.blocks == 0 and shape.tokens == shape.singles for shape, _, _ in later.loops)
     assert BUCKETS.fit_decode([decode(3), decode(8)]) == BUCKETS.decode_shape(8, 8)
     assert BUCKETS.fit_decode([decode(9)]) == BUCKETS.decode_shape(1, 32) == BUCKETS.decode_shape(1)
-    assert BUCKETS.fit_decode([decode(32)]).width == 32 and BUCKETS.fit_decode([decode(33)]) is None
+    assert BUCKETS.fit_decode([decode(33)]).width == 128 and BUCKETS.fit_decode([decode(129)]) is None
     assert BUCKETS.fit_decode([decode(2)] * 9) is None  # more rows than the largest decode call
-    # The narrower calls are built after first_width's and used once built; first_width's always are.
-    assert BUCKETS.fit_decode([decode(3)], lambda shape: False) == BUCKETS.decode_shape(1, 32)
-    only_one_row = {BUCKETS.decode_shape(1, 8)}
+    # Built in the background: none built, none fits; a wider built one serves a short context.
+    assert BUCKETS.fit_decode([decode(3)], lambda shape: False) is None
+    only_one_row = {BUCKETS.decode_shape(1, 8), BUCKETS.decode_shape(8, 128)}
     assert BUCKETS.fit_decode([decode(3)], lambda shape: shape in only_one_row) == BUCKETS.decode_shape(1, 8)
-    assert BUCKETS.fit_decode([decode(3)] * 2, lambda shape: shape in only_one_row) == BUCKETS.decode_shape(8, 32)
-    # Where no context bucket is narrower than 512 tokens (the accelerators' defaults), one width.
-    gpu = Buckets.from_config(EngineConfig(**{**CFG.__dict__, "context_buckets": ()}), 2048, platform="gpu")
-    assert gpu.decode_widths == [gpu.first_width] == [32]
+    assert BUCKETS.fit_decode([decode(3)] * 2, lambda shape: shape in only_one_row) == BUCKETS.decode_shape(8, 128)
+    assert BUCKETS.fit_decode([decode(9)], lambda shape: shape in only_one_row) is None
 
 
 def test_a_step_takes_the_narrowest_built_context_bucket_that_holds_it() -> None:
@@ -120,3 +121,11 @@ def test_a_step_of_few_sampling_rows_takes_the_bucket_variant_with_few_rows() ->
     assert many.fit([*pooled, *(decode(2) for _ in range(7))]) == full  # a pooled span's row is its index
     # The variant holds the blocks of one 64-token chunk: three prompts' chunks round up to three.
     assert many.fit([prompt(60, 4)]) == few and many.fit([prompt(20, 2) for _ in range(3)]) == full
+
+
+def test_decode_steps_default_to_eight_tokens_a_call_on_every_platform() -> None:
+    """``engine.decode_steps`` 0 (the default, and the CPU deployment's): K = 8 on CPU, GPU and TPU
+    (measured: docs/performance.md, "Tokens per decode call")."""
+    from myserve.runtime.deployment import default_decode_steps
+
+    assert {p: default_decode_steps(p) for p in ("cpu", "gpu", "tpu")} == {"cpu": 8, "gpu": 8, "tpu": 8}

@@ -96,11 +96,16 @@ def test_it_lowers_to_triton_calls_reading_the_codes_as_stored(monkeypatch: pyte
 
 
 def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` per platform: the loop on CPU, this kernel on a GPU (the measured winner), ragged_dot
+    on TPU; every implementation stays selectable by name."""
     assert resolve_moe_backend("auto") == "loop" and resolve_moe_backend("ragged_dot") == "ragged_dot"
     with pytest.raises(ConfigError, match="'pallas' needs a GPU"):
         resolve_moe_backend("pallas")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert resolve_moe_backend("pallas") == "pallas" and resolve_moe_backend("auto") == "loop"
+    assert resolve_moe_backend("pallas") == "pallas" and resolve_moe_backend("auto") == "pallas"
+    assert resolve_moe_backend("loop") == "loop" and resolve_moe_backend("ragged_dot") == "ragged_dot"
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert resolve_moe_backend("auto") == "ragged_dot"
 
 
 def test_a_moe_model_served_on_the_kernel_matches_transformers(tiny_checkpoints, monkeypatch) -> None:

@@ -141,11 +141,12 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_backend("pallas_ragged", **fits)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert resolve_backend("pallas_ragged", **fits) == "pallas_gpu_ragged"
-    # Windows and soft caps: this kernel has them, the decode kernel (auto's choice) does not.
+    # Windows and soft caps: this kernel (auto's choice on a GPU) has them, the decode kernel not.
     gemma = dict(fits, sliding_window=True, soft_cap=True)
     assert resolve_backend("pallas_ragged", **gemma) == "pallas_gpu_ragged"
     assert resolve_backend("pallas_decode", **fits) == "pallas_gpu"
-    assert resolve_backend("auto", **gemma) == "reference"
+    assert resolve_backend("auto", **gemma) == "pallas_gpu_ragged"
+    assert resolve_backend("auto", **fits) == "pallas_gpu_ragged"
     with pytest.raises(ConfigError, match="'pallas_decode' cannot serve this model: the kernel has no sliding"):
         resolve_backend("pallas_decode", **gemma)
     with pytest.raises(ConfigError, match="'pallas_ragged' cannot serve this model: page_size 8"):

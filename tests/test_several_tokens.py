@@ -116,3 +116,24 @@ def test_an_abort_ends_its_stream_within_one_call(services) -> None:
         time.sleep(0.01)
     assert service.replicas[0].allocator.num_used == 0
     assert seen < 400
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_a_decode_only_stretch_is_one_call_per_k_tokens(services, k: int) -> None:
+    """The executable-call counter (``Executor.calls``) over one greedy request: its prompt is one
+    forward and one head call; its 24 tokens after the first come from decode calls of K tokens,
+    each one executable (forward, head and sampler inside), so calls = tokens / K and no forward
+    or head runs for them. K = 1 too: the decode call of one token replaces the forward and head."""
+    service = services[k]
+    executor = service.replicas[0].runner.device
+    before = executor.calls.copy()
+    decode_tokens = 24  # a multiple of 1, 4 and 8
+    params = SamplingParams(max_tokens=1 + decode_tokens, temperature=0.0, ignore_eos=True)
+    (out,) = run(service, [([11, 12, 13, 14, 15], params)])
+    assert len(out[0][0]) == 1 + decode_tokens
+    calls = executor.calls - before
+    by_kind: dict[str, int] = {}
+    for key, n in calls.items():
+        by_kind[key[0]] = by_kind.get(key[0], 0) + n
+    assert by_kind == {"forward": 1, "head": 1, "loop": decode_tokens // k}, calls
+    assert all(key[2] == k for key in calls if key[0] == "loop")

@@ -46,7 +46,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(checkpoint):
-    service = start_service(checkpoint, *TINY_ENGINE, "engine.num_pages=256")
+    # One token per decode step (K = 1): what speculation saves steps against.
+    service = start_service(checkpoint, *TINY_ENGINE, "engine.num_pages=256", "engine.decode_steps=1")
     yield service
     service.shutdown()
 

@@ -331,7 +331,6 @@ _BUILTIN_DEFAULT: dict[str, dict[str, object]] = {
         "max_num_batched_tokens": 256,
         "token_buckets": [1, 4, 8, 16, 32, 64, 128, 256],
         "context_buckets": [128, 512, 2048],
-        "decode_steps": 1,
     },
     "server": {"served_model_name": "SmolLM2-135M-Instruct"},
 }

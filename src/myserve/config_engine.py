@@ -26,13 +26,14 @@ class EngineConfig:
     whichever is less (never more pages than max_num_seqs sequences of max_model_len can hold)."""
     attention_backend: str = "auto"
     """Paged attention implementation: auto, reference (pure JAX), pallas (the platform's kernel:
-    the ragged kernel on TPU, JAX's paged decode kernel for decode rows on GPU), pallas_decode (that
-    GPU kernel by name) or pallas_ragged (GPU: our ragged kernel for prefill and decode rows, with
-    sliding windows and soft caps); auto = pallas where the model fits it, else reference."""
+    the ragged kernel on TPU; on GPU our ragged kernel for prefill and decode rows, with sliding
+    windows and soft caps, else JAX's paged decode kernel for decode rows), pallas_ragged or
+    pallas_decode (those two GPU kernels by name); auto = pallas where the model fits it, else
+    reference (CPU: reference)."""
     moe_backend: str = "auto"
     """Grouped matmul of a Mixture-of-Experts layer's experts: auto, loop (a loop over tiles of one
     expert's rows), ragged_dot (lax.ragged_dot) or pallas (GPU: our grouped matmul kernel, narrow
-    experts read narrow); auto = ragged_dot on TPU, loop elsewhere."""
+    experts read narrow); auto = ragged_dot on TPU, pallas on GPU, loop on CPU."""
     quantized_matmul: str = "auto"
     """How narrow (model.quantization int8 / int4) dense weights multiply: auto, xla (dequantized in
     the step, XLA fusing what it can) or pallas (GPU, one device per replica: our grouped matmul
@@ -58,11 +59,11 @@ class EngineConfig:
     (a step runs in a wider one until then); empty = 512, then x4 up to max_model_len (which
     is always the last)."""
     decode_steps: int = 0
-    """Tokens a decode produces per executable call when a step is decodes only and nothing needs
-    the host between tokens (no grammar): a loop of that many model and sampler iterations on the
-    device (EOS, stop ids, max_tokens and min_tokens applied there), built in the background after
-    warmup. 1 = one token per call; 0 = the platform's default (1 on CPU, 4 on GPU and TPU:
-    docs/performance.md)."""
+    """K: tokens a decode produces per executable call when a step is decodes only and nothing
+    needs the host between tokens (no grammar): one executable (``decode_loop``) runs K model and
+    sampler iterations on the device (EOS, stop ids, max_tokens and min_tokens applied there),
+    built in the background after warmup; K = 1 still makes a decode-only step one call (forward,
+    head and sampler fused). 0 = the platform's default (8: docs/performance.md)."""
     enable_prefix_caching: bool = True
     """Reuse KV pages of identical prompt prefixes across requests."""
     async_scheduling: bool = True

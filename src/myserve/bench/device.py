@@ -17,9 +17,22 @@ child process (``device_worker``) with a time limit, so one that fails leaves th
 On a CPU it runs tiny (automatically unless ``--full``): the 2-layer yardstick and a tiny MoE,
 16 streams for the ``c64`` runs, 16 tokens, 128-token "long" prompts. Results: a table on stdout
 and JSON at ``--output`` (default ``docs/bench/device-<card>-<date>.json``) of the shape
-``{"device", "jax", "ceilings": {"copy_bytes_per_s", "matmul_flops_per_s"}, "runs": [{"name",
-"concurrency", "prompt_tokens", "quantization", "tokens_per_s", "roofline_tokens_per_s",
-"roofline_share", ...}]}``.
+``{"device", "jax", "ceilings": {"copy_bytes_per_s", "matmul_flops_per_s"}, "overrides",
+"tokenizer", "runs": [{"name", "concurrency", "prompt_tokens", "quantization", "tokens_per_s",
+"roofline_tokens_per_s", "roofline_share", "steady_s", "decode_steps", "executables",
+"step_calls", "loop_calls", "tokens_per_call", ...}]}``.
+
+Every run is timed in the engine's steady state (``steady.py``): after its background builds (the
+decode loops of K = ``engine.decode_steps`` tokens per call among them) and the first run of every
+executable (``steady_s``: the wait; past ``--steady-timeout`` the deployment fails, naming what was
+not built or primed). Each run says which executables its timed section called and how often
+(``executables``) and the tokens per step call (one stream: its decode tokens per loop call); one
+that contradicts the steady state (anything compiled while timed; K > 1 and no decode loop ran)
+keeps its figures with an ``error`` and the command exits 1.
+
+``--tokenizer DIR`` (an HF tokenizer folder with a chat template) replaces the bundled model's
+tokenizer in the random checkpoints, so that the command runs where the 98 MB bundled GGUF is not
+(the device tool carries 64 MiB): see docs/performance.md, "What a GPU session runs".
 """
 
 from __future__ import annotations
@@ -81,17 +94,36 @@ def _child(args: list[str], log: Path, timeout_s: float, env: dict[str, str]) ->
     if rc == 0:
         return None
     tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-3:]
+    if tail and re.match(r"^[\w.]+(Error|Exception): ", tail[-1]):  # a traceback's last line says it
+        tail = [re.sub(r"^(\w+\.)+(?=\w+: )", "", tail[-1])]  # (without the exception's module)
     return f"exit {rc}: {' | '.join(tail)[-600:]} (log: {log})"
 
 
-def _checkpoint(shape: str, dtype: str, workdir: Path) -> Path:
-    """A random checkpoint of ``shape`` in ``dtype`` under ``workdir``, written unless it is there."""
+def _checkpoint(shape: str, dtype: str, workdir: Path, tokenizer: Path | None = None) -> Path:
+    """A random checkpoint of ``shape`` in ``dtype`` under ``workdir``, written unless it is there,
+    with ``tokenizer`` (an HF tokenizer folder) or else the bundled model's tokenizer."""
     from myserve.bench.random_checkpoint import make_random_llama
 
-    directory = workdir / f"{shape}-{dtype}"
+    directory = workdir / f"{shape}-{dtype}" if tokenizer is None else workdir / f"{shape}-{dtype}-own-tokenizer"
     if not (directory / "model.safetensors").exists():
-        make_random_llama(shape, directory, dtype=dtype)
+        make_random_llama(shape, directory, dtype=dtype, tokenizer=tokenizer)
     return directory
+
+
+def check_tokenizer(directory: Path) -> str | None:
+    """Why ``directory`` cannot stand in for the bundled tokenizer (None when it can): the runs need
+    an HF tokenizer folder whose tokenizer has a chat template (the chat prompts)."""
+    from myserve.tokenizer import Tokenizer
+
+    if not (directory / "tokenizer.json").is_file():
+        return f"{directory}: no tokenizer.json (an HF tokenizer folder: tokenizer.json + tokenizer_config.json)"
+    try:
+        tokenizer = Tokenizer.load(directory)
+    except Exception as e:  # noqa: BLE001 - reported as the reason
+        return f"{directory}: {e}"
+    if not tokenizer.has_chat_template:
+        return f"{directory}: the tokenizer has no chat template (tokenizer_config.json's chat_template)"
+    return None
 
 
 def roofline(entry: dict[str, Any], copy_bytes_per_s: float, max_tokens: int) -> None:
@@ -120,11 +152,12 @@ def run_variant(variant: Variant, mode: Mode, workdir: Path, env: dict[str, str]
     if failure is None:
         dtype = mode.dtype if variant.config is None else "bfloat16"
         try:
-            checkpoint = _checkpoint(variant.shape, dtype, workdir / "checkpoints")
+            checkpoint = _checkpoint(variant.shape, dtype, workdir / "checkpoints", args.tokenizer)
         except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be written fails its runs only
             failure = f"writing the {variant.shape} checkpoint failed: {e}"
         else:
-            job = {
+            timeout = args.timeout or (600.0 if variant.config else mode.timeout_s)
+            job: dict[str, Any] = {
                 "config": variant.config,
                 # The step cache stays the engine's own (engine.compilation_cache_dir): variants of
                 # the same engine settings share executables, and a second run is a warm start.
@@ -132,11 +165,11 @@ def run_variant(variant: Variant, mode: Mode, workdir: Path, env: dict[str, str]
                 "runs": [entries[r.name] for r in variant.runs],
                 "max_tokens": mode.max_tokens,
                 "trace_dir": str(args.trace_dir) if args.profile else None,
+                "steady_timeout_s": args.steady_timeout or timeout / 2,
             }
             job_path, out = workdir / f"{variant.name}.job.json", workdir / f"{variant.name}.result.json"
             job_path.write_text(json.dumps(job))
             out.unlink(missing_ok=True)
-            timeout = args.timeout or (600.0 if variant.config else mode.timeout_s)
             print(f"[device] {variant.name}: {len(variant.runs)} run(s), limit {timeout:.0f} s", file=sys.stderr)
             t0 = time.perf_counter()
             failure = _child(["engine", str(job_path), str(out)], workdir / f"{variant.name}.log", timeout, env)
@@ -158,15 +191,18 @@ def format_table(doc: dict[str, Any]) -> str:
     lines = [
         f"{doc['device']} (jax {doc['jax']}): copy {c['copy_bytes_per_s'] / 1e9:,.1f} GB/s, "
         f"matmul {c['matmul_flops_per_s'] / 1e12:,.2f} TFLOP/s",
-        f"{'run':<22} {'c':>4} {'prompt':>6} {'quant':>5} {'tok/s':>10} {'roofline':>10} {'share':>7}  note",
+        f"{'run':<22} {'c':>4} {'prompt':>6} {'quant':>5} {'tok/s':>10} {'roofline':>10} {'share':>7} "
+        f"{'tok/call':>8}  note",
     ]
     for r in doc["runs"]:
         tps, roof, share = r.get("tokens_per_s"), r.get("roofline_tokens_per_s"), r.get("roofline_share")
+        per_call = r.get("tokens_per_call")
         note = r.get("error") or r.get("skipped") or (f"warmup {r['warmup_s']:.1f} s" if "warmup_s" in r else "")
         lines.append(
             f"{r['name']:<22} {r['concurrency']:>4} {r['prompt_tokens']:>6} {r['quantization']:>5} "
             f"{'-' if tps is None else f'{tps:,.1f}':>10} {'-' if roof is None else f'{roof:,.0f}':>10} "
-            f"{'-' if share is None else f'{share:.1%}':>7}  {note[:100]}"
+            f"{'-' if share is None else f'{share:.1%}':>7} {'-' if per_call is None else f'{per_call:.2f}':>8}  "
+            f"{note[:100]}"
         )
     return "\n".join(lines)
 
@@ -184,6 +220,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--only", type=lambda v: [x for x in v.split(",") if x], help="run only these runs (names)")
     p.add_argument("--timeout", type=float, help="seconds per deployment (default 150 tiny, 420 full, 600 configs)")
     p.add_argument("--profile", action="store_true", help="trace a few steps per run with jax.profiler")
+    p.add_argument(
+        "--tokenizer", type=Path, metavar="DIR",
+        help="an HF tokenizer folder (tokenizer.json + tokenizer_config.json with a chat template) for the "
+        "random checkpoints instead of the bundled model's (a device without the 98 MB bundled GGUF)",
+    )  # fmt: skip
+    p.add_argument("--max-tokens", type=int, help="tokens per request (default 16 tiny, 128 full)")
+    p.add_argument(
+        "--steady-timeout", type=float, metavar="S",
+        help="seconds a deployment may take after ready to finish its background builds and run every "
+        "executable once, before any run is timed (default half its time limit); past it the runs fail",
+    )  # fmt: skip
     p.add_argument("--config-dir", type=Path, default=_SOURCE_CONFIG_DIR, help="where the *h100.yaml deployments are")
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
@@ -196,6 +243,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; 0 when every run that was not skipped measured something."""
     args = parse_args(argv)
     started = time.perf_counter()
+    if args.tokenizer is not None:
+        args.tokenizer = args.tokenizer.resolve()
+        problem = check_tokenizer(args.tokenizer)
+        if problem:
+            print(f"error: --tokenizer {problem}", file=sys.stderr)
+            return 2
     with tempfile.TemporaryDirectory(prefix="myserve-device-") as tmp:
         workdir = (args.workdir or Path(tmp)).resolve()
         workdir.mkdir(parents=True, exist_ok=True)
@@ -207,6 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         ceilings = json.loads((workdir / "ceilings.json").read_text())
         mode: Mode = TINY if args.tiny or (ceilings["platform"] == "cpu" and not args.full) else FULL
+        if args.max_tokens:
+            mode = dataclasses.replace(mode, max_tokens=args.max_tokens)
         env = child_env(ceilings["platform"], tiny=mode is TINY)
         slug, day = card_slug(ceilings["device"]), dt.date.today().isoformat()
         output = args.output or Path("docs/bench") / f"device-{slug}-{day}.json"
@@ -230,13 +285,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "jax": ceilings["jax"],
         "ceilings": {k: ceilings[k] for k in ("copy_bytes_per_s", "matmul_flops_per_s")},
         "overrides": args.set,
+        "tokenizer": None if args.tokenizer is None else str(args.tokenizer),
         "runs": runs,
     }
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(doc, indent=1) + "\n")
     print(format_table(doc))
     print(f"[device] {mode.name} mode, {time.perf_counter() - started:.0f} s; wrote {output}", file=sys.stderr)
-    return 0 if all(r.get("tokens_per_s") for r in runs if "skipped" not in r) else 1
+    # A run measured outside the steady state it claims is reported (its ``error``) and fails too.
+    return 0 if all(r.get("tokens_per_s") and "error" not in r for r in runs if "skipped" not in r) else 1
 
 
 if __name__ == "__main__":

@@ -4,7 +4,11 @@
 and matmul rate; ``python -m myserve.bench.device_worker engine JOB.json OUT.json`` loads one
 deployment (a config plus overrides), warms it up and runs each of the job's runs through a
 ``GenerationService``, rewriting OUT.json after every run so that a later run that dies (memory,
-time limit) does not take the earlier ones with it. Each runs in its own process because a
+time limit) does not take the earlier ones with it. Runs are timed in the engine's steady state
+only (``steady.py``): after its background builds and the priming of every executable (else it
+fails, saying what was missing); each run records which executables ran and the tokens per call,
+and a run that contradicts the steady state (something compiled while timed, K > 1 and no decode
+loop ran) is kept with an ``error`` and fails the process. Each runs in its own process because a
 process that has touched an accelerator keeps its memory until it exits, and so that one failing
 deployment does not stop the others.
 """
@@ -123,6 +127,7 @@ def run_engine(job: dict[str, Any], out: Path) -> None:
     import jax
 
     from myserve.bench.engine import bench_myserve, bench_single_decode, chat_prompts, random_prompts
+    from myserve.bench.steady import NotSteadyError, Section, wait_steady
     from myserve.config import load_config
     from myserve.runtime.deployment import Deployment
     from myserve.runtime.host_memory import keep_freed_memory
@@ -148,7 +153,13 @@ def run_engine(job: dict[str, Any], out: Path) -> None:
     common["warmup_s"] = time.perf_counter() - t0
     max_tokens = job["max_tokens"]
     runs: list[dict[str, Any]] = []
+    problems: list[str] = []
     try:
+        # Nothing is timed before the background builds are done and every executable has run once
+        # (a NotSteadyError, naming what is missing, fails the deployment's runs instead).
+        t0 = time.perf_counter()
+        wait_steady(service, job.get("steady_timeout_s") or 300.0)
+        common["steady_s"] = time.perf_counter() - t0
         for run in job["runs"]:
             c, length = run["concurrency"], run["prompt_tokens"]
             # Two extra prompts warm first-request effects without putting the measured prompts in
@@ -160,13 +171,20 @@ def run_engine(job: dict[str, Any], out: Path) -> None:
             prompts, warm = prompts[:c], prompts[c:]
             bench_myserve(service, warm, 4)
             entry = {**run, **common, "prompt_tokens": round(sum(map(len, prompts)) / c)}
+            section = Section(service)
             if c == 1:  # one stream: its decode rate after the first token
                 single = bench_single_decode(service, prompts[0], max_tokens)
                 entry |= {"tokens_per_s": single["decode_tokens_per_s"], "ttft_s": single["ttft_s"]}
+                figures, found = section.finish(single["tokens"] - 1, one_stream=True, decode=max_tokens > 1)
             else:
                 many = bench_myserve(service, prompts, max_tokens)
                 keys = ("tokens_per_s", "ttft_p50_s", "seconds", "generated_tokens", "prefill_s")
                 entry |= {k: many[k] for k in (*keys, "prefill_tokens_per_s", "decode_tokens_per_s")}
+                figures, found = section.finish(many["generated_tokens"], one_stream=False, decode=max_tokens > 1)
+            entry |= figures
+            if found:  # measured, but not in the steady state it claims: kept, marked, and failed below
+                entry["error"] = "not the steady state: " + "; ".join(found)
+                problems += [f"{run['name']}: {p}" for p in found]
             if job.get("trace_dir"):
                 entry["profile"] = _profile(service, prompts, Path(job["trace_dir"]) / f"{run['name']}.trace.json.gz")
             runs.append(entry)
@@ -174,6 +192,8 @@ def run_engine(job: dict[str, Any], out: Path) -> None:
     finally:
         service.shutdown()
     out.write_text(json.dumps({"common": common, "runs": runs}))
+    if problems:
+        raise NotSteadyError("not the steady state: " + " | ".join(problems))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,7 +6,11 @@ ignored), in the same process on the same machine:
 - myserve: N requests submitted at once to a warmed-up ``GenerationService`` (continuous batching);
 - transformers: one static batch of N prompts (left-padded), ``generate`` with ``min_new_tokens``.
 
-Also measures single-request decode speed (tokens/s after the first token).
+Also measures single-request decode speed (tokens/s after the first token). myserve is timed in
+its steady state only (``steady.py``: background builds done, every executable run once, else it
+fails past ``--steady-timeout``); ``single`` and ``myserve`` say which executables each called and
+the tokens per call, and the command exits 1 when one contradicts the steady state
+(``steady_state_errors``: something compiled while timed, K > 1 and no decode loop ran).
 """
 
 from __future__ import annotations
@@ -80,7 +84,8 @@ def report(result: dict, output: str | None) -> None:
 
 def wait_built(*services) -> None:
     """Until every engine's background builds (wider context buckets, several-token calls) are
-    done: measured while they compile, an engine shares the CPU with the compiler."""
+    done: measured while they compile, an engine shares the CPU with the compiler (``steady``'s
+    ``wait_steady`` also waits for every executable's first run, and fails past a limit)."""
     for service in services:
         for replica in service.replicas:
             replica.runner.device.background_builds_done(timeout=None)
@@ -152,7 +157,7 @@ def bench_single_decode(service, prompt: list[int], max_tokens: int, ignore_eos:
                 first = time.perf_counter()
     end = time.perf_counter()
     assert first is not None
-    return {"ttft_s": first - t0, "decode_tokens_per_s": (n - 1) / (end - first)}
+    return {"ttft_s": first - t0, "decode_tokens_per_s": (n - 1) / (end - first), "tokens": n}
 
 
 def load_transformers(checkpoint: str | None, device: str, dtype: str) -> Any:
@@ -239,6 +244,7 @@ def device_bandwidth(gib: float = 2.0) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point."""
     from myserve.bench.random_checkpoint import SHAPES
+    from myserve.bench.steady import Section, wait_steady
 
     parser = argparse.ArgumentParser(prog="python -m myserve.bench.engine", description=__doc__)
     parser.add_argument("--concurrency", type=int, default=32)
@@ -267,6 +273,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0,
         metavar="N",
         help="prompts of N random token ids instead of the chat prompts (long contexts: attention's share)",
+    )
+    parser.add_argument(
+        "--steady-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds to wait after ready for the background builds and the priming (then fail)",
     )
     parser.add_argument("--output", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -297,6 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     service.start()
     warmup_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    wait_steady(service, args.steady_timeout)  # nothing is timed on a half-warm engine
+    steady_s = time.perf_counter() - t0
     if args.prompt_tokens:
         prompts = random_prompts(
             min(dep.tokenizer.vocab_size, dep.model.spec.vocab_size), args.concurrency, args.prompt_tokens
@@ -316,10 +332,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "argv": list(argv) if argv is not None else sys.argv[1:],
         "dtype": dep.dtype.name,
         "warmup_s": warmup_s,
-        "single": bench_single_decode(service, prompts[0], args.max_tokens),
-        "myserve": bench_myserve(service, prompts, args.max_tokens),
-        "stats": service.stats().__dict__,
+        "steady_s": steady_s,
     }
+    problems: list[str] = []
+    for label, one in (("single", True), ("myserve", False)):
+        section = Section(service)
+        if one:
+            run = bench_single_decode(service, prompts[0], args.max_tokens)
+        else:
+            run = bench_myserve(service, prompts, args.max_tokens)
+        figures, found = section.finish(
+            run["tokens"] - 1 if one else run["generated_tokens"], one_stream=one, decode=args.max_tokens > 1
+        )
+        results[label] = run | figures
+        problems += [f"{label}: {p}" for p in found]
+    results["stats"] = service.stats().__dict__
     service.shutdown()
     if device.platform != "cpu":
         # The memory-bandwidth roofline of decode: every step reads all weights once (KV reads ignored).
@@ -349,11 +376,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             for b in args.floor_batches
         }
     tmp.cleanup()
+    results["steady_state_errors"] = problems
     print(json.dumps(results, indent=2))
     if args.output:
         with open(args.output, "w") as f:
             json.dump(results, f, indent=2)
-    return 0
+    for problem in problems:
+        print(f"error: not the steady state: {problem}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ bfloat16: the largest absolute difference (and relative to the reference's large
 median time of each. One table on stdout, JSON at ``--output``.
 
 On a CPU it runs tiny shapes by itself, the kernels in Pallas's interpreter: a check that the
-command works, not a speed.
+command works, not a speed. It needs no model nor tokenizer (``--tokenizer DIR`` is accepted, as
+``bench.device`` takes it, so that a device script passes both the same flags).
 """
 
 from __future__ import annotations
@@ -176,7 +177,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (the default on a CPU)")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per path (median)")
     p.add_argument("--output", type=Path, help="results JSON")
+    p.add_argument(
+        "--tokenizer", type=Path, metavar="DIR",
+        help="an HF tokenizer folder, as bench.device takes (no case here reads one: accepted so that one "
+        "device script passes both commands the same flags, checked and recorded)",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    if args.tokenizer is not None and not (args.tokenizer / "tokenizer.json").is_file():
+        print(f"error: --tokenizer {args.tokenizer}: no tokenizer.json (an HF tokenizer folder)", file=sys.stderr)
+        return 2
     cpu = jax.default_backend() == "cpu"
     sizes = TINY if args.tiny or cpu else FULL
     repeats = 2 if cpu else args.repeats
@@ -195,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.output:
         doc = {"device": device, "jax": jax.__version__, "sizes": dataclasses.asdict(sizes), "cases": cases}
+        doc["tokenizer"] = None if args.tokenizer is None else str(args.tokenizer)
         args.output.write_text(json.dumps(doc, indent=1) + "\n")
     return 0
 

@@ -216,11 +216,19 @@ def parameter_counts(shape: str, layers: int | None = None) -> tuple[int, int]:
 
 
 def make_random_llama(
-    shape: str, directory: Path, *, dtype: str = "float32", seed: int = 0, layers: int | None = None
+    shape: str,
+    directory: Path,
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    layers: int | None = None,
+    tokenizer: Path | None = None,
 ) -> Path:
     """Write a random-weight checkpoint of ``shape`` (a key of SHAPES) with the bundled tokenizer
     (Llama, Qwen3 or Qwen3-MoE, as the shape's ``model_type`` says; the name is historical);
-    ``layers`` replaces the shape's layer count (a shorter benchmark of the same layer)."""
+    ``layers`` replaces the shape's layer count (a shorter benchmark of the same layer);
+    ``tokenizer``: an HF tokenizer folder (``tokenizer.json``, ``tokenizer_config.json``) to use
+    instead of the bundled one (a machine without the 98 MB bundled GGUF)."""
     import ml_dtypes
     from safetensors.numpy import save_file
 
@@ -242,7 +250,7 @@ def make_random_llama(
     }
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     save_file(_tensors(cfg, np.random.default_rng(seed), np_dtype), str(directory / "model.safetensors"))
-    Tokenizer.load(bundled_gguf_path()).hf.save_pretrained(str(directory))
+    Tokenizer.load(bundled_gguf_path() if tokenizer is None else tokenizer).hf.save_pretrained(str(directory))
     return directory
 
 
@@ -254,8 +262,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=None, help="layers instead of the shape's own (shorter runs)")
+    p.add_argument("--tokenizer", type=Path, default=None, help="HF tokenizer folder instead of the bundled one")
     args = p.parse_args(argv)
-    make_random_llama(args.shape, args.directory, dtype=args.dtype, seed=args.seed, layers=args.layers)
+    make_random_llama(
+        args.shape, args.directory, dtype=args.dtype, seed=args.seed, layers=args.layers, tokenizer=args.tokenizer
+    )
     total, active = parameter_counts(args.shape, args.layers)
     print(f"{args.directory}: {args.shape}, {total:,} parameters, {active:,} active per token")
     return 0

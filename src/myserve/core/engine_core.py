@@ -350,7 +350,10 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, RequestEndings):
         for rep in self.replicas:
             if not rep.scheduler.has_work():
                 continue
-            rep.scheduler.decode_steps = rep.runner.decode_steps if rep.runner.several_tokens_ready() else 1
+            if rep.runner.decode_steps > 1:  # several tokens per decode where a built call holds them
+                pages = rep.runner.decode_call_pages()
+                rep.scheduler.decode_steps = rep.runner.decode_steps if pages else 1
+                rep.scheduler.decode_steps_pages = pages
             batch = rep.scheduler.schedule(weights)
             if batch.empty:
                 continue  # e.g. every running sequence waits for its token in flight

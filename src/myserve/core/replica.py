@@ -89,10 +89,10 @@ def make_replica(
         max_num_batched_tokens=budget,
         max_prefill_chunk=budget,
         max_prefill_chunks=buckets.max_prefill_chunks,
-        decode_steps_pages=buckets.decode_shape(1).width,
+        decode_steps_pages=0,
         adapters=None if adapters is None else AdapterSlots(adapters, cfg.max_loras),
         speculate=proposer,
-    )  # one token per decode until the several-token calls are built (the engine raises it then)
+    )  # one token per decode until the decode calls are built (the engine raises both then)
     runner = ModelRunner(
         device,
         buckets=buckets,

@@ -63,8 +63,8 @@ class PlannedStep:
     """Some sampling row asked for top logprobs: they are read back."""
     pooled: bool = False
     """Some chunk pools (an embedding request): the pooled rows are read back."""
-    steps: int = 1
-    """Above 1: a several-token decode call; its samples are ``[steps, N1]``."""
+    steps: int = 0
+    """0: a forward and head step; K >= 1: a decode call of K iterations, whose samples are ``[K, N1]``."""
     outputs: list[Any] = dataclasses.field(default_factory=list)
     """The device's output handles once dispatched (one: the step call's)."""
 
@@ -94,13 +94,14 @@ def _tops(read: Any, tops: bool, i: int, row: int) -> tuple[np.ndarray, np.ndarr
     return read.top_ids[i, row], read.top_logprobs[i, row]
 
 
-def shape_built(device: Device, seen: set[StepShape], shape: StepShape, steps: int = 1) -> bool:
-    """Whether a step may run in ``shape`` on ``device``: its forward is built, or with ``steps`` > 1
-    its several-token calls (those of a narrower context bucket are built in the background after
-    ready; until then the step takes a wider one). ``seen`` remembers the shapes found built."""
+def shape_built(device: Device, seen: set[StepShape], shape: StepShape, steps: int = 0) -> bool:
+    """Whether a step may run in ``shape`` on ``device``: its forward is built, or with ``steps`` >= 1
+    its decode calls of that many tokens (those of a narrower context bucket, and every decode call,
+    are built in the background after ready; until then the step takes a wider one, or a forward
+    and head). ``seen`` remembers the shapes found built."""
     if shape in seen:
         return True
-    if device.step_ready(shape) if steps == 1 else device.loop_ready(shape, steps):
+    if device.step_ready(shape) if steps == 0 else device.loop_ready(shape, steps):
         seen.add(shape)
         return True
     return False
@@ -139,16 +140,16 @@ class ModelRunner:
         decode_steps: int = 1,
         adapter_zeros: tuple[np.ndarray, ...] = (),
     ):
-        """``decode_steps``: tokens per several-token decode call (1: none are built);
+        """``decode_steps``: tokens per decode call (K: a decode-only step is one ``decode_loop`` call
+        of K iterations once those are built);
         ``adapter_zeros``: an empty adapter's arrays (``LoraAdapter.flat()`` shapes) when the model
         has LoRA slots, written at warmup so the slot writer is built then."""
         self.adapter_zeros = adapter_zeros
         self.device = device
         self.decode_steps = decode_steps
-        self._loops_ready = False
         self._usable: set[StepShape] = set()  # forwards of narrower context buckets seen built
-        self._loops_usable: set[StepShape] = set()  # several-token calls of narrower ones seen built
-        self._first_loops = [buckets.decode_shape(r) for r in buckets.decode_rows()]  # at first_width
+        self._loops_usable: set[StepShape] = set()  # decode calls seen built
+        self._loop_pages = 0  # the widest context bucket whose decode calls are all built (0: none)
         self._to_prime: list[list[PrimeSteps]] = []
         """Executables to run once while the engine is idle (``prime_next``): those built before
         ready, then those built in the background."""
@@ -217,12 +218,17 @@ class ModelRunner:
             ops.extend(self._fill_slot(seq))
         chunks = [*batch.decodes, *batch.prefills]
         spans = [span_of(c, self._inflight_rows) for c in chunks]
-        steps = max((c.steps for c in chunks), default=1)
-        if steps > 1:  # one-token rows only, each decoding its own count of tokens in one call
-            decode_shape = self.buckets.fit_decode(spans, self._loop_built)
-            assert decode_shape is not None, "the scheduler sizes several-token decodes to fit a call"
-            shape, steps = decode_shape, self.decode_steps
-        else:
+        several = max((c.steps for c in chunks), default=1) > 1
+        shape: StepShape | None = None
+        if several or (self.decode_steps == 1 and self._decodes_only(batch)):
+            # One call for the step: one-token rows only, each decoding its own count of tokens
+            # (K = 1: the forward, head and sampler fused). A step of K > 1 whose rows all decode
+            # one token takes a forward and head instead: a K-token call would run K - 1 idle
+            # iterations of the whole model.
+            shape = self.buckets.fit_decode(spans, self._loop_built)
+            assert shape is not None or not several, "the scheduler sizes several-token decodes to fit a call"
+        steps = 0 if shape is None else self.decode_steps
+        if shape is None:
             shape = self.buckets.fit(spans, self._built)
         host = layout(spans, shape, self.page_size)
         # This step's sampling rows: the next step's spans feed on them while this one is in flight.
@@ -234,10 +240,16 @@ class ModelRunner:
         tops = any(bool(c.seq.params.logprobs) for c in sampling)
         return PlannedStep(self, ops, placed, host.scored, tops, host.pooled, steps=steps)
 
+    @staticmethod
+    def _decodes_only(batch: ScheduledBatch) -> bool:
+        """Whether ``batch`` is one-token decodes alone (no prefill chunk, draft or pooling row): a
+        step a decode call (``decode_loop``) can run."""
+        return bool(batch.decodes) and not batch.prefills and all(c.seq.pool_type is None for c in batch.decodes)
+
     def _step_call(
-        self, host: HostStep, shape: StepShape, sampling: Sequence[ScheduledChunk], steps: int = 1, weights: int = 0
+        self, host: HostStep, shape: StepShape, sampling: Sequence[ScheduledChunk], steps: int = 0, weights: int = 0
     ) -> StepCall:
-        packed = self._sampling_rows(sampling, shape.singles, several=steps > 1)
+        packed = self._sampling_rows(sampling, shape.singles, several=steps > 0)
         row_seqs = [c.seq for c in sampling for _ in range(c.sample_count)]
         masked = [(seq, i) for i, seq in enumerate(row_seqs) if seq.matcher or seq.token_filter]
         bitmask = rows = None
@@ -272,7 +284,7 @@ class ModelRunner:
                 pooled = seq.pool_range(chunk.start, chunk.num_tokens) is not None
                 vector = read.pooled[i] if pooled and read.pooled is not None else None
                 results.pooled.append((seq, chunk.start, chunk.num_tokens, vector))
-            if row is not None and planned.steps > 1:  # [steps, N1]: this row's first chunk.steps tokens
+            if row is not None and planned.steps:  # [K, N1]: this row's first chunk.steps tokens
                 results.sampled[seq] = [
                     (int(read.tokens[i, row]), float(read.logprobs[i, row]), *_tops(read, planned.tops, i, row))
                     for i in range(chunk.steps)
@@ -325,16 +337,24 @@ class ModelRunner:
     def _loop_built(self, shape: StepShape) -> bool:
         return shape_built(self.device, self._loops_usable, shape, self.decode_steps)
 
-    def several_tokens_ready(self) -> bool:
-        """Whether several-token decode calls can be planned: those at ``Buckets.first_width`` are
-        built for every row count and mode (they are built in the background after warmup, after the
-        narrower forwards; until then every decode is one token per call). The narrower ones come
-        next and are used once built (``Buckets.fit_decode``)."""
-        if not self._loops_ready and self.decode_steps > 1:  # (asked every step: K = 1 answers at once)
-            self._loops_ready = all(self._loop_built(shape) for shape in self._first_loops)
-            if self._loops_ready:
-                logger.info("several-token calls built: %d tokens per decode call", self.decode_steps)
-        return self._loops_ready
+    def decode_call_pages(self) -> int:
+        """The widest context bucket (pages) whose decode calls are built for every row count (they
+        are built in the background after warmup, narrowest first); 0 while none is. The scheduler
+        makes a decode several tokens long only where its pages fit this (``Scheduler._several``),
+        so a several-token step always finds a built call (``Buckets.fit_decode``)."""
+        if self._loop_pages < self.buckets.decode_widths[-1]:
+            rows = self.buckets.decode_rows()
+            for width in self.buckets.decode_widths:
+                if width > self._loop_pages and all(
+                    self._loop_built(self.buckets.decode_shape(r, width)) for r in rows
+                ):
+                    self._loop_pages = width
+                    logger.info(
+                        "decode calls built up to %d-token contexts: %d tokens per decode call",
+                        width * self.page_size,
+                        self.decode_steps,
+                    )
+        return self._loop_pages
 
     # -- warmup -------------------------------------------------------------------------------
     def compile_ops(self) -> tuple[CompileSteps, CompileSteps]:
@@ -354,7 +374,7 @@ class ModelRunner:
             self.device.run([WriteAdapter(0, self.adapter_zeros)])
         if later.count:  # wider context buckets, several-token calls: built while serving
             self.device.run([later])
-        self._to_prime = [PrimeSteps(now).units(), PrimeSteps(later).units()]
+        self._to_prime = [prime_order(now), sorted(PrimeSteps(later).units(), key=_unit_width)]
         self.warmed_up = True
 
     @property
@@ -373,7 +393,38 @@ class ModelRunner:
                 logger.info("every step executable has run once (primed while idle)")
         if not self._to_prime:
             return None
-        if len(self._to_prime) == 1 and not self.device.background_builds_done(0):
-            return False  # (the background builds are primed once they are all done)
-        self.device.run([self._to_prime[0].pop(0)])
+        units, at = self._to_prime[0], 0
+        if len(self._to_prime) == 1:  # the background builds: each once it is built, in build order
+            at = next((i for i, unit in enumerate(units) if self._unit_built(unit)), -1)
+            if at < 0:
+                return False
+        self.device.run([units.pop(at)])
         return True
+
+    def _unit_built(self, unit: PrimeSteps) -> bool:
+        """Whether the one executable of ``unit`` (a background build: a forward or a decode call)
+        is built, without waiting (a decode call: those of its shape in every sampler mode)."""
+        steps = unit.steps
+        if steps.shapes:  # (asked of the device: the runner's memos hold the shapes steps ran in)
+            return self.device.step_ready(steps.shapes[0])
+        shape, k, _ = steps.loops[0]
+        return self.device.loop_ready(shape, k)
+
+
+def prime_order(now: CompileSteps) -> list[PrimeSteps]:
+    """The executables built before ready, one ``PrimeSteps`` each, in the order the idle engine
+    primes them: the small ones first (the heads, then the forwards from the fewest tokens up),
+    so that a request arriving meanwhile waits behind a short prime; the prompt scorers, which
+    few requests use, last."""
+    units = PrimeSteps(now).units()
+    return [
+        *(u for u in units if u.steps.heads),
+        *(u for u in units if u.steps.shapes),
+        *(u for u in units if u.steps.scores),
+    ]
+
+
+def _unit_width(unit: PrimeSteps) -> int:
+    """The context bucket of a background build's ``PrimeSteps`` (its one forward or decode call)."""
+    steps = unit.steps
+    return steps.shapes[0].width if steps.shapes else steps.loops[0][0].width

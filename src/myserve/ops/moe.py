@@ -64,14 +64,20 @@ def route(router_logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array,
 
 
 def grouped_impl() -> GroupedImpl:
-    """The grouped matmul for this platform: ``ragged_dot`` on TPU, ``loop`` elsewhere."""
-    return "ragged_dot" if jax.default_backend() == "tpu" else "loop"
+    """The grouped matmul for this platform: ``ragged_dot`` on TPU; on GPU our Pallas kernel
+    (``ops/gpu_grouped_matmul.py``: on an H200 the ``moe-1b`` shape decoded 150 against 72 tokens/s
+    at one stream and 5,925 against 339 at 64 streams beside ``loop``, ``../shared/gpu/2026-11-28-h200/``);
+    ``loop`` on CPU."""
+    platform = jax.default_backend()
+    if platform == "tpu":
+        return "ragged_dot"
+    return "pallas" if platform in ("gpu", "cuda", "rocm") else "loop"
 
 
 def resolve_moe_backend(choice: str) -> GroupedImpl:
     """``engine.moe_backend`` on this platform: ``auto`` is ``grouped_impl()``; ``loop`` and
-    ``ragged_dot`` run anywhere; ``pallas`` (the GPU grouped matmul kernel, not ``auto``'s choice
-    until a GPU has measured it) needs a GPU."""
+    ``ragged_dot`` run anywhere; ``pallas`` (the GPU grouped matmul kernel, ``auto``'s choice there)
+    needs a GPU."""
     if choice == "auto":
         return grouped_impl()
     if choice == "pallas" and jax.default_backend() not in ("gpu", "cuda", "rocm"):
@@ -163,25 +169,21 @@ def _expert_loop(
     n = token.shape[0]
     b = block_rows(n, e)
     xs = _sorted_rows(x, token, b)
-    start = jnp.cumsum(sizes) - sizes
-    tiles = (sizes + b - 1) // b  # [E] tiles of each expert's group
-    tiles_end = jnp.cumsum(tiles)
+    # Each tile's expert, first row and valid rows, for every tile at once before the loop. Found
+    # inside it (a searchsorted per tile: a nested loop of log2(E) steps), they were ~70 % of the
+    # loop's kernels, and a GPU launches this loop's kernels one by one: the moe-1b shape at 64
+    # streams ran 5.5x slower than the previous loop (tests/test_step_budget.py).
+    group, first, valid = gpu_grouped_matmul.tiles_of(sizes, num_tiles(n, e, b), b, n)
 
     def tile(j: int | jax.Array, y: jax.Array) -> jax.Array:
-        # The expert whose tiles hold tile j (E past the step's last tile: nothing is kept).
-        i = jnp.searchsorted(tiles_end, j, side="right")
-        real = i < e
-        i = jnp.minimum(i, e - 1)
-        local = j - (tiles_end[i] - tiles[i])
-        at = jnp.where(real, start[i] + local * b, n)  # a tile past the last writes the spare rows
+        i, at = group[j], first[j]  # a tile past the step's last one writes the spare rows
         gu = jnp.einsum(
             "bh,hgi->bgi", jax.lax.dynamic_slice_in_dim(xs, at, b), gate_up[i], preferred_element_type=jnp.float32
         )
         dn_w = down[i]
         out = jnp.dot((act(gu[:, 0]) * gu[:, 1]).astype(dn_w.dtype), dn_w, preferred_element_type=jnp.float32)
         # Rows past this expert's group belong to the next one: keep what is there.
-        valid = real & ((local * b + jnp.arange(b)) < sizes[i])
-        kept = jnp.where(valid[:, None], out, jax.lax.dynamic_slice_in_dim(y, at, b))
+        kept = jnp.where((jnp.arange(b) < valid[j])[:, None], out, jax.lax.dynamic_slice_in_dim(y, at, b))
         return jax.lax.dynamic_update_slice_in_dim(y, kept, at, 0)
 
     return jax.lax.fori_loop(0, num_tiles(n, e, b), tile, jnp.zeros((n + b, hdim), jnp.float32))[:n]

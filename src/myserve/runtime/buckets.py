@@ -157,48 +157,46 @@ class Buckets:
 
     @property
     def first_width(self) -> int:
-        """The context bucket of the several-token decode calls: the narrowest of at least
-        ``DEFAULT_FIRST_CONTEXT`` tokens (else the widest)."""
+        """The narrowest context bucket of at least ``DEFAULT_FIRST_CONTEXT`` tokens (else the widest):
+        the default width of ``decode_shape``."""
         widths = self._widths()
         least = -(-DEFAULT_FIRST_CONTEXT // self.page_size)
         return next((w for w in widths if w >= least), widths[-1])
 
     @property
     def decode_widths(self) -> list[int]:
-        """The context buckets of the several-token decode calls, narrowest first: ``first_width``
-        and the narrower ones (on CPU, ``CPU_FIRST_CONTEXTS``). A call's attention reads its whole
+        """The context buckets of the decode calls (``decode_loop``), narrowest first: every one, so
+        that a decode-only step is one call whatever its context. A call's attention reads its whole
         context bucket for each row and token, so a row whose context fits a narrower one decodes
         in it (16-layer yardstick, one row: 0.80 ms a token in a 128-token bucket, 1.12 in 512)."""
-        return [w for w in self._widths() if w <= self.first_width]
+        return list(self._widths())
 
     def first_shapes(self) -> list[StepShape]:
         """Every token bucket at the first context bucket (``first_width``)."""
         return [self.shape(t, self.first_width) for t in self.tokens]
 
-    def compile_ops(self, decode_steps: int = 1) -> tuple[CompileSteps, CompileSteps]:
+    def compile_ops(self, decode_steps: int | None = None) -> tuple[CompileSteps, CompileSteps]:
         """Warmup's two builds. Before serving: the forward of every token bucket at the widest
         context bucket (every step fits it), every sampler mode for each bucket's sampling rows,
-        and the prompt scorer of each token bucket. Then in the background, narrowest first: the
-        forwards at the narrower context buckets and the few-rows variants (a step uses one once it
-        is built, ``fit``), and with ``decode_steps`` > 1 the several-token decode calls (every row
-        count and mode, at the first context bucket: a step that needs a wider one decodes one token
-        per call; built at each of ``decode_widths``). Start-up so pays for one context bucket, as
-        it did when the attention's loop had a dynamic length."""
+        and the prompt scorer of each token bucket. Then in the background, context bucket by
+        context bucket, narrowest first: its forwards (the few-rows variants first; a step uses one
+        once it is built, ``fit``), then with ``decode_steps`` (K >= 1; None: none) the decode calls
+        of K tokens at it (``decode_loop``: every row count and sampler mode), which make a
+        decode-only step one call (``fit_decode``). Narrowest first because short contexts are the
+        common case and a narrow bucket serves them fastest: a new server's first chats get their
+        fast path first. Start-up so pays for one context bucket."""
         rows = self.decode_rows()
         heads = tuple((r, mode) for r in rows for mode in HEAD_MODES)
         widest = self._widths()[-1]
         first = tuple(self.shape(t, widest) for t in self.tokens)
         now = CompileSteps(first, heads, tuple(self.tokens))
-        loops: tuple[tuple[StepShape, int, str], ...] = ()
-        if decode_steps > 1:
-            loops = tuple(
-                (self.decode_shape(r, w), decode_steps, mode)
-                for w in reversed(self.decode_widths)
-                for r in rows
-                for mode in HEAD_MODES
-            )
-        later = tuple(s for s in self.shapes() if s not in first)
-        return now, CompileSteps(later, loops=loops, background=True)
+        shapes: list[StepShape] = []
+        loops: list[tuple[StepShape, int, str]] = []
+        for w in self._widths():
+            shapes += [v for t in self.tokens for v in self.variants(t, w) if v not in first]
+            if decode_steps is not None:
+                loops += [(self.decode_shape(r, w), decode_steps, mode) for r in rows for mode in HEAD_MODES]
+        return now, CompileSteps(tuple(shapes), loops=tuple(loops), background=True)
 
     def decode_rows(self) -> list[int]:
         """The sampling-row counts of the token buckets (also the several-token calls' row counts)."""
@@ -206,24 +204,23 @@ class Buckets:
 
     def decode_shape(self, rows: int, width: int | None = None) -> StepShape:
         """A step of ``rows`` one-token rows and no blocks at context bucket ``width`` (by default
-        ``first_width``, the widest of ``decode_widths``): the shape of a several-token decode call."""
+        ``first_width``): the shape of a decode call (``decode_loop``)."""
         width = self.first_width if width is None else width
         return dataclasses.replace(self.shape(rows, width), tokens=rows, singles=rows, blocks=0)
 
     def fit_decode(self, spans: Sequence[Span], usable: Callable[[StepShape], bool] | None = None) -> StepShape | None:
-        """The several-token call shape that holds ``spans`` (one-token rows only): the fewest rows,
-        then the narrowest of ``decode_widths`` that holds the longest page table and is ``usable``
-        (built: the narrower ones are built after ``first_width``'s, which is always usable); None
-        when none holds them (more rows than the largest, or a context wider than ``first_width``)."""
+        """The decode call shape that holds ``spans`` (one-token rows only): the fewest rows, then
+        the narrowest of ``decode_widths`` that holds the longest page table and is ``usable``
+        (built: they are built in the background after ready); None when none does."""
         pages = max((len(s.pages) for s in spans), default=0)
         rows = next((r for r in self.decode_rows() if r >= len(spans)), None)
-        if rows is None or pages > self.first_width:
+        if rows is None:
             return None
         for width in self.decode_widths:
             shape = self.decode_shape(rows, width)
-            if width >= pages and (width == self.first_width or usable is None or usable(shape)):
+            if width >= pages and (usable is None or usable(shape)):
                 return shape
-        raise AssertionError("first_width is the widest of decode_widths")
+        return None
 
     @property
     def max_prefill_chunks(self) -> int:

@@ -242,10 +242,13 @@ def _draft_footprint(engine: EngineConfig, target: ModelSpec, dtype: jnp.dtype, 
 
 
 def default_decode_steps(platform: str) -> int:
-    """``engine.decode_steps`` when the config leaves it 0: 1 on CPU, where a step of the bundled
-    model is compute-bound and the loops' background builds would slow a cold start's first
-    minute; 4 on accelerators, where the host's work per call would otherwise bound a step."""
-    return 1 if platform == "cpu" else 4
+    """``engine.decode_steps`` when the config leaves it 0: 8 on every platform. On a GPU the host
+    spends 3-4 ms inside each executable call while a 1B model's token needs well under 1 ms of
+    the device (an H200 trace, ``../shared/gpu/2026-11-28-h200/``), so a call must carry several
+    tokens; on this CPU the host-bound yardstick went from 0.77x llama-server at one stream with
+    K = 1 to 1.6-2.0x with K = 8, and the bundled model gives the same or more tokens/s
+    (docs/performance.md, "Tokens per decode call")."""
+    return 8
 
 
 def check_expert_mesh(spec: ModelSpec, expert: int) -> None:

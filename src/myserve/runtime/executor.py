@@ -13,6 +13,7 @@ counts, so the state never crosses back to the host.
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -42,7 +43,7 @@ from myserve.runtime.model_step import (
 from myserve.runtime.priming import prime_built
 from myserve.runtime.sampler import SampleOutput
 from myserve.runtime.sampling_rows import HEAD_MODES, MAX_TOP_LOGPROBS, SamplingRows
-from myserve.runtime.small_ops import clear_slot, copy_page, write_adapter, write_slot
+from myserve.runtime.small_ops import SmallOps, clear_slot, copy_page, write_adapter, write_slot
 from myserve.runtime.step_arrays import pack_step
 from myserve.runtime.step_cache import StepCache
 from myserve.runtime.step_layout import StepShape, layout
@@ -100,6 +101,7 @@ class Executor:
         self.scratch_slot = num_slots - 1
         """The penalty slot of rows without penalties (the last)."""
 
+        self._small_ops = SmallOps(step_cache, tuple(mesh.devices.flat))
         outer, self.treedef, layers = split_model(model)
         self._weights: list[tuple[LlamaModel, LlamaModel, tuple[tuple[jax.Array, ...], ...]] | None] = [
             (model, outer, layers),
@@ -126,7 +128,9 @@ class Executor:
             arrays = [place(cache_shape, dtype, self.cache_sharding) for _ in range(cache_arrays(backend))]
             self.kv_cache = make_cache(arrays, backend)
         else:
-            self.kv_cache = init_kv_cache(model.spec, num_pages, page_size, dtype, mesh, mapping, backend)
+            self.kv_cache = init_kv_cache(
+                model.spec, num_pages, page_size, dtype, mesh, mapping, backend, self._small_ops
+            )
         self.compiled = Executables(self.call_args, out_trees(self.kv_cache), tuple(mesh.devices.flat), step_cache)
         # The dtype of the hidden states the forward hands the head (that of the embeddings).
         self._hidden_dtype = jax.eval_shape(lambda o: o.embed_tokens(jnp.zeros((1, 1), jnp.int32)), self.outer).dtype
@@ -139,8 +143,11 @@ class Executor:
         """Words per row of a grammar bitmask."""
         self._no_masks: dict[int, Any] = {}
         self._no_samples: dict[int, SampleOutput] = {}
-        self._small_ops: dict[Any, jax.stages.Compiled] = {}
         self.ran: set[BuildKey] = set()  # executables run at least once (a step, or ``priming.py``)
+        self.calls: collections.Counter[BuildKey] = collections.Counter()
+        """Calls of each step executable by the steps served (priming not counted): what the
+        benchmarks and tests read to tell which executables a stretch of serving ran, and how many
+        tokens each call produced."""
 
     def run(self, ops: Sequence[Op], progress: Progress | None = None) -> list[StepOutput]:
         """Apply ``ops`` in order (dispatched, not awaited); the outputs of its steps, in order."""
@@ -161,10 +168,10 @@ class Executor:
                     progress(len(keys), len(keys))
             elif isinstance(op, CopyPage):
                 args: tuple[Any, ...] = (self.kv_cache, np.int32(op.src), np.int32(op.dst))
-                self.kv_cache = self._small_op(copy_page, args, (self.cache_sharding,))
+                self.kv_cache = self._small_ops(copy_page, args, (self.cache_sharding,))
             elif isinstance(op, ClearSlot):
                 args = (self.counts, self.prompt_mask, np.int32(op.slot))
-                self.counts, self.prompt_mask = self._small_op(clear_slot, args)
+                self.counts, self.prompt_mask = self._small_ops(clear_slot, args)
             elif isinstance(op, WriteAdapter):
                 self._write_adapter(op)
             elif isinstance(op, PrimeSteps):
@@ -178,7 +185,7 @@ class Executor:
                     np.int32(op.n),
                     np.bool_(op.to_prompt),
                 )
-                self.counts, self.prompt_mask = self._small_op(write_slot, args)
+                self.counts, self.prompt_mask = self._small_ops(write_slot, args)
         return outputs
 
     # -- weights ------------------------------------------------------------------------------
@@ -220,7 +227,7 @@ class Executor:
         at = self._lora_leaves
         assert at, "a WriteAdapter needs a model loaded with LoRA stacks"
         stacks = tuple(leaves[j] for leaves in self.layers for j in at)
-        written = iter(self._small_op(write_adapter, (stacks, np.int32(op.slot), op.arrays)))
+        written = iter(self._small_ops(write_adapter, (stacks, np.int32(op.slot), op.arrays)))
         new = [list(leaves) for leaves in self.layers]
         for leaves in new:
             for j in at:
@@ -233,25 +240,17 @@ class Executor:
                 )
                 self._weights[i] = (w[0], w[1], layers)
 
-    def _small_op(self, fn: Any, args: tuple[Any, ...], static: tuple[Any, ...] = ()) -> Any:
-        """A page copy or penalty-slot write, through its executable built on first use (warmup's):
-        a jitted call would compile again whenever its inputs' sharding objects change (a loaded
-        step returns equivalent but other ones than a compiled one); nothing compiles after warmup."""
-        compiled = self._small_ops.get(fn)
-        if compiled is None:
-            compiled = self._small_ops[fn] = fn.lower(*args, *static).compile()
-        return compiled(*args)
-
     def _step(self, op: StepCall) -> StepOutput:
-        """One step: the forward, the head in the host's mode, the prompt scorer when asked; each
-        dispatched, none awaited."""
+        """One step: a decode call (``op.steps`` >= 1), or the forward, the head in the host's mode
+        and the prompt scorer when asked; each dispatched, none awaited."""
         n1 = op.shape.singles
         weights = self._weights[op.weights]
         assert weights is not None, f"a step on weight slot {op.weights}, which holds none"
         _, outer, layers = weights
-        if op.steps > 1:
+        if op.steps:  # a decode call: forward, head and sampler, K tokens, one executable
             key: BuildKey = ("loop", op.shape, op.steps, op.mode)
             self.ran.add(key)
+            self.calls[key] += 1
             loop = self.compiled.get(key)
             sampled, self.kv_cache, self.counts, self.fed = loop(
                 outer, layers, self.kv_cache, self.counts, self.prompt_mask, self.fed,
@@ -261,10 +260,12 @@ class Executor:
         fwd: ForwardOutput
         forward = self.compiled.get(("forward", op.shape))
         self.ran.add(("forward", op.shape))
+        self.calls["forward", op.shape] += 1
         packed = pack_step(op.batch, op.ints, op.floats)  # the step's one transfer
         fwd, self.kv_cache = forward(outer, layers, self.kv_cache, self.fed, packed)
         if self.sampler:
             self.ran.add(("head", n1, op.mode))
+            self.calls["head", n1, op.mode] += 1
             head = self.compiled.get(("head", n1, op.mode))
             sampled, self.counts, self.fed = head(
                 outer, fwd.last, self.counts, self.prompt_mask, self.fed, fwd.ints, fwd.floats, self._bitmask(op)
@@ -274,6 +275,7 @@ class Executor:
         scores = None
         if op.score:
             self.ran.add(("score", op.shape.tokens))
+            self.calls["score", op.shape.tokens] += 1
             scores = self.compiled.get(("score", op.shape.tokens))(outer, fwd.hidden, fwd.following)
         return StepOutput(sampled, scores, fwd.pooled)
 
@@ -353,10 +355,15 @@ class Executor:
         fn, static, args = self.call_args(key)
         return fn.lower(*static, *args)
 
-    def call_args(self, key: BuildKey) -> tuple[Any, tuple[object, ...], tuple[object, ...]]:
+    def call_args(self, key: BuildKey, live: bool = False) -> tuple[Any, tuple[object, ...], tuple[object, ...]]:
         """(jitted function, static arguments, dynamic arguments) of the executable of ``key``; the
-        dynamic ones are this executor's arrays, or stand-ins of their shapes and shardings."""
+        dynamic ones are this executor's weights and stand-ins of the rest. The state a step
+        replaces (cache, penalty tables, ``fed``) is given as stand-ins in its own shardings unless
+        ``live`` (priming runs on the arrays themselves): a step's outputs carry equivalent but
+        otherwise written shardings (``P()`` for ``P(None, 'model', ...)`` on one device), which
+        would give an executable built in the background another step-cache key on every start."""
         rep = self.replicated
+        kv_cache, counts, prompt_mask, fed = self._state_args(live)
         embed = self.model.spec.hidden_size
         if key[0] == "forward":
             shape = key[1]
@@ -365,7 +372,7 @@ class Executor:
             static: tuple[object, ...] = (shape, self.treedef, self.cache_sharding, rep, self.pool)
             rows = SamplingRows.empty(shape.singles, self.scratch_slot)
             packed = pack_step(host.pack(), rows.ints, rows.floats)
-            return forward_step, static, (self.outer, self.layers, self.kv_cache, self.fed, packed)
+            return forward_step, static, (self.outer, self.layers, kv_cache, fed, packed)
         if key[0] == "head":
             _, rows, mode = key
             assert isinstance(rows, int)
@@ -374,7 +381,7 @@ class Executor:
             bitmask = jax.ShapeDtypeStruct((rows, self.mask_words), np.int32, sharding=rep)
             rows_args = (sampling.ints, sampling.floats)
             ints, floats = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep) for a in rows_args)
-            args = (self.outer, last, self.counts, self.prompt_mask, self.fed, ints, floats, bitmask)
+            args = (self.outer, last, counts, prompt_mask, fed, ints, floats, bitmask)
             return head_step, (mode, rep), args
         if key[0] == "loop":
             _, shape, steps, mode = key
@@ -382,13 +389,27 @@ class Executor:
             bitmask = jax.ShapeDtypeStruct((shape.singles, self.mask_words), np.int32, sharding=rep)
             static = (shape, steps, mode, self.treedef, self.cache_sharding, rep)
             packed = pack_step(layout([], shape, self.page_size).pack(), sampling.ints, sampling.floats)
-            state = (self.kv_cache, self.counts, self.prompt_mask, self.fed)
+            state = (kv_cache, counts, prompt_mask, fed)
             return decode_loop, static, (self.outer, self.layers, *state, packed, bitmask)
         (_, tokens) = key
         assert isinstance(tokens, int)
         hidden = jax.ShapeDtypeStruct((tokens, embed), self._hidden_dtype, sharding=rep)
         following = jax.ShapeDtypeStruct((tokens,), np.int32, sharding=rep)
         return score_step, (), (self.outer, hidden, following)
+
+    def _state_args(self, live: bool) -> tuple[Any, Any, Any, Any]:
+        """(KV cache, counts, prompt mask, fed): the arrays when ``live``, else stand-ins of their
+        shapes and dtypes in the shardings they were made with."""
+        state = (self.kv_cache, self.counts, self.prompt_mask, self.fed)
+        if live:
+            return state
+        rep = self.replicated
+
+        def like(a: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+        cache = jax.tree.map(lambda a: like(a, self.cache_sharding), self.kv_cache)
+        return cache, like(self.counts, rep), like(self.prompt_mask, rep), like(self.fed, rep)
 
     def no_mask(self, rows: int) -> Any:
         """The all-ones bitmask of a step with ``rows`` sampling rows, kept on the device."""
@@ -427,7 +448,7 @@ class Executor:
     def _state(self) -> tuple[object, ...]:
         """What every step takes after its static arguments: the weights, the cache (donated), the
         penalty tables and the last step's samples."""
-        return self.outer, self.layers, self.kv_cache, self.counts, self.prompt_mask, self.fed
+        return self.outer, self.layers, *self._state_args(live=False)  # (in the shardings they were made with)
 
 
 Prebuilt = tuple[dict[BuildKey, Step], list[tuple[object, ...]]]

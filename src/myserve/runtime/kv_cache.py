@@ -7,7 +7,9 @@ hold the same bytes per page.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,13 +50,21 @@ def init_kv_cache(
     mesh: Mesh,
     mapping: Mapping[str, MeshAxes],
     backend: str = "reference",
+    build: Callable[..., Any] | None = None,
 ) -> Cache:
-    """A zeroed KV cache, created directly with its sharding (never whole on one device first)."""
+    """A zeroed KV cache, created directly with its sharding (never whole on one device first).
+    ``build``: how to run ``zero_arrays`` (an executor's ``SmallOps``, which loads it from the step
+    cache: a warm start compiles nothing); by default it is jitted here."""
     shape = kv_cache_shape(spec, num_pages, page_size, backend)
-    sharding = kv_cache_sharding(mapping, mesh, backend)
-    n = cache_arrays(backend)
-    zeros = jax.jit(lambda: [jnp.zeros(shape, dtype) for _ in range(n)], out_shardings=[sharding] * n)
-    return make_cache(zeros(), backend)
+    static = (shape, jnp.dtype(dtype), cache_arrays(backend), kv_cache_sharding(mapping, mesh, backend))
+    arrays = build(zero_arrays, (), static) if build is not None else zero_arrays(*static)
+    return make_cache(list(arrays), backend)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def zero_arrays(shape: tuple[int, ...], dtype: jnp.dtype, n: int, sharding: NamedSharding) -> list[jax.Array]:
+    """``n`` zeroed arrays of ``shape`` made on the devices in ``sharding``, each its own shards."""
+    return [jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding) for _ in range(n)]
 
 
 def constrain_cache(cache: Cache, sharding: NamedSharding | None) -> Cache:

@@ -31,7 +31,7 @@ class Executor(Protocol):
     compiled: Executables
 
     def keys(self, op: CompileSteps) -> list[BuildKey]: ...
-    def call_args(self, key: BuildKey) -> tuple[Any, tuple[object, ...], tuple[object, ...]]: ...
+    def call_args(self, key: BuildKey, live: bool = False) -> tuple[Any, tuple[object, ...], tuple[object, ...]]: ...
     def no_mask(self, rows: int) -> Any: ...
 
 
@@ -51,7 +51,7 @@ def prime(ex: Executor, key: BuildKey) -> None:
     KV (padding writes are dropped), its sampling rows count in the scratch penalty slot, and
     ``fed`` is a throwaway copy, so a step in flight still feeds the next one its tokens. The
     donated cache and counts come back as they were but for the scratch slot."""
-    args = list(ex.call_args(key)[2])
+    args = list(ex.call_args(key, live=True)[2])
     if key[0] == "head":  # (outer, last, counts, mask, fed, ints, floats, bitmask)
         rows = SamplingRows.empty(cast(int, key[1]), ex.scratch_slot)
         args[5], args[6] = (jax.device_put(a, ex.replicated) for a in (rows.ints, rows.floats))

@@ -1,16 +1,58 @@
-"""The executor's small ops, each jitted and built once at warmup (``Executor._small_op``): a page
-copy, penalty-slot writes, and a LoRA adapter's write into its device slot."""
+"""The executor's small ops, each jitted and built once at warmup (``SmallOps``): a page copy,
+penalty-slot writes, and a LoRA adapter's write into its device slot."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from myserve.ops.paged_cache import KernelKVCache, KVCache
+from myserve.runtime.compile_counter import count_loaded, thread_cache_hits
 from myserve.runtime.kv_cache import Cache, constrain_cache
+from myserve.runtime.step_cache import StepCache
+
+
+class SmallOps:
+    """The small ops' executables of one executor, each built on its first call (warmup's), then
+    called directly: a jitted call would compile again whenever its inputs' sharding objects change
+    (a loaded step returns equivalent but other ones than a compiled one), and nothing may compile
+    after warmup. Built like a step: loaded from the step cache, else compiled and stored, so that
+    a warm start compiles nothing."""
+
+    def __init__(self, step_cache: StepCache | None, devices: Sequence[jax.Device]):
+        self._step_cache = step_cache
+        self._devices = tuple(devices)
+        self._built: dict[Any, Any] = {}
+
+    def __call__(self, fn: Any, args: tuple[Any, ...], static: tuple[Any, ...] = ()) -> Any:
+        """``fn`` (one of this module's jitted ops) on ``args``, its ``static`` arguments after them."""
+        compiled = self._built.get(fn)
+        if compiled is None:
+            compiled = self._built[fn] = self._build(fn, args, static)
+        return compiled(*args)
+
+    def _build(self, fn: Any, args: tuple[Any, ...], static: tuple[Any, ...]) -> Any:
+        # Tracing first is cheap (milliseconds) and gives the output tree a load needs.
+        lowered = fn.lower(*args, *static)
+        cache = self._step_cache
+        if cache is None:
+            return lowered.compile()
+        entry = StepCache.key(("small", fn.__name__, *static), args)
+        if cache.has(entry):
+            loaded = cache.load(entry, args, lowered.out_tree, self._devices)
+            if loaded is not None:
+                count_loaded()
+                return loaded
+        hits = thread_cache_hits()
+        compiled = lowered.compile()
+        if thread_cache_hits() == hits:  # never store what JAX's own cache handed back (executables.py)
+            cache.store(entry, compiled, args, lowered.out_tree)
+        return compiled
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=3)

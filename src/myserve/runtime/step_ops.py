@@ -83,9 +83,10 @@ class StepCall(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True
     """The sampler executable (``sampling_rows.HEAD_MODES``), chosen by the host from the rows."""
     score: bool = False
     """Some span scores prompt positions: the prompt scorer runs after the step."""
-    steps: int = 1
-    """Above 1: a several-token decode call (``decode_loop``) of that many iterations; ``shape`` is
-    then one of one-token rows only, and each row decodes its own ``STEPS`` tokens of them."""
+    steps: int = 0
+    """0: the forward, then the head (and the scorer); K >= 1: a decode call (``decode_loop``: the
+    forward, head and sampler in one executable) of K iterations; ``shape`` is then one of one-token
+    rows only, and each row decodes its own ``STEPS`` tokens of them."""
     weights: int = 0
     """The weight slot the step runs on (two while a new version of the weights replaces the old
     one: ``core/engine_weights.py``)."""

@@ -111,7 +111,7 @@ class FakeDevice:
 
         ints, n = op.ints, op.ints.shape[0]
         masks = dict(zip(op.mask_rows.tolist(), op.bitmask, strict=True)) if op.bitmask is not None else {}
-        steps = op.steps  # a several-token call: iteration i draws at position + i
+        steps = max(op.steps, 1)  # a decode call of K tokens: iteration i draws at position + i
         tokens = np.zeros((steps, n), np.int32)
         for r in range(n):
             if not ints[r, rows.WEIGHT]:
@@ -119,7 +119,7 @@ class FakeDevice:
             seed = int(np.int32(ints[r, rows.SEED]).view(np.uint32))
             stops = set(ints[r, rows.NUM_INTS + rows.MAX_BIAS :].tolist()) - {-1}
             mask = masks.get(r)
-            for i in range(min(steps, int(ints[r, rows.STEPS]))):
+            for i in range(min(steps, int(ints[r, rows.STEPS])) if op.steps else 1):
                 token = self.script(seed, int(ints[r, rows.CHOICE]), int(ints[r, rows.POSITION]) + i)
                 banned = stops if i < ints[r, rows.BAN_STEPS] else set()
 
@@ -139,7 +139,7 @@ class FakeDevice:
             np.zeros((t, k), np.float32),
             np.ones(t, np.int32),
         )
-        if steps == 1:
+        if not op.steps:  # a forward and head step: [N1]
             tops = np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)
             return StepRead(tokens[0], np.zeros(n, np.float32), *tops, scores, fake_pooled(op))
         tops = np.zeros((steps, n, k), np.int32), np.zeros((steps, n, k), np.float32)
@@ -161,7 +161,7 @@ class FakeDevice:
         return True
 
     def loop_ready(self, shape: Any, steps: int) -> bool:
-        """Nothing is built here: every several-token call is ready."""
+        """Nothing is built here: every decode call is ready."""
         return True
 
     def read(self, output: Any, *, tops: bool, scored: bool, pooled: bool = False) -> Any:
