@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from myserve.config import EngineConfig
+from myserve.config import EngineConfig, load_config
 from myserve.runtime.buckets import FEW_SINGLES, Buckets, default_context_buckets
 from myserve.runtime.sampling_rows import HEAD_MODES
 from myserve.runtime.step_layout import Span
@@ -15,6 +15,7 @@ CFG = EngineConfig(
     page_size=16, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(1, 8, 64), context_buckets=(128, 512)
 )
 BUCKETS = Buckets.from_config(CFG, 2048)  # widths 128, 512 and 2048 tokens: 8, 32 and 128 pages
+ACC = Buckets.from_config(CFG, 2048, platform="gpu")  # the same on an accelerator
 
 
 def decode(pages: int) -> Span:
@@ -38,23 +39,24 @@ def test_warmup_builds_the_widest_now_and_the_narrower_in_the_background_narrowe
 
 def test_decode_calls_take_the_narrowest_built_width_that_holds_every_row() -> None:
     """Decode calls are built at every context bucket, narrowest first, for each row count and
-    sampler mode; a call takes the narrowest built one that holds its longest page table (a
-    one-row decode's attention reads the whole bucket each token)."""
-    assert BUCKETS.decode_widths == [8, 32, 128]
-    _, later = BUCKETS.compile_ops(decode_steps=4)
+    sampler mode (on an accelerator: CPU stops at 512 tokens, below); a call takes the narrowest
+    built one that holds its longest page table (a one-row decode's attention reads the whole
+    bucket each token)."""
+    assert ACC.decode_widths == [8, 32, 128]
+    _, later = ACC.compile_ops(decode_steps=4)
     loops = [(shape.width, shape.singles, steps, mode) for shape, steps, mode in later.loops]
     assert loops == [(w, r, 4, m) for w in (8, 32, 128) for r in (1, 8) for m in HEAD_MODES]
     assert all(shape.blocks == 0 and shape.tokens == shape.singles for shape, _, _ in later.loops)
-    assert BUCKETS.fit_decode([decode(3), decode(8)]) == BUCKETS.decode_shape(8, 8)
-    assert BUCKETS.fit_decode([decode(9)]) == BUCKETS.decode_shape(1, 32) == BUCKETS.decode_shape(1)
-    assert BUCKETS.fit_decode([decode(33)]).width == 128 and BUCKETS.fit_decode([decode(129)]) is None
-    assert BUCKETS.fit_decode([decode(2)] * 9) is None  # more rows than the largest decode call
+    assert ACC.fit_decode([decode(3), decode(8)]) == ACC.decode_shape(8, 8)
+    assert ACC.fit_decode([decode(9)]) == ACC.decode_shape(1, 32) == ACC.decode_shape(1)
+    assert ACC.fit_decode([decode(33)]).width == 128 and ACC.fit_decode([decode(129)]) is None
+    assert ACC.fit_decode([decode(2)] * 9) is None  # more rows than the largest decode call
     # Built in the background: none built, none fits; a wider built one serves a short context.
-    assert BUCKETS.fit_decode([decode(3)], lambda shape: False) is None
-    only_one_row = {BUCKETS.decode_shape(1, 8), BUCKETS.decode_shape(8, 128)}
-    assert BUCKETS.fit_decode([decode(3)], lambda shape: shape in only_one_row) == BUCKETS.decode_shape(1, 8)
-    assert BUCKETS.fit_decode([decode(3)] * 2, lambda shape: shape in only_one_row) == BUCKETS.decode_shape(8, 128)
-    assert BUCKETS.fit_decode([decode(9)], lambda shape: shape in only_one_row) is None
+    assert ACC.fit_decode([decode(3)], lambda shape: False) is None
+    only_one_row = {ACC.decode_shape(1, 8), ACC.decode_shape(8, 128)}
+    assert ACC.fit_decode([decode(3)], lambda shape: shape in only_one_row) == ACC.decode_shape(1, 8)
+    assert ACC.fit_decode([decode(3)] * 2, lambda shape: shape in only_one_row) == ACC.decode_shape(8, 128)
+    assert ACC.fit_decode([decode(9)], lambda shape: shape in only_one_row) is None
 
 
 def test_a_step_takes_the_narrowest_built_context_bucket_that_holds_it() -> None:
@@ -129,3 +131,21 @@ def test_decode_steps_default_to_eight_tokens_a_call_on_every_platform() -> None
     from myserve.runtime.deployment import default_decode_steps
 
     assert {p: default_decode_steps(p) for p in ("cpu", "gpu", "tpu")} == {"cpu": 8, "gpu": 8, "tpu": 8}
+
+
+def test_decode_calls_on_cpu_stop_at_512_tokens_and_the_default_deployment_stays_under_its_mapping_budget() -> None:
+    """On an accelerator a decode call exists at every context bucket; on CPU up to 512 tokens: each
+    XLA:CPU executable maps its kernels one by one (300-800 mappings for a step of the bundled
+    model), and the process limit of 65,530 mappings stopped the default server's engine when it
+    built decode calls at its 2048-token bucket too. The default deployment's executables, counted
+    here, are what that budget holds."""
+    unset = EngineConfig(**{**CFG.__dict__, "context_buckets": ()})
+    assert Buckets.from_config(unset, 2048, platform="gpu").decode_widths == [32, 128]
+    assert Buckets.from_config(unset, 2048, platform="cpu").decode_widths == [8, 16, 32]
+    config = load_config(None, [])
+    buckets = Buckets.from_config(config.engine, config.model.max_model_len, platform="cpu")
+    now, later = buckets.compile_ops(8)
+    assert [w * 16 for w in buckets.decode_widths] == [128, 512]
+    # 8 forwards, 18 heads, 8 scorers before ready; 31 forwards (narrower buckets, few-rows
+    # variants) and 36 decode calls after.
+    assert (now.count, len(later.shapes), len(later.loops)) == (34, 31, 36)

@@ -86,6 +86,9 @@ class Buckets:
     widths: tuple[int, ...] = ()
     """Page-table widths (pages, multiples of ``chunk_pages``, ascending): the context buckets. The
     last holds ``max_pages``; empty: that one only."""
+    decode_everywhere: bool = True
+    """Decode calls at every context bucket (accelerators), else only up to ``first_width`` (CPU:
+    ``decode_widths``)."""
 
     @staticmethod
     def from_config(cfg: EngineConfig, max_model_len: int, min_tokens: int = 1, platform: str = "cpu") -> Buckets:
@@ -112,6 +115,7 @@ class Buckets:
             block_tokens=min(BLOCK_TOKENS, top),
             chunk_pages=chunk_pages,
             widths=tuple(sorted(widths | {full})),
+            decode_everywhere=platform != "cpu",
         )
 
     def _widths(self) -> tuple[int, ...]:
@@ -165,11 +169,17 @@ class Buckets:
 
     @property
     def decode_widths(self) -> list[int]:
-        """The context buckets of the decode calls (``decode_loop``), narrowest first: every one, so
-        that a decode-only step is one call whatever its context. A call's attention reads its whole
-        context bucket for each row and token, so a row whose context fits a narrower one decodes
-        in it (16-layer yardstick, one row: 0.80 ms a token in a 128-token bucket, 1.12 in 512)."""
-        return list(self._widths())
+        """The context buckets of the decode calls (``decode_loop``), narrowest first: on an
+        accelerator every one, so that a decode-only step is one call whatever its context; on CPU
+        those up to ``first_width`` (512 tokens). XLA:CPU maps each kernel of an executable into
+        memory on its own (~3 mappings a kernel: 300-800 for a step of the bundled model's 30
+        layers), a process may hold 65,530 mappings, and decode calls at all three of the CPU
+        deployment's buckets took its engine past that (``LLVM ERROR: Unable to allocate section
+        memory``). A call's attention reads its whole context bucket for each row and token, so a
+        row whose context fits a narrower one decodes in it (16-layer yardstick, one row: 0.80 ms
+        a token in a 128-token bucket, 1.12 in 512)."""
+        widths = self._widths()
+        return [w for w in widths if self.decode_everywhere or w <= self.first_width]
 
     def first_shapes(self) -> list[StepShape]:
         """Every token bucket at the first context bucket (``first_width``)."""
@@ -194,7 +204,7 @@ class Buckets:
         loops: list[tuple[StepShape, int, str]] = []
         for w in self._widths():
             shapes += [v for t in self.tokens for v in self.variants(t, w) if v not in first]
-            if decode_steps is not None:
+            if decode_steps is not None and w in self.decode_widths:
                 loops += [(self.decode_shape(r, w), decode_steps, mode) for r in rows for mode in HEAD_MODES]
         return now, CompileSteps(tuple(shapes), loops=tuple(loops), background=True)
 
