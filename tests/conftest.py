@@ -23,6 +23,22 @@ from myserve.testing import TINY_ARCHES, make_tiny_checkpoint  # noqa: E402
 httpx._config.DEFAULT_TIMEOUT_CONFIG.read = 120.0
 
 
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_executables():
+    """After each test file, once its engines are shut down, drop JAX's in-process caches of
+    compiled executables. XLA:CPU maps each kernel of an executable into memory on its own, a
+    process may hold 65,530 mappings, and a worker that runs dozens of files' engines (each with
+    its decode calls) kept every executable any of them built alive in those caches until one
+    aborted loading the next (``LLVM ERROR: Unable to allocate section memory``)."""
+    yield
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """arch name -> directory of a tiny random transformers checkpoint (float32)."""
