@@ -83,6 +83,8 @@ def tokens_on(checkpoint: str | None, data: int, model: int, expert: int = 1) ->
     mesh = [f"mesh.data={data}", f"mesh.model={model}", f"mesh.expert={expert}"]
     service = start_service(path, *ENGINE, *mesh, *extra)
     try:
+        # The decode calls build in the background after ready: the requests must compile nothing.
+        assert all(r.runner.device.background_builds_done(600) for r in service.replicas)
         warm = compile_count()
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         outputs: list[list[int]] = [[] for _ in PROMPTS]

@@ -229,7 +229,8 @@ def test_backend_switch_checks_that_the_kernel_fits() -> None:
 
 def test_the_gpu_decode_kernel_is_not_used_for_windows_or_soft_caps(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU decode kernel masks by length only: a model with a sliding window or a score cap
-    stays on the reference ("auto") or fails with the reason ("pallas"); the TPU kernel does both."""
+    fails with the reason when that kernel is named ("pallas_decode"); ``auto`` and ``pallas`` take
+    the ragged GPU kernel, which does both (as the TPU kernel does)."""
     import jax
 
     from myserve.errors import ConfigError
@@ -240,10 +241,12 @@ def test_the_gpu_decode_kernel_is_not_used_for_windows_or_soft_caps(monkeypatch:
     assert gpu_fit(**shapes, sliding_window=True) == "the kernel has no sliding-window attention"
     assert gpu_fit(**shapes, soft_cap=True) == "the kernel has no attention soft cap"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert resolve_backend("auto", **shapes, sliding_window=True) == "reference"
-    assert resolve_backend("auto", **shapes, soft_cap=True) == "reference"
+    assert resolve_backend("auto", **shapes, sliding_window=True) == "pallas_gpu_ragged"
+    assert resolve_backend("pallas", **shapes, soft_cap=True) == "pallas_gpu_ragged"
     with pytest.raises(ConfigError, match="no sliding-window"):
-        resolve_backend("pallas", **shapes, sliding_window=True)
+        resolve_backend("pallas_decode", **shapes, sliding_window=True)
+    with pytest.raises(ConfigError, match="no attention soft cap"):
+        resolve_backend("pallas_decode", **shapes, soft_cap=True)
 
 
 def test_a_step_writes_its_tokens_to_their_slots_and_its_padding_to_the_spare_page() -> None:

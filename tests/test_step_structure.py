@@ -57,7 +57,8 @@ def test_every_executable_the_tiny_engine_serves(tiny_service) -> None:
     executor = tiny_service.replicas[0].runner.device
     built = executor.executables()
     kinds = {key[0] for key in built}
-    assert kinds == {"forward", "head", "score"}
+    # Decode calls ("loop") are built in the background after warmup: some may exist by now.
+    assert {"forward", "head", "score"} <= kinds <= {"forward", "head", "score", "loop"}
     assert {key[2] for key in built if key[0] == "head"} == set(HEAD_MODES)
     buckets = tiny_service.replicas[0].runner.buckets
     wide = buckets.shape(8, 4 * buckets.shape(8).width)

@@ -101,6 +101,7 @@ def test_fifty_seeded_schema_requests_over_http_validate_and_stream_the_same(ser
             finish = chunk.choices[0].finish_reason or finish
         return text, finish
 
+    assert service.replicas[0].runner.device.background_builds_done(600)  # (decode calls: built after ready)
     compiled = compile_count()
     try:
         full, parts = streamed_and_not(lambda seed, stream: one(client(), seed, stream), 50)

@@ -15,6 +15,7 @@ process's peak count of memory mappings (XLA:CPU maps each kernel on its own; a 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -46,6 +47,8 @@ class Server:
         self.port, self.model = args.port, args.model
         self.ready, self.primed = threading.Event(), threading.Event()
         self.warmup_line: str | None = None
+        self.tail: collections.deque[str] = collections.deque(maxlen=20)
+        """The last lines of its log (what a server that exited said last)."""
         self.peak_mappings = 0
         self._done = threading.Event()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -54,6 +57,7 @@ class Server:
     def _pump(self) -> None:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
+            self.tail.append(line.rstrip())
             if " ready on " in line:
                 self.ready.set()
             elif "has run once" in line:
@@ -73,6 +77,19 @@ class Server:
                 except (OSError, IndexError):
                     continue
             time.sleep(2)
+
+    def wait(self, event: threading.Event, what: str, timeout: float) -> None:
+        """Wait for ``event`` (``ready`` or ``primed``); exit with the log's tail if the server
+        exits first or ``timeout`` seconds pass."""
+        until = time.perf_counter() + timeout
+        while not event.wait(0.5):
+            if self.proc.poll() is not None:
+                time.sleep(0.5)  # (the pump reads the last lines)
+                log = "\n".join(self.tail)
+                raise SystemExit(f"the server exited ({self.proc.returncode}) before {what}:\n{log}")
+            if time.perf_counter() > until:
+                self.stop()
+                raise SystemExit(f"the server was not {what} in {timeout:.0f} s")
 
     def since_start(self) -> float:
         """Seconds since the process was started."""
@@ -108,20 +125,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(args.cache_dir, ignore_errors=True)
     out: dict[str, Any] = {"argv": args.serve_arg}
     cold = Server(args)
-    if not cold.ready.wait(args.timeout):
-        raise SystemExit(f"the cold server was not ready in {args.timeout} s")
+    cold.wait(cold.ready, "ready (cold)", args.timeout)
     out["cold_ready_s"] = cold.since_start()
     out["cold_warmup"] = cold.warmup_line
-    cold.primed.wait(args.timeout)
+    cold.wait(cold.primed, "primed (cold)", args.timeout)
     out["cold_primed_s"] = cold.since_start()
     out["cold_exited"] = cold.stop()
     warm = Server(args)
-    if not warm.ready.wait(args.timeout):
-        raise SystemExit(f"the warm server was not ready in {args.timeout} s")
+    warm.wait(warm.ready, "ready (warm)", args.timeout)
     out["warm_ready_s"] = warm.since_start()
     out["warm_warmup"] = warm.warmup_line
     out["first_s"] = [warm.chat() for _ in range(args.requests)]
-    warm.primed.wait(args.timeout)
+    warm.wait(warm.primed, "primed (warm)", args.timeout)
     out["warm_primed_s"] = warm.since_start()
     out["primed_s"] = [warm.chat() for _ in range(args.requests)]
     out["first_over_primed"] = _median(out["first_s"]) / _median(out["primed_s"])

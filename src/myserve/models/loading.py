@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import haliax as hax
 import jax
 import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (names bfloat16 for numpy: safetensors reads bf16 as numpy)
 import numpy as np
 from jax.sharding import Mesh
 
@@ -62,9 +64,9 @@ class SafetensorsSource:
                 for name in self._open(f).keys():
                     self._files[name] = f
 
-    def _open(self, file: Path):
+    def _open(self, file: Path, framework: str = "numpy"):
         try:
-            return self._safe_open(str(file), framework="flax")
+            return self._safe_open(str(file), framework=framework)
         except (self._error, OSError, ValueError) as e:
             raise CheckpointError(f"{file}: corrupt or unreadable safetensors file ({e})") from None
 
@@ -77,23 +79,27 @@ class SafetensorsSource:
         file = self._files.get(hf_name)
         if file is None:
             raise CheckpointError(f"checkpoint has no tensor {hf_name}")
-        # framework="flax" reads bf16 too (numpy cannot); pin it to the host CPU device.
-        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        return self._read(file, hf_name, lambda f: f.get_tensor(hf_name))
+
+    def _read(self, file: Path, hf_name: str, get: Callable[[Any], Any]) -> np.ndarray:
+        """``get`` applied to ``file`` opened for numpy (bf16 through ``ml_dtypes``), or for JAX on
+        the host CPU where numpy has no name for the dtype. Not JAX first: each new shape it reads
+        compiles an executable (``jit(stage)``), a warm start's only compiles."""
+        try:
             try:
-                return np.asarray(self._open(file).get_tensor(hf_name))
-            except (self._error, OSError, ValueError) as e:
-                raise CheckpointError(f"{file}: corrupt tensor {hf_name} ({e})") from None
+                return get(self._open(file))
+            except (TypeError, AttributeError):  # a dtype numpy lacks even with ml_dtypes
+                with jax.default_device(jax.local_devices(backend="cpu")[0]):
+                    return np.asarray(get(self._open(file, "flax")))
+        except (self._error, OSError, ValueError) as e:
+            raise CheckpointError(f"{file}: corrupt tensor {hf_name} ({e})") from None
 
     def read_slice(self, hf_name: str, index: tuple[slice, ...]) -> np.ndarray:
         """One part of a tensor, reading only its bytes (safetensors' lazy slices)."""
         file = self._files.get(hf_name)
         if file is None:
             raise CheckpointError(f"checkpoint has no tensor {hf_name}")
-        with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            try:
-                return np.asarray(self._open(file).get_slice(hf_name)[index])
-            except (self._error, OSError, ValueError) as e:
-                raise CheckpointError(f"{file}: corrupt tensor {hf_name} ({e})") from None
+        return self._read(file, hf_name, lambda f: f.get_slice(hf_name)[index])
 
 
 def open_source(resolved: ResolvedCheckpoint, weights: str | Path | None = None) -> TensorSource:

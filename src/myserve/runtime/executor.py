@@ -27,26 +27,23 @@ from jax.sharding import Mesh, NamedSharding
 from myserve.models.llama import LlamaModel
 from myserve.models.sharding import MeshAxes, kv_cache_sharding
 from myserve.runtime.device import StepRead
+from myserve.runtime.executable_args import executable_args, stand_ins
 from myserve.runtime.executables import BuildKey, Executables, Step, out_trees
 from myserve.runtime.kv_cache import cache_arrays, init_kv_cache, kv_cache_shape, make_cache
 from myserve.runtime.mesh import replicated
 from myserve.runtime.model_step import (
     ForwardOutput,
     StepOutput,
-    decode_loop,
-    forward_step,
-    head_step,
     lora_leaf_indices,
-    score_step,
     split_model,
 )
 from myserve.runtime.priming import prime_built
 from myserve.runtime.sampler import SampleOutput
-from myserve.runtime.sampling_rows import HEAD_MODES, MAX_TOP_LOGPROBS, SamplingRows
+from myserve.runtime.sampling_rows import HEAD_MODES, MAX_TOP_LOGPROBS
 from myserve.runtime.small_ops import SmallOps, clear_slot, copy_page, write_adapter, write_slot
 from myserve.runtime.step_arrays import pack_step
 from myserve.runtime.step_cache import StepCache
-from myserve.runtime.step_layout import StepShape, layout
+from myserve.runtime.step_layout import StepShape
 from myserve.runtime.step_ops import (
     ClearSlot,
     CompileSteps,
@@ -133,7 +130,7 @@ class Executor:
             )
         self.compiled = Executables(self.call_args, out_trees(self.kv_cache), tuple(mesh.devices.flat), step_cache)
         # The dtype of the hidden states the forward hands the head (that of the embeddings).
-        self._hidden_dtype = jax.eval_shape(lambda o: o.embed_tokens(jnp.zeros((1, 1), jnp.int32)), self.outer).dtype
+        self.hidden_dtype = jax.eval_shape(lambda o: o.embed_tokens(jnp.zeros((1, 1), jnp.int32)), self.outer).dtype
         self.counts = place((num_slots, vocab), np.int32, self.replicated)
         self.prompt_mask = place((num_slots, vocab), np.bool_, self.replicated)
         # The last step's sampled tokens, on the device: the next step takes a token still in
@@ -356,60 +353,16 @@ class Executor:
         return fn.lower(*static, *args)
 
     def call_args(self, key: BuildKey, live: bool = False) -> tuple[Any, tuple[object, ...], tuple[object, ...]]:
-        """(jitted function, static arguments, dynamic arguments) of the executable of ``key``; the
-        dynamic ones are this executor's weights and stand-ins of the rest. The state a step
-        replaces (cache, penalty tables, ``fed``) is given as stand-ins in its own shardings unless
-        ``live`` (priming runs on the arrays themselves): a step's outputs carry equivalent but
-        otherwise written shardings (``P()`` for ``P(None, 'model', ...)`` on one device), which
-        would give an executable built in the background another step-cache key on every start."""
-        rep = self.replicated
-        kv_cache, counts, prompt_mask, fed = self._state_args(live)
-        embed = self.model.spec.hidden_size
-        if key[0] == "forward":
-            shape = key[1]
-            assert isinstance(shape, StepShape)
-            host = layout([], shape, self.page_size)
-            static: tuple[object, ...] = (shape, self.treedef, self.cache_sharding, rep, self.pool)
-            rows = SamplingRows.empty(shape.singles, self.scratch_slot)
-            packed = pack_step(host.pack(), rows.ints, rows.floats)
-            return forward_step, static, (self.outer, self.layers, kv_cache, fed, packed)
-        if key[0] == "head":
-            _, rows, mode = key
-            assert isinstance(rows, int)
-            sampling = SamplingRows.empty(rows, self.scratch_slot)
-            last = jax.ShapeDtypeStruct((rows, embed), self._hidden_dtype, sharding=rep)
-            bitmask = jax.ShapeDtypeStruct((rows, self.mask_words), np.int32, sharding=rep)
-            rows_args = (sampling.ints, sampling.floats)
-            ints, floats = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep) for a in rows_args)
-            args = (self.outer, last, counts, prompt_mask, fed, ints, floats, bitmask)
-            return head_step, (mode, rep), args
-        if key[0] == "loop":
-            _, shape, steps, mode = key
-            sampling = SamplingRows.empty(shape.singles, self.scratch_slot)
-            bitmask = jax.ShapeDtypeStruct((shape.singles, self.mask_words), np.int32, sharding=rep)
-            static = (shape, steps, mode, self.treedef, self.cache_sharding, rep)
-            packed = pack_step(layout([], shape, self.page_size).pack(), sampling.ints, sampling.floats)
-            state = (kv_cache, counts, prompt_mask, fed)
-            return decode_loop, static, (self.outer, self.layers, *state, packed, bitmask)
-        (_, tokens) = key
-        assert isinstance(tokens, int)
-        hidden = jax.ShapeDtypeStruct((tokens, embed), self._hidden_dtype, sharding=rep)
-        following = jax.ShapeDtypeStruct((tokens,), np.int32, sharding=rep)
-        return score_step, (), (self.outer, hidden, following)
+        """(jitted function, static arguments, dynamic arguments) of the executable of ``key``
+        (``executable_args.py``): the state a step replaces is given as stand-ins in its own
+        shardings unless ``live`` (priming runs on the arrays themselves)."""
+        return executable_args(self, key, self._state_args(live))
 
     def _state_args(self, live: bool) -> tuple[Any, Any, Any, Any]:
         """(KV cache, counts, prompt mask, fed): the arrays when ``live``, else stand-ins of their
         shapes and dtypes in the shardings they were made with."""
         state = (self.kv_cache, self.counts, self.prompt_mask, self.fed)
-        if live:
-            return state
-        rep = self.replicated
-
-        def like(a: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
-
-        cache = jax.tree.map(lambda a: like(a, self.cache_sharding), self.kv_cache)
-        return cache, like(self.counts, rep), like(self.prompt_mask, rep), like(self.fed, rep)
+        return state if live else stand_ins(state, self.cache_sharding, self.replicated)
 
     def no_mask(self, rows: int) -> Any:
         """The all-ones bitmask of a step with ``rows`` sampling rows, kept on the device."""

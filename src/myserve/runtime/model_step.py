@@ -239,7 +239,7 @@ def decode_loop(
         hidden = x.rearrange((BATCH, POS, "embed")).array[0]
         params = dataclasses.replace(sampling, position=sampling.position + i)
         out = _sample_rows(mode, outer, hidden, params, slots, counts, prompt_mask, bitmask, i)
-        counts = counts.at[slots, out.tokens].add(weight * active)
+        counts = _replicate(counts.at[slots, out.tokens].add(weight * active), replicated)
         stopped = jnp.any((out.tokens[:, None] == stop_ids) & (stop_ids >= 0), axis=1)
         done = done | (active & stopped)
         return (cache, counts, jnp.where(active, out.tokens, tokens), done), out
@@ -247,7 +247,15 @@ def decode_loop(
     done = jnp.zeros(tokens.shape, bool)
     (cache, counts, last, _), outs = jax.lax.scan(body, (cache, counts, tokens, done), jnp.arange(steps))
     next_fed = jnp.zeros_like(fed).at[: last.shape[0]].set(last)
+    # The state goes back in the shardings the next call was built for: left to XLA, the counts
+    # follow the vocabulary-sharded logits (P(None, 'model') on a mesh) and every call after fails.
+    counts, next_fed = _replicate(counts, replicated), _replicate(next_fed, replicated)
     return outs, constrain_cache(cache, cache_sharding), counts, next_fed
+
+
+def _replicate(x: jax.Array, replicated: NamedSharding | None) -> jax.Array:
+    """``x`` constrained to ``replicated`` (as it is, without a mesh)."""
+    return x if replicated is None else jax.lax.with_sharding_constraint(x, replicated)
 
 
 def _sample_rows(
