@@ -61,6 +61,11 @@ ENGINE = (
     "engine.max_num_seqs=8",
     "engine.max_num_batched_tokens=64",
     "engine.token_buckets=[8]",
+    # One token per decode call: every request decodes in the steps that read the later prompts, so
+    # the 8 share a decode step (at 8 tokens a call, a row whose prompt was read first can finish
+    # before the last prompt is read). Still the decode call (``decode_loop``, one iteration) on
+    # every mesh: its state must come back in the shardings it was built for.
+    "engine.decode_steps=1",
 )
 PROMPTS = [[(7 * i + 3 * j) % 200 + 10 for j in range(3 + 5 * i)] for i in range(8)]
 

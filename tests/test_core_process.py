@@ -153,13 +153,22 @@ def _requests_by_process(metrics_dir: Path, tmp: Path) -> dict[int, float]:
     return counts
 
 
-def _stream_texts(url: str, bodies: list[dict]) -> list[list[dict]]:
-    """Stream every body at once, each on a connection of its own; each stream's events."""
+def _stream_texts(url: str, bodies: list[dict], started: threading.Event | None = None) -> list[list[dict]]:
+    """Stream every body at once, each on a connection of its own; each stream's events.
+    ``started`` is set once every stream has had its first event (each request is in the engine)."""
+    first: list[int] = []
 
     async def one(body: dict) -> list[dict]:
+        lines = []
         async with httpx.AsyncClient(timeout=60) as client:
             async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
-                lines = [line async for line in r.aiter_lines() if line]
+                async for line in r.aiter_lines():
+                    if line and not lines:
+                        first.append(1)
+                        if started is not None and len(first) == len(bodies):
+                            started.set()
+                    if line:
+                        lines.append(line)
         return [{"done": True} if line == "data: [DONE]" else json.loads(line[6:]) for line in lines]
 
     async def go() -> list[list[dict]]:
@@ -195,9 +204,13 @@ def test_two_front_ends_share_the_port_and_the_core_and_merge_their_metrics(two_
     # SIGTERM: each front end finishes its streams (the core stays up until they are done), all exit 0.
     results: list[list[list[dict]]] = []
     long = _body(max_tokens=300, ignore_eos=True)
-    streamer = threading.Thread(target=lambda: results.append(_stream_texts(server.url, [long] * 8)))
+    started = threading.Event()
+    streamer = threading.Thread(target=lambda: results.append(_stream_texts(server.url, [long] * 8, started)))
     streamer.start()
-    _wait_requests(server.url, 8)  # every stream in (one arriving after the signal would get a 503)
+    # Every stream in (one arriving after the signal would get a 503): each has had a token. (The
+    # engine's request count was polled before: 8 requests of 300 tokens at 8 a call could finish
+    # between polls.)
+    assert started.wait(60), "the 8 streams did not all start"
     server.proc.send_signal(signal.SIGTERM)
     streamer.join(timeout=60)
     assert server.exit_code(30) == 0, server.log[-3000:]

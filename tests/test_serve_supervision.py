@@ -34,7 +34,9 @@ class Served(ServeProcess):
 
 @pytest.mark.slow
 def test_engine_fault_errors_every_request_and_the_server_exits(tiny_checkpoints) -> None:
-    served = Served(tiny_checkpoints["llama3"], "dispatch:5")  # fails once all 5 requests run
+    # Fails once all 5 requests run. One token per call: at 8 a call, the tiny model's 300 tokens
+    # took less time than the 5 requests took to arrive, and no step ever held all 5.
+    served = Served(tiny_checkpoints["llama3"], "dispatch:5", args=("--set", "engine.decode_steps=1"))
     try:
         served.wait_ready()
         body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, "temperature": 0}

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from myserve.errors import ConfigError
-from myserve.runtime import executor as executor_module
+from myserve.runtime import executable_args as executor_module
 from myserve.runtime.compile_counter import compile_counts, recent_builds
 from myserve.runtime.step_cache import SUBDIRECTORY, StepCache, check_trusted_directory
 from myserve.testing import TINY_ENGINE, collect, start_service

@@ -2,8 +2,9 @@
 
 ``submit`` (any thread, usually the asyncio loop) validates a request, registers its stream with
 the ``OutputProcessor`` and queues it in the core; the core's engine thread hands each iteration's
-token deltas to the processor, which detokenizes them, applies stop strings (telling the core to
-abort a choice that matched one) and delivers text deltas to the request's stream. Deltas reach
+token deltas to the output thread (``frontend/output_thread.py``), whose processor detokenizes
+them, applies stop strings (telling the core to abort a choice that matched one) and delivers
+text deltas to the request's stream: the engine thread never detokenizes. Deltas reach
 asyncio consumers through ``loop.call_soon_threadsafe``; nothing polls with sleeps.
 """
 
@@ -15,17 +16,25 @@ from collections.abc import Sequence
 
 from myserve.core.engine_core import EngineCore
 from myserve.frontend.output_processor import OutputProcessor
+from myserve.frontend.output_thread import OutputThread
 from myserve.frontend.stream import RequestStream, settle
 from myserve.wire.params import SamplingParams
 
 
 class GenerationService(EngineCore):
-    """An ``EngineCore`` whose token deltas become text deltas on its own engine thread."""
+    """An ``EngineCore`` whose token deltas become text deltas on a thread of their own."""
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
         self.processor = OutputProcessor(self.tokenizer, abort_choice=self.abort)
-        self.sink = self.processor.process
+        self.outputs = OutputThread(self.processor)  # detokenizing off the engine thread
+        self.sink = self.outputs.put
+
+    def shutdown(self) -> None:
+        """Stop the engine thread (in-flight requests are aborted), then the output thread once it
+        has delivered everything the engine handed it."""
+        super().shutdown()
+        self.outputs.close()
 
     async def update_adapter(self, name: str, path: str | None) -> str | None:
         """Register LoRA adapter ``name`` from ``path`` (None: unregister it) on the engine thread;

@@ -51,6 +51,7 @@ class Server:
         """The last lines of its log (what a server that exited said last)."""
         self.peak_mappings = 0
         self._done = threading.Event()
+        self._code: int | None = None
         threading.Thread(target=self._pump, daemon=True).start()
         threading.Thread(target=self._count_mappings, daemon=True).start()
 
@@ -107,12 +108,19 @@ class Server:
         return time.perf_counter() - t
 
     def stop(self) -> int | None:
-        """Stop the server; its exit code if it had already exited by itself (None: it was running)."""
-        code = self.proc.poll()
+        """Stop the server (again: nothing); its exit code if it had already exited by itself (None:
+        it was running)."""
+        if self._done.is_set():
+            return self._code
+        self._code = self.proc.poll()
         self._done.set()
         self.proc.terminate()
-        self.proc.wait(60)
-        return code
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        return self._code
 
 
 def _median(values: Sequence[float]) -> float:
@@ -125,23 +133,27 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(args.cache_dir, ignore_errors=True)
     out: dict[str, Any] = {"argv": args.serve_arg}
     cold = Server(args)
-    cold.wait(cold.ready, "ready (cold)", args.timeout)
-    out["cold_ready_s"] = cold.since_start()
-    out["cold_warmup"] = cold.warmup_line
-    cold.wait(cold.primed, "primed (cold)", args.timeout)
-    out["cold_primed_s"] = cold.since_start()
-    out["cold_exited"] = cold.stop()
+    try:
+        cold.wait(cold.ready, "ready (cold)", args.timeout)
+        out["cold_ready_s"] = cold.since_start()
+        out["cold_warmup"] = cold.warmup_line
+        cold.wait(cold.primed, "primed (cold)", args.timeout)
+        out["cold_primed_s"] = cold.since_start()
+    finally:
+        out["cold_exited"] = cold.stop()
     warm = Server(args)
-    warm.wait(warm.ready, "ready (warm)", args.timeout)
-    out["warm_ready_s"] = warm.since_start()
-    out["warm_warmup"] = warm.warmup_line
-    out["first_s"] = [warm.chat() for _ in range(args.requests)]
-    warm.wait(warm.primed, "primed (warm)", args.timeout)
-    out["warm_primed_s"] = warm.since_start()
-    out["primed_s"] = [warm.chat() for _ in range(args.requests)]
-    out["first_over_primed"] = _median(out["first_s"]) / _median(out["primed_s"])
-    out["peak_mappings"] = max(cold.peak_mappings, warm.peak_mappings)
-    out["warm_exited"] = warm.stop()
+    try:
+        warm.wait(warm.ready, "ready (warm)", args.timeout)
+        out["warm_ready_s"] = warm.since_start()
+        out["warm_warmup"] = warm.warmup_line
+        out["first_s"] = [warm.chat() for _ in range(args.requests)]
+        warm.wait(warm.primed, "primed (warm)", args.timeout)
+        out["warm_primed_s"] = warm.since_start()
+        out["primed_s"] = [warm.chat() for _ in range(args.requests)]
+        out["first_over_primed"] = _median(out["first_s"]) / _median(out["primed_s"])
+        out["peak_mappings"] = max(cold.peak_mappings, warm.peak_mappings)
+    finally:
+        out["warm_exited"] = warm.stop()
     return out
 
 

@@ -26,7 +26,7 @@ from myserve.core.engine_weights import EngineWeights, WeightLoader
 from myserve.core.pooling import finished_embeddings
 from myserve.core.replica import Replica, Request
 from myserve.core.request_endings import RequestEndings
-from myserve.core.runner import PlannedStep, StepResults
+from myserve.core.runner import PlannedStep, Sample, StepResults
 from myserve.core.sequence import Sequence as Seq
 from myserve.core.step_timer import StepTimer
 from myserve.core.token_masks import TokenFilter
@@ -34,7 +34,7 @@ from myserve.core.warmup import warm_up
 from myserve.grammar import LazyGrammars
 from myserve.tokenizer import Tokenizer
 from myserve.validation import validate_request
-from myserve.wire.outputs import EngineDead, Overloaded, RequestOutput, TokenLogprob
+from myserve.wire.outputs import EngineDead, Overloaded, RequestOutput
 from myserve.wire.params import SamplingParams
 from myserve.wire.pooling import Pooler
 
@@ -268,7 +268,9 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, RequestEndings):
         """Hand the deltas gathered since the last flush to the sink, in one call."""
         if self._outbox:
             outputs, self._outbox = self._outbox, []
+            t = self.timer.now()
             self.sink(outputs)
+            self.timer.lap("deliver", t)
 
     def has_work(self) -> bool:
         """Whether a sequence waits or runs on some replica, or a step is in flight."""
@@ -355,6 +357,7 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, RequestEndings):
                 rep.scheduler.decode_steps = rep.runner.decode_steps if pages else 1
                 rep.scheduler.decode_steps_pages = pages
             batch = rep.scheduler.schedule(weights)
+            t = timer.lap("schedule", t)
             if batch.empty:
                 continue  # e.g. every running sequence waits for its token in flight
             planned = rep.runner.plan(batch)
@@ -410,32 +413,22 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, RequestEndings):
                 self._emit(seq.prompt_output(finish="length"))
                 self._finish_seq(req, seq, "length")
                 continue
-            for token, logprob, top_ids, top_lps in samples:
-                if seq.finish_reason is None:  # a several-token call's tokens after its end are dropped
-                    self._append(req, seq, token, logprob, top_ids, top_lps)
+            self._append(req, seq, samples)
             if seq in results.spent:  # a verified draft: its rejected positions' pages go back
                 req.replica.scheduler.trim_pages(seq)
 
-    def _append(self, req: Request, seq: Seq, token: int, logprob: float, top_ids, top_lps) -> None:
-        params = seq.params
-        if params.prompt_logprobs is not None and not seq.output_ids:
+    def _append(self, req: Request, seq: Seq, samples: Sequence[Sample]) -> None:
+        """A step's tokens of one choice (K of a several-token call), delivered as one delta."""
+        if seq.params.prompt_logprobs is not None and not seq.output_ids:
             self._emit(seq.prompt_output())
-        seq.output_ids.append(token)
-        self._generated += 1
-        if not seq.advance_grammar(token):  # the mask allowed only valid tokens
-            error = seq.matcher.error if seq.matcher is not None else ""
-            logger.error("request %s: token %d broke its grammar: %s", req.request_id, token, error)
-        logprobs = None
-        if params.logprobs is not None:
-            k = params.logprobs
-            top = tuple((int(i), float(v)) for i, v in zip(top_ids[:k], top_lps[:k], strict=True))
-            logprobs = (TokenLogprob(token, logprob, top),)
-        finish, stop_reason = seq.token_finish(token, self.tokenizer.eos_token_ids)
+        tokens, logprobs, finish, stop_reason = seq.take_samples(samples, self.tokenizer.eos_token_ids)
+        if not tokens:
+            return
+        self._generated += len(tokens)
         version = self._version_label(seq.weights)
-        self._emit(
-            RequestOutput(
-                req.request_id, seq.choice, (token,), "", logprobs, finish, stop_reason, weights_version=version
-            )
+        out = RequestOutput(
+            req.request_id, seq.choice, tokens, "", logprobs, finish, stop_reason, weights_version=version
         )
+        self._emit(out)
         if finish is not None:
             self._finish_seq(req, seq, finish)

@@ -69,12 +69,16 @@ class PlannedStep:
     """The device's output handles once dispatched (one: the step call's)."""
 
 
+Sample = tuple[int, float, np.ndarray, np.ndarray]
+"""One sampled token: (token, logprob, top ids, top logprobs)."""
+
+
 @dataclasses.dataclass
 class StepResults:
     """What one step produced, per sequence."""
 
-    sampled: dict[Seq, list[tuple[int, float, np.ndarray, np.ndarray]]] = dataclasses.field(default_factory=dict)
-    """Sequences whose chunk ended their known tokens: (token, logprob, top ids, top logprobs)."""
+    sampled: dict[Seq, list[Sample]] = dataclasses.field(default_factory=dict)
+    """Sequences whose chunk ended their known tokens: their samples, in order."""
     prompt_scores: list[tuple[Seq, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(
         default_factory=list
     )

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import random
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -12,6 +14,8 @@ import numpy as np
 from myserve.core.pages import PageHash, chain_hashes
 from myserve.wire.outputs import RequestOutput, TokenLogprob
 from myserve.wire.params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from myserve.core.token_masks import TokenFilter
@@ -204,6 +208,32 @@ class Sequence:
         if len(self.output_ids) >= (params.max_tokens or 1 << 30) or self.num_known >= self.max_len:
             return "length", None
         return None, None
+
+    def take_samples(
+        self, samples: Iterable[tuple[int, float, np.ndarray, np.ndarray]], eos_ids: tuple[int, ...]
+    ) -> tuple[tuple[int, ...], tuple[TokenLogprob, ...] | None, str | None, int | None]:
+        """Append a step's samples (token, logprob, top ids, top logprobs) up to the one that ends
+        this choice (those after it are dropped), advancing the grammar: (tokens appended, their
+        logprobs if asked for, finish reason, stop token id), the whole step's delta at once."""
+        params = self.params
+        k = params.logprobs
+        tokens: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        finish: str | None = None
+        stop: int | None = None
+        for token, logprob, top_ids, top_lps in samples:
+            self.output_ids.append(token)
+            tokens.append(token)
+            if not self.advance_grammar(token):  # the mask allowed only valid tokens
+                error = self.matcher.error if self.matcher is not None else ""
+                logger.error("request %s: token %d broke its grammar: %s", self.request_id, token, error)
+            if k is not None:
+                top = tuple((int(i), float(v)) for i, v in zip(top_ids[:k], top_lps[:k], strict=True))
+                logprobs.append(TokenLogprob(token, logprob, top))
+            finish, stop = self.token_finish(token, eos_ids)
+            if finish is not None:
+                break
+        return tuple(tokens), None if k is None else tuple(logprobs), finish, stop
 
     def record_prompt_scores(
         self, start: int, lps: np.ndarray, ids: np.ndarray, tlps: np.ndarray, ranks: np.ndarray

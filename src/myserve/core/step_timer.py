@@ -16,10 +16,12 @@ from __future__ import annotations
 import collections
 import time
 
-PHASES = ("plan", "dispatch", "read", "postprocess")
-"""plan: scheduling and building the step's ops; dispatch: handing them to the device (not awaited);
-read: waiting for and fetching the results; postprocess: appending tokens, detokenizing, stop
-checks, delivering outputs, freeing finished sequences."""
+PHASES = ("schedule", "plan", "dispatch", "read", "postprocess", "deliver")
+"""schedule: choosing the step's sequences and tokens (``Scheduler.schedule``); plan: building the
+step's ops and host arrays (``ModelRunner.plan``); dispatch: handing them to the device (not
+awaited); read: waiting for and fetching the results; postprocess: appending tokens, stop checks,
+making the outputs, freeing finished sequences; deliver: handing the outputs to the sink (the
+output thread's queue in process, the socket to the front end from the core process)."""
 
 
 class StepTimer:

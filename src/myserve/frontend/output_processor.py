@@ -91,17 +91,37 @@ class OutputProcessor:
             choice = req.choices[out.choice] = _Choice(self.tokenizer, req.prompt_ids, req.params)
         if choice.done:
             return None  # sampled before the core heard that the choice had ended here
-        choice.tokens += len(out.token_ids)
         finish, stop_reason = out.finish_reason, out.stop_reason
         text = ""
-        # The core ends on EOS or a stop id: neither is text, unless a stop id's text is asked for.
-        kept_stop_id = _keeps_stop_id(req.params, out.stop_reason)
-        if out.token_ids and (finish != "stop" or kept_stop_id):
-            text, stopped = choice.stops.feed(choice.detok.add(list(out.token_ids)))
-            if stopped:
-                finish, stop_reason = "stop", choice.stops.matched
-                if out.finish_reason is None:
-                    self._abort_choice(out.request_id, out.choice)
+        ids = list(out.token_ids)  # (a several-token call's delta holds several)
+        # The core ends on the delta's last token, EOS or a stop id: neither is text, unless a stop
+        # id's text is asked for.
+        not_text = bool(ids) and finish == "stop" and not _keeps_stop_id(req.params, out.stop_reason)
+        text_ids = ids[:-1] if not_text else ids
+        stopped = False
+        parts: list[str] = []  # token by token's texts
+        if not choice.stops.stop or len(text_ids) <= 1:  # (no stop strings: the delta at once)
+            choice.tokens += len(text_ids)
+            if text_ids:
+                text, stopped = choice.stops.feed(choice.detok.add(text_ids))
+        else:  # stop strings: token by token, so that the count ends at the token that matched
+            for token in text_ids:
+                choice.tokens += 1
+                part, stopped = choice.stops.feed(choice.detok.add([token]))
+                parts.append(part)
+                if stopped:
+                    break
+            text = "".join(parts)
+        if stopped:
+            finish, stop_reason = "stop", choice.stops.matched
+            if out.finish_reason is None:
+                self._abort_choice(out.request_id, out.choice)
+            used = len(parts) if parts else len(ids)  # the tokens after the match are dropped
+            if used < len(ids):
+                lps = None if out.logprobs is None else out.logprobs[:used]
+                out = dataclasses.replace(out, token_ids=out.token_ids[:used], logprobs=lps)
+        elif not_text:
+            choice.tokens += 1  # the EOS or stop id counts as generated
         if finish is not None:
             choice.done = True
             if not choice.stops.stopped and finish in ("stop", "length"):

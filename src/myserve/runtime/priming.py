@@ -8,6 +8,7 @@ yardstick), and warmup builds without running; the idle engine so runs each once
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol, cast
 
 import jax
@@ -51,6 +52,24 @@ def prime(ex: Executor, key: BuildKey) -> None:
     KV (padding writes are dropped), its sampling rows count in the scratch penalty slot, and
     ``fed`` is a throwaway copy, so a step in flight still feeds the next one its tokens. The
     donated cache and counts come back as they were but for the scratch slot."""
+    jax.block_until_ready(_run_empty(ex, key, 1))
+    ex.ran.add(key)
+
+
+def seconds_per_call(ex: Executor, key: BuildKey, calls: int) -> float:
+    """Device time of one call of ``ex``'s built executable of ``key``: ``calls`` calls on an empty
+    batch of its shape dispatched back to back with no host work between them, waited for once at
+    the end (the benchmarks' device-only ceiling: ``bench/host.py``). Only while nothing else runs
+    on ``ex`` (the engine idle): the calls donate its cache and counts as a step does."""
+    jax.block_until_ready(_run_empty(ex, key, 1))  # (a first run links; not timed)
+    t0 = time.perf_counter()
+    jax.block_until_ready(_run_empty(ex, key, calls))
+    return (time.perf_counter() - t0) / calls
+
+
+def _run_empty(ex: Executor, key: BuildKey, calls: int) -> Any:
+    """Call the executable of ``key`` ``calls`` times on an empty batch (``prime``), each call on the
+    cache and counts the one before returned; the last call's outputs."""
     args = list(ex.call_args(key, live=True)[2])
     if key[0] == "head":  # (outer, last, counts, mask, fed, ints, floats, bitmask)
         rows = SamplingRows.empty(cast(int, key[1]), ex.scratch_slot)
@@ -59,15 +78,21 @@ def prime(ex: Executor, key: BuildKey) -> None:
     if key[0] == "loop":  # (..., packed, bitmask)
         args[-1] = ex.no_mask(cast(StepShape, key[1]).singles)
     fed = jax.device_put(np.zeros(ex.fed.shape, ex.fed.dtype), ex.replicated)
-    out = ex.compiled.get(key)(*(fed if a is ex.fed else _zeros_of(a) for a in args))
-    if key[0] == "forward":
-        ex.kv_cache = out[1]
-    elif key[0] == "head":
-        ex.counts = out[1]
-    elif key[0] == "loop":
-        ex.kv_cache, ex.counts = out[1], out[2]
-    jax.block_until_ready(out)
-    ex.ran.add(key)
+    args = [fed if a is ex.fed else _zeros_of(a) for a in args]
+    step = ex.compiled.get(key)
+    out = None
+    for _ in range(calls):
+        out = step(*args)
+        # The donated state comes back from the call: the next call (and the executor) takes it.
+        if key[0] == "forward":  # (outer, layers, cache, fed, packed)
+            ex.kv_cache = args[2] = out[1]
+        elif key[0] == "head":  # (outer, last, counts, mask, fed, ...): counts and fed donated
+            ex.counts = args[2] = out[1]
+            args[4] = out[2]
+        elif key[0] == "loop":  # (outer, layers, cache, counts, mask, fed, ...): cache, counts, fed
+            ex.kv_cache, ex.counts = args[2], args[3] = out[1], out[2]
+            args[5] = out[3]
+    return out
 
 
 def _zeros_of(arg: Any) -> Any:
