@@ -35,6 +35,7 @@ def release_compiled_executables():
 
     import jax
 
+    gc.unfreeze()  # (an engine's start freezes what exists: its executables too, once shut down)
     gc.collect()
     jax.clear_caches()
 

@@ -83,3 +83,23 @@ def test_processing_runs_on_the_output_thread_in_order(tokenizer: Tokenizer) -> 
     assert "".join(o.text for o in stream) == TEXT
     thread.close()
     assert seen and set(seen) == {"myserve-outputs"}
+
+
+def test_with_text_keeps_every_other_field() -> None:
+    """``with_text`` (the processor's fast ``dataclasses.replace``) carries every field a delta has."""
+    import dataclasses
+
+    from myserve.frontend.output_processor import with_text
+    from myserve.wire.outputs import TokenLogprob
+
+    fields = [f.name for f in dataclasses.fields(RequestOutput)]
+    values = dict(
+        request_id="r", choice=2, token_ids=(5, 6), text="", logprobs=(TokenLogprob(5, -0.5, ()),),
+        finish_reason=None, stop_reason=None, usage=Usage(1, 2), error="e", prompt_logprobs=(None,),
+        embedding=b"x", weights_version="v2",
+    )  # fmt: skip
+    assert sorted(values) == sorted(fields)  # a new field must be added to with_text (and here)
+    out = RequestOutput(**values)
+    assert with_text(out, "hi", "stop", "wide") == dataclasses.replace(
+        out, text="hi", finish_reason="stop", stop_reason="wide"
+    )

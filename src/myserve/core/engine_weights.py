@@ -22,6 +22,7 @@ A mixin of ``EngineCore`` (which owns ``_inbox``, ``_requests``, ``replicas`` an
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import logging
 import queue
@@ -178,6 +179,11 @@ class EngineWeights:
             if not any(seq.weights == slot for req in self._requests.values() for seq in req.seqs):
                 assert self.weight_loader is not None
                 self.weight_loader.drop(slot)
+                # The start froze the first weights' objects out of the collector's reach
+                # (``EngineCore.start``): let it see what the old version left, then freeze again.
+                gc.unfreeze()
+                gc.collect()
+                gc.freeze()
                 logger.info("weights: version %s let go", self.weight_versions.pop(slot).label)
                 self._next_weight_update()
 

@@ -282,6 +282,8 @@ class ModelRunner:
         (out,) = planned.outputs
         read = self.device.read(out, tops=planned.tops, scored=planned.scored, pooled=planned.pooled)  # one transfer
         results = StepResults()
+        # Python numbers once for every row: indexing numpy arrays per row and token is slower.
+        tokens, logprobs = read.tokens.tolist(), read.logprobs.tolist()
         for i, (chunk, at, row) in enumerate(planned.chunks):
             seq = chunk.seq
             if seq.pool_type is not None:  # (a chunk that pools no token still reports: it may end the prompt)
@@ -290,14 +292,13 @@ class ModelRunner:
                 results.pooled.append((seq, chunk.start, chunk.num_tokens, vector))
             if row is not None and planned.steps:  # [K, N1]: this row's first chunk.steps tokens
                 results.sampled[seq] = [
-                    (int(read.tokens[i, row]), float(read.logprobs[i, row]), *_tops(read, planned.tops, i, row))
-                    for i in range(chunk.steps)
+                    (tokens[i][row], logprobs[i][row], *_tops(read, planned.tops, i, row)) for i in range(chunk.steps)
                 ]
             elif row is not None and chunk.draft:
                 self._verify(chunk, read, row, planned.tops, results)
             elif row is not None:
                 top = (read.top_ids[row], read.top_logprobs[row]) if planned.tops else (_NO_TOP, _NO_TOP)  # type: ignore[index]
-                results.sampled[chunk.seq] = [(int(read.tokens[row]), float(read.logprobs[row]), *top)]
+                results.sampled[chunk.seq] = [(tokens[row], logprobs[row], *top)]
             if planned.scored and chunk.seq.scores_prompt(chunk.start):
                 assert read.scores is not None
                 lp, ids, tlp, ranks = read.scores

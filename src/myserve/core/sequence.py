@@ -179,7 +179,14 @@ class Sequence:
 
     def tokens(self, start: int, stop: int) -> list[int]:
         """Known tokens ``start:stop`` of prompt + output (shorter when ``stop`` reaches a token in flight)."""
-        return (self.prompt_ids + self.output_ids)[start:stop]
+        # Sliced where they lie, not from a copy of the whole sequence: a decode asks for one token
+        # of each running sequence every step.
+        p = len(self.prompt_ids)
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        if start >= p:
+            return self.output_ids[start - p : stop - p]
+        return self.prompt_ids[start:] + self.output_ids[: stop - p]
 
     @property
     def num_pending(self) -> int:

@@ -128,7 +128,16 @@ class OutputProcessor:
                 # Ending for another reason than a stop string: release held-back text.
                 tail, _ = choice.stops.feed(choice.detok.finish())
                 text += tail + choice.stops.flush()
-        return dataclasses.replace(out, text=text, finish_reason=finish, stop_reason=stop_reason)
+        return with_text(out, text, finish, stop_reason)
+
+
+def with_text(out: RequestOutput, text: str, finish: str | None, stop_reason: int | str | None) -> RequestOutput:
+    """``out`` with its text, finish and stop reason set: ``dataclasses.replace`` without its
+    per-call field introspection (once per delta of every stream; a test holds it to replace)."""
+    return RequestOutput(
+        out.request_id, out.choice, out.token_ids, text, out.logprobs, finish, stop_reason, out.usage, out.error,
+        out.prompt_logprobs, out.embedding, out.weights_version,
+    )  # fmt: skip
 
 
 def _keeps_stop_id(params: SamplingParams, stop_reason: int | str | None) -> bool:
