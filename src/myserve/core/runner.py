@@ -297,8 +297,7 @@ class ModelRunner:
             elif row is not None and chunk.draft:
                 self._verify(chunk, read, row, planned.tops, results)
             elif row is not None:
-                top = (read.top_ids[row], read.top_logprobs[row]) if planned.tops else (_NO_TOP, _NO_TOP)  # type: ignore[index]
-                results.sampled[chunk.seq] = [(tokens[row], logprobs[row], *top)]
+                results.sampled[chunk.seq] = [(tokens[row], logprobs[row], *self._row_tops(read, planned.tops, row))]
             if planned.scored and chunk.seq.scores_prompt(chunk.start):
                 assert read.scores is not None
                 lp, ids, tlp, ranks = read.scores
