@@ -5,6 +5,9 @@ between tokens kept to one."""
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 
 from myserve.runtime.sampling_rows import BAN_STEPS, STEPS
@@ -83,3 +86,36 @@ def test_an_abort_ends_a_request_within_one_call_and_frees_its_pages() -> None:
     assert finish == "abort" and len(tokens) < 100
     assert e.scheduler.allocator.num_used == 0
     assert_consistent(e.scheduler, e.live)
+
+
+class SlowDevice(FakeDevice):
+    """A fake device whose results take ``per_iteration`` seconds per model iteration of the call."""
+
+    def __init__(self, per_iteration: float):
+        super().__init__()
+        self.per_iteration = per_iteration
+
+    def read(self, output: Any, *, tops: bool, scored: bool, pooled: bool = False) -> Any:
+        time.sleep(self.per_iteration * (output.tokens.shape[0] if output.tokens.ndim == 2 else 1))
+        return super().read(output, tops=tops, scored=scored, pooled=pooled)
+
+
+@pytest.mark.parametrize("per_iteration, several", [(0.0, True), (0.02, False)])
+def test_decode_calls_stay_one_token_where_k_tokens_would_outlast_the_budget(per_iteration: float, several: bool):
+    """A K = 8 call of 20 ms per token (160 ms) is over a 50 ms budget: after the first call has
+    measured it, decode-only steps are one token each, so a request arriving meanwhile waits one
+    token; a fast device keeps K tokens per call throughout."""
+    e = FakeCore(device=SlowDevice(per_iteration), decode_steps=8, decode_call_budget_s=0.05, num_pages=40)
+    e.submit([5, 6, 7], SamplingParams(max_tokens=40, temperature=1.0, seed=0, ignore_eos=True), "r")
+    e.run()
+    assert len(e.finished("r")[0][0]) == 40
+    decode_only = [b for b in e.batches if b.decodes and not b.prefills]
+    long_calls = [b for b in decode_only if max(c.steps for c in b.decodes) > 1]
+    if several:
+        assert len(long_calls) == len(decode_only) >= 4
+    else:
+        assert len(long_calls) == 1 and decode_only[0] is long_calls[0]  # the one that measured it
+        assert len(decode_only) >= 30
+    pacer = e.core.replicas[0].runner.pacer
+    estimate = pacer.estimate(1)
+    assert estimate is not None and (estimate >= 0.015) == (not several)

@@ -64,6 +64,11 @@ class EngineConfig:
     sampler iterations on the device (EOS, stop ids, max_tokens and min_tokens applied there),
     built in the background after warmup; K = 1 still makes a decode-only step one call (forward,
     head and sampler fused). 0 = the platform's default (8: docs/performance.md)."""
+    decode_call_budget_ms: float = 250.0
+    """The longest a several-token decode call may be expected to run (K times the measured time of
+    one token at that batch size): a request arriving meanwhile waits for the call before its
+    prefill, so where one token of the batch is slow (a large model or batch on a small device)
+    decodes go one token per call and time to first token stays short; 0 = no limit."""
     enable_prefix_caching: bool = True
     """Reuse KV pages of identical prompt prefixes across requests."""
     async_scheduling: bool = True
@@ -119,6 +124,8 @@ class EngineConfig:
         )
         check(self.max_waiting >= 1, f"engine.max_waiting must be >= 1, got {self.max_waiting}")
         check(0 <= self.decode_steps <= 64, f"engine.decode_steps must be in [0, 64], got {self.decode_steps}")
+        budget_ms = self.decode_call_budget_ms
+        check(budget_ms >= 0, f"engine.decode_call_budget_ms must be >= 0, got {budget_ms}")
         check(self.max_loras >= 1, f"engine.max_loras must be >= 1, got {self.max_loras}")
         check(1 <= self.max_lora_rank <= 512, f"engine.max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
         cpu = self.max_cpu_loras

@@ -100,6 +100,7 @@ def make_replica(
         eos_ids=eos_ids,
         decode_steps=cfg.decode_steps,
         adapter_zeros=adapter_zeros,
+        decode_call_budget_s=cfg.decode_call_budget_ms / 1000,
     )
     return Replica(allocator, scheduler, runner, draft)
 

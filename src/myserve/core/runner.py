@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from myserve.core.decode_pacing import DecodePacer
 from myserve.core.scheduler import ScheduledBatch, ScheduledChunk
 from myserve.core.sequence import Sequence as Seq
 from myserve.grammar import allocate_bitmask, fill_bitmask
@@ -67,6 +69,16 @@ class PlannedStep:
     """0: a forward and head step; K >= 1: a decode call of K iterations, whose samples are ``[K, N1]``."""
     outputs: list[Any] = dataclasses.field(default_factory=list)
     """The device's output handles once dispatched (one: the step call's)."""
+    decode_iterations: int = 0
+    """Model iterations of a decode-only call (``steps``, or 1 for a one-token decode-only step); 0
+    for a step with a prompt chunk, draft or pooling row (``DecodePacer`` times the others)."""
+    dispatched_at: float = 0.0
+    """``time.perf_counter()`` at dispatch."""
+
+    @property
+    def rows(self) -> int:
+        """Sequences in the step."""
+        return len(self.chunks)
 
 
 Sample = tuple[int, float, np.ndarray, np.ndarray]
@@ -143,14 +155,18 @@ class ModelRunner:
         eos_ids: Sequence[int] = (),
         decode_steps: int = 1,
         adapter_zeros: tuple[np.ndarray, ...] = (),
+        decode_call_budget_s: float = 0.0,
     ):
         """``decode_steps``: tokens per decode call (K: a decode-only step is one ``decode_loop`` call
-        of K iterations once those are built);
+        of K iterations once those are built, where ``pacer`` expects it to take at most
+        ``decode_call_budget_s``, 0: always);
         ``adapter_zeros``: an empty adapter's arrays (``LoraAdapter.flat()`` shapes) when the model
         has LoRA slots, written at warmup so the slot writer is built then."""
         self.adapter_zeros = adapter_zeros
         self.device = device
         self.decode_steps = decode_steps
+        self.pacer = DecodePacer(decode_call_budget_s)
+        """Times the decode-only calls: whether a K-token call is short enough (``decode_pacing``)."""
         self._usable: set[StepShape] = set()  # forwards of narrower context buckets seen built
         self._loops_usable: set[StepShape] = set()  # decode calls seen built
         self._loop_pages = 0  # the widest context bucket whose decode calls are all built (0: none)
@@ -242,7 +258,8 @@ class ModelRunner:
         offsets = np.cumsum([0, *(c.num_tokens for c in chunks)])
         placed = [(c, int(at), row) for c, at, row in zip(chunks, offsets, host.sample_rows, strict=False)]
         tops = any(bool(c.seq.params.logprobs) for c in sampling)
-        return PlannedStep(self, ops, placed, host.scored, tops, host.pooled, steps=steps)
+        iterations = steps or int(self._decodes_only(batch))
+        return PlannedStep(self, ops, placed, host.scored, tops, host.pooled, steps=steps, decode_iterations=iterations)
 
     @staticmethod
     def _decodes_only(batch: ScheduledBatch) -> bool:
@@ -275,12 +292,14 @@ class ModelRunner:
     def dispatch(self, planned: PlannedStep) -> PlannedStep:
         """Hand a planned step to the device (not awaited)."""
         planned.outputs = self.device.run(planned.ops)
+        planned.dispatched_at = time.perf_counter()
         return planned
 
     def collect(self, planned: PlannedStep) -> StepResults:
         """Wait for a dispatched step: sampled tokens, and prompt scores of chunks that asked for them."""
         (out,) = planned.outputs
         read = self.device.read(out, tops=planned.tops, scored=planned.scored, pooled=planned.pooled)  # one transfer
+        self.pacer.observe(planned)
         results = StepResults()
         # Python numbers once for every row: indexing numpy arrays per row and token is slower.
         tokens, logprobs = read.tokens.tolist(), read.logprobs.tolist()

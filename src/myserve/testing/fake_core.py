@@ -211,9 +211,11 @@ class FakeCore:
         max_waiting: int = 1024,
         pooler: Any = None,
         decode_steps: int = 1,
+        decode_call_budget_s: float = 0.0,
     ):
         """``pooler``: a ``wire.pooling.Pooler`` (its ``hidden_size`` ``FAKE_HIDDEN``) to serve embeddings;
-        ``decode_steps``: tokens per several-token decode call (``engine.decode_steps``)."""
+        ``decode_steps``: tokens per several-token decode call (``engine.decode_steps``), paced by
+        ``decode_call_budget_s`` (``engine.decode_call_budget_ms``; 0: no limit)."""
         import math
 
         from myserve.core.engine_core import EngineCore
@@ -248,6 +250,7 @@ class FakeCore:
             max_num_seqs=max_num_seqs,
             eos_ids=tokenizer.eos_token_ids,
             decode_steps=decode_steps,
+            decode_call_budget_s=decode_call_budget_s,
         )
         self.core = EngineCore(
             [Replica(allocator, self.scheduler, runner)],
