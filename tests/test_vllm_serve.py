@@ -76,11 +76,21 @@ def test_quick_start_with_a_vllm_yaml(checkpoint: Path, tmp_path: Path) -> None:
         assert plain.usage.completion_tokens == 5 and plain.choices[0].finish_reason == "length"
         greedy = client.chat.completions.create(model=str(checkpoint), messages=messages, temperature=0, max_tokens=5)
         assert plain.choices[0].message.content == greedy.choices[0].message.content
-        # What a request sets wins over the generation config.
+        # As vLLM: the smallest of the request's max_tokens, the generation config's max_new_tokens
+        # and the context's room, on both endpoints (completions' default max_tokens is 16).
+        shorter = client.chat.completions.create(
+            model=str(checkpoint), messages=messages, max_tokens=3, extra_body={"ignore_eos": True}
+        )
         longer = client.chat.completions.create(
             model=str(checkpoint), messages=messages, max_tokens=9, extra_body={"ignore_eos": True}
         )
-        assert longer.usage.completion_tokens == 9
+        assert (shorter.usage.completion_tokens, longer.usage.completion_tokens) == (3, 5)
+        for asked in ({}, {"max_tokens": 3}, {"max_tokens": 9}):
+            done = client.completions.create(
+                model=str(checkpoint), prompt="Count to ten.", extra_body={"ignore_eos": True}, **asked
+            )
+            assert done.usage.completion_tokens == min(asked.get("max_tokens", 16), 5), asked
+            assert done.choices[0].finish_reason == "length"
         # --max-logprobs 2: more is a 400 naming the field.
         with pytest.raises(openai.BadRequestError, match=r"logprobs \(5\) exceeds the server's max_logprobs \(2\)"):
             client.completions.create(model=str(checkpoint), prompt=[5, 6], max_tokens=1, logprobs=5)

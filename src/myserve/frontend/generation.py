@@ -207,10 +207,13 @@ def _submit_all(context: AppContext, response: ResponseContext, grammar_field: s
     try:
         for i, ids in enumerate(response.prompts):
             params = response.params
-            if params.max_tokens is None and max_new is not None and params.pooling is None:
-                # The generation config's max_new_tokens, as far as the context leaves room (vLLM's).
+            if max_new is not None and params.pooling is None and params.max_tokens != 0:
+                # vLLM's bound: the smallest of the request's max_tokens (completions' default 16
+                # included), the generation config's max_new_tokens and, when the request sets
+                # none, what the context leaves (0 stays 0: completions' echo scores the prompt alone).
                 room = context.engine.max_model_len - len(ids)
-                params = dataclasses.replace(params, max_tokens=max(1, min(int(max_new), room)))
+                bound = min(int(max_new), room) if params.max_tokens is None else min(int(max_new), params.max_tokens)
+                params = dataclasses.replace(params, max_tokens=max(1, bound))
             streams.append(context.engine.submit(ids, params, request_id=f"{response.request_id}-{i}"))
     except BaseException as e:
         for s in streams:
