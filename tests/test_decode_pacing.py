@@ -13,7 +13,11 @@ from myserve.core.decode_pacing import DecodePacer
 class Step:
     decode_iterations: int
     dispatched_at: float
-    rows: int
+    rows: dataclasses.InitVar[int]
+    chunks: range = dataclasses.field(init=False)
+
+    def __post_init__(self, rows: int) -> None:
+        self.chunks = range(rows)
 
 
 def test_a_k_token_call_is_allowed_until_measured_then_only_within_the_budget() -> None:

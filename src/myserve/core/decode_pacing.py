@@ -17,6 +17,7 @@ the size as well as a K-token call does, so a size that was too slow is measured
 from __future__ import annotations
 
 import time
+from collections.abc import Sized
 from typing import Protocol
 
 
@@ -27,11 +28,8 @@ class TimedStep(Protocol):
     """Model iterations of a decode-only call (K, or 1); 0 for any step with a prompt chunk."""
     dispatched_at: float
     """``time.perf_counter()`` when it was handed to the device."""
-
-    @property
-    def rows(self) -> int:
-        """Sequences in the step."""
-        ...
+    chunks: Sized
+    """One per sequence in the step."""
 
 
 class DecodePacer:
@@ -58,7 +56,7 @@ class DecodePacer:
         start, self._last_read = max(step.dispatched_at, self._last_read), read_at
         if step.decode_iterations <= 0 or step.dispatched_at <= 0:
             return
-        size = self._size(step.rows)
+        size = self._size(len(step.chunks))
         seconds = (read_at - start) / step.decode_iterations
         old = self._per_iteration.get(size)
         self._per_iteration[size] = seconds if old is None else old + self.SMOOTHING * (seconds - old)

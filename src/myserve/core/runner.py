@@ -70,15 +70,9 @@ class PlannedStep:
     outputs: list[Any] = dataclasses.field(default_factory=list)
     """The device's output handles once dispatched (one: the step call's)."""
     decode_iterations: int = 0
-    """Model iterations of a decode-only call (``steps``, or 1 for a one-token decode-only step); 0
-    for a step with a prompt chunk, draft or pooling row (``DecodePacer`` times the others)."""
+    """Model iterations of a decode-only step (K, or 1), timed by ``DecodePacer``; 0 for any other."""
     dispatched_at: float = 0.0
     """``time.perf_counter()`` at dispatch."""
-
-    @property
-    def rows(self) -> int:
-        """Sequences in the step."""
-        return len(self.chunks)
 
 
 Sample = tuple[int, float, np.ndarray, np.ndarray]
@@ -165,8 +159,7 @@ class ModelRunner:
         self.adapter_zeros = adapter_zeros
         self.device = device
         self.decode_steps = decode_steps
-        self.pacer = DecodePacer(decode_call_budget_s)
-        """Times the decode-only calls: whether a K-token call is short enough (``decode_pacing``)."""
+        self.pacer = DecodePacer(decode_call_budget_s)  # times decode-only calls: is a K-token one short enough
         self._usable: set[StepShape] = set()  # forwards of narrower context buckets seen built
         self._loops_usable: set[StepShape] = set()  # decode calls seen built
         self._loop_pages = 0  # the widest context bucket whose decode calls are all built (0: none)
@@ -258,8 +251,8 @@ class ModelRunner:
         offsets = np.cumsum([0, *(c.num_tokens for c in chunks)])
         placed = [(c, int(at), row) for c, at, row in zip(chunks, offsets, host.sample_rows, strict=False)]
         tops = any(bool(c.seq.params.logprobs) for c in sampling)
-        iterations = steps or int(self._decodes_only(batch))
-        return PlannedStep(self, ops, placed, host.scored, tops, host.pooled, steps=steps, decode_iterations=iterations)
+        timed = steps or int(self._decodes_only(batch))  # (decode-only steps are timed: ``DecodePacer``)
+        return PlannedStep(self, ops, placed, host.scored, tops, host.pooled, steps=steps, decode_iterations=timed)
 
     @staticmethod
     def _decodes_only(batch: ScheduledBatch) -> bool:
