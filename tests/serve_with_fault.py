@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 import sys
 
-from myserve import serve
 from myserve.core.runner import ModelRunner, PlannedStep
+from myserve.entrypoints import serve
 
 
 def inject(fault: str) -> None:

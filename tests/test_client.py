@@ -36,8 +36,8 @@ def cold(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer,
     the status ``/health`` gave before warmup began). The engine warms up in a thread."""
     from myserve.bundled import bundled_gguf_path
     from myserve.config import load_config
+    from myserve.entrypoints.service import GenerationService
     from myserve.runtime.deployment import Deployment
-    from myserve.service import GenerationService
     from myserve.testing import TINY_ENGINE, make_tiny_checkpoint
 
     checkpoint = make_tiny_checkpoint("llama3", tmp_path_factory.mktemp("client"), vocab_size=49152)

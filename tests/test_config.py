@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from myserve import config as config_module
 from myserve.config import (
     Config,
     EngineConfig,
@@ -23,7 +22,8 @@ from myserve.config import (
     parse_overrides,
     with_overrides,
 )
-from myserve.config_fields import field_docs, key_docs
+from myserve.config import schema as config_module
+from myserve.config.fields import field_docs, key_docs
 from myserve.errors import ConfigError, MyserveError
 
 REPO_DEFAULT = Path(__file__).resolve().parents[1] / "config" / "smollm2-135m-cpu.yaml"

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from test_server import LiveServer
 
-from myserve import serve
+from myserve.entrypoints import serve
 from myserve.frontend.http_server import app_for
 
 KEY = "sk-cors"

@@ -8,8 +8,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from myserve import serve
 from myserve.config import load_config
+from myserve.entrypoints import serve
 from myserve.errors import ConfigError
 from myserve.ops.gpu_attention import gpu_fit
 from myserve.ops.tpu_attention import pallas_fit

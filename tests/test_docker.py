@@ -141,7 +141,7 @@ def test_entrypoint_is_the_readme_serve_command_on_all_interfaces(final_stage: l
     entrypoint = only(final_stage, "ENTRYPOINT").exec_form()
     serve = readme_quick_start()[-1]
     assert entrypoint[: len(serve)] == serve == ["python", "-m", "myserve.serve"]
-    from myserve import serve as serve_module
+    from myserve.entrypoints import serve as serve_module
 
     args = serve_module.parse_args(entrypoint[len(serve) :] + ["--hf-checkpoint", "/models/x"])
     assert args.host == "0.0.0.0" and args.port is None and args.hf_checkpoint == "/models/x"

@@ -6,7 +6,7 @@ import pytest
 
 from myserve.bench.quality import PARITY_PROMPTS
 from myserve.bundled import bundled_gguf_path
-from myserve.generate import greedy_generate
+from myserve.entrypoints.generate import greedy_generate
 from myserve.tokenizer import Tokenizer
 
 

@@ -1,4 +1,4 @@
-"""Hub-id checkpoints resolved by the launcher (``myserve/hub.py``), host only: what counts as a hub
+"""Hub-id checkpoints resolved by the launcher (``myserve/entrypoints/hub.py``), host only: what counts as a hub
 id, a cached snapshot used without the network (with ``--download-dir`` and ``--revision``), the
 name a hub-id model keeps, and one-line errors offline."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from myserve.config import load_config
+from myserve.entrypoints.hub import fetch, fetch_checkpoints, is_hub_id
 from myserve.errors import CheckpointError
-from myserve.hub import fetch, fetch_checkpoints, is_hub_id
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 

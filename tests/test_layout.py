@@ -11,34 +11,19 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-SHARED = {
-    "config",
-    "config_server",
-    "config_engine",
-    "config_ray",
-    "config_fields",
-    "errors",
-    "bundled",
-    "tokenizer",
-    "grammar",
-    "validation",
-    "subprocesses",
-}
-"""Top-level modules either process may import: no JAX, no process state."""
+SHARED = {"config", "errors", "bundled", "tokenizer", "grammar", "validation", "subprocesses"}
+"""The configuration package and the top-level modules either process may import: no JAX, no
+process state."""
 
 ALLOWED: dict[str, set[str]] = {
     # package -> the packages (or shared top-level modules) its modules may import
     "ops": {"ops", "errors"},
     "models": {"models", "ops", "errors", "bundled"},
-    "runtime": {"runtime", "models", "ops", "config", "config_fields", "errors", "bundled", "tokenizer"},
+    "runtime": {"runtime", "models", "ops", "config", "errors", "bundled", "tokenizer"},
     "wire": {"wire", "grammar", "errors"},
     "core": {"core", "runtime", "wire"} | SHARED,
     "frontend": {"frontend", "wire"} | SHARED,
-    "config": {"config_fields", "config_server", "config_engine", "config_ray", "errors"},
-    "config_server": {"config_fields", "errors"},
-    "config_engine": {"config_fields", "errors"},
-    "config_ray": {"config_fields", "errors"},
-    "config_fields": {"errors"},
+    "config": {"config", "errors"},
     "errors": set(),
     "bundled": {"errors"},
     "tokenizer": {"errors", "models"},
@@ -49,8 +34,24 @@ ALLOWED: dict[str, set[str]] = {
 }
 """Which way the flow runs: frontend -> wire <- core -> runtime -> models -> ops. The tokenizer
 reads a GGUF file's metadata with ``models/gguf_file.py`` (plain numpy). Packages not listed
-(``bench``, and the entry points ``serve``, ``service``, ``generate``, ``testing``, ...) assemble
-the others and may import anything."""
+(``entrypoints``: the programs, ``bench``, ``testing``, ``ray``, and the ``python -m`` forwarders at
+the top level) assemble the others and may import anything."""
+
+ROOT_MODULES = {
+    "__init__",
+    "serve",  # python -m myserve.serve: forwards to entrypoints/serve.py
+    "run_batch",  # python -m myserve.run_batch
+    "generate",  # python -m myserve.generate
+    "errors",
+    "bundled",
+    "tokenizer",
+    "grammar",
+    "validation",
+    "subprocesses",
+}
+"""What the top level of the package holds: the forwarding modules of the documented ``python -m``
+commands and the modules several process roles share (each docstring says which); the programs are
+in ``entrypoints/``, the configuration in ``config/``, the rest in the package of its layer."""
 
 MAX_LINES = 450
 
@@ -164,3 +165,16 @@ def test_no_source_file_over_450_lines() -> None:
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"over {MAX_LINES} lines: {long}"
+
+
+def test_the_package_root_holds_forwarders_and_shared_modules_only() -> None:
+    root = {p.stem for p in (SRC / "myserve").glob("*.py")}
+    assert root == ROOT_MODULES, (
+        f"top-level modules: {sorted(root - ROOT_MODULES)} new, {sorted(ROOT_MODULES - root)} gone"
+    )
+    for name in ("serve", "run_batch", "generate"):
+        text = (SRC / "myserve" / f"{name}.py").read_text()
+        assert f"from myserve.entrypoints.{name} import main" in text and len(text.splitlines()) < 15, name
+    for name in ROOT_MODULES - {"__init__", "serve", "run_batch", "generate"}:
+        doc = ast.get_docstring(ast.parse((SRC / "myserve" / f"{name}.py").read_text())) or ""
+        assert "Shared by" in doc or "shares" in doc, f"{name}.py does not say which processes share it"

@@ -21,11 +21,11 @@ import pytest
 from conftest import SMOL_TEST_ENGINE
 from serve_process import ServeProcess, gone
 
-from myserve import serve
 from myserve.bundled import BUNDLED_MODEL_NAME
 from myserve.config import load_config
+from myserve.entrypoints import serve
+from myserve.entrypoints.memory_check import check_memory, footprint
 from myserve.errors import ConfigError
-from myserve.memory_check import check_memory, footprint
 
 EXIT_WITHIN_S = 5.0
 SMOL = BUNDLED_MODEL_NAME

@@ -202,7 +202,7 @@ def test_one_billion_shaped_model_bytes() -> None:
 
 
 def test_the_quantization_flag(capsys) -> None:
-    from myserve import serve
+    from myserve.entrypoints import serve
 
     assert serve.config_from_args(serve.parse_args([])).model.quantization == "auto"
     assert serve.config_from_args(serve.parse_args(["--quantization", "int4"])).model.quantization == "int4"

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from native_writers import hf_tensors, write_levanter, write_maxtext, write_orbax
 
-from myserve import serve
+from myserve.entrypoints import serve
 from myserve.errors import CheckpointError
 from myserve.models.checkpoint import hf_spec
 from myserve.models.loading import SafetensorsSource

@@ -26,8 +26,8 @@ def greedy(service) -> list[list[int]]:
 def test_prebuilt_steps_are_the_ones_that_run_and_serve_the_same_tokens(tiny_checkpoints) -> None:
     from myserve.bundled import bundled_gguf_path
     from myserve.config import load_config
+    from myserve.entrypoints.service import GenerationService
     from myserve.runtime.deployment import Deployment
-    from myserve.service import GenerationService
 
     engine = (*TINY_ENGINE, "engine.num_pages=64", "engine.compilation_cache_dir=null")
     model = [f"model.checkpoint={tiny_checkpoints['llama3']}", f"model.tokenizer={bundled_gguf_path()}"]

@@ -14,8 +14,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from myserve import run_batch
 from myserve.config import load_config
+from myserve.entrypoints import run_batch
 from myserve.frontend.app import create_app
 from myserve.testing import TINY_ENGINE
 

@@ -16,8 +16,8 @@ import pytest
 from conftest import SMOL_TEST_ENGINE
 from test_server import free_port
 
-from myserve import serve
 from myserve.config import load_config
+from myserve.entrypoints import serve
 
 
 @pytest.mark.slow

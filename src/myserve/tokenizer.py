@@ -1,5 +1,8 @@
 """The tokenizer: a transformers fast tokenizer loaded from a directory, a cached hub id or a GGUF file.
 
+Shared by the process roles (top level for that): the front end tokenizes and detokenizes, the engine
+core reads its EOS ids, the launcher loads it for the front end.
+
 Torch is installed next to us (as the parity reference) and transformers imports it whenever it can:
 ``AutoTokenizer`` pulls in ``configuration_utils`` -> ``modeling_rope_utils`` -> torch, and
 transformers' GGUF reader (``integrations/gguf/reader.py``) imports torch at its top. The server must

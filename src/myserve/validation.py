@@ -1,6 +1,9 @@
 """What the engine checks of a request before queueing it: token ids in range, the context length,
 and a constraint it can compile. Each failure is an ``InvalidParams`` (or ``ContextLengthExceeded``)
-that the HTTP layer turns into an OpenAI-shaped 400."""
+that the HTTP layer turns into an OpenAI-shaped 400.
+
+Shared by the process roles (top level for that): the engine core checks every request it queues,
+and the front end runs the same checks first so that a bad request never crosses the wire."""
 
 from __future__ import annotations
 

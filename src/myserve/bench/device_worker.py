@@ -129,9 +129,9 @@ def run_engine(job: dict[str, Any], out: Path) -> None:
     from myserve.bench.engine import bench_myserve, bench_single_decode, chat_prompts, random_prompts
     from myserve.bench.steady import NotSteadyError, Section, wait_steady
     from myserve.config import load_config
+    from myserve.entrypoints.service import GenerationService
     from myserve.runtime.deployment import Deployment
     from myserve.runtime.host_memory import keep_freed_memory
-    from myserve.service import GenerationService
 
     if jax.default_backend() == "cpu":
         keep_freed_memory()  # as `serve` does on CPU

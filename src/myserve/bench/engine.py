@@ -288,9 +288,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax
 
     from myserve.config import load_config
+    from myserve.entrypoints.service import GenerationService
     from myserve.runtime.deployment import Deployment
     from myserve.runtime.host_memory import keep_freed_memory
-    from myserve.service import GenerationService
 
     overrides = list(args.set)
     hf_device = args.hf_device or ("cpu" if jax.default_backend() == "cpu" else "cuda")

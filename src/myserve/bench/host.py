@@ -122,9 +122,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from myserve.bench.engine import random_prompts
     from myserve.bench.random_checkpoint import make_random_llama
     from myserve.config import load_config
+    from myserve.entrypoints.service import GenerationService
     from myserve.runtime.deployment import Deployment
     from myserve.runtime.host_memory import keep_freed_memory
-    from myserve.service import GenerationService
 
     tmp = tempfile.TemporaryDirectory()
     checkpoint = args.checkpoint or make_random_llama(args.shape, Path(tmp.name) / args.shape, dtype="float32")

@@ -33,8 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from myserve.config import load_config
+    from myserve.entrypoints.service import GenerationService
     from myserve.runtime.deployment import Deployment
-    from myserve.service import GenerationService
     from myserve.wire.params import SamplingParams
 
     overrides = list(args.set)

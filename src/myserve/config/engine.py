@@ -1,9 +1,9 @@
 """The ``engine`` section of a deployment: the KV cache and scheduling. Its own module to keep
-``config.py`` readable; ``config`` re-exports it with the sections it holds."""
+``schema.py`` readable; ``myserve.config`` re-exports it with the other sections."""
 
 import dataclasses
 
-from myserve.config_fields import check, check_choice, check_not_empty
+from myserve.config.fields import check, check_choice, check_not_empty
 
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas_decode", "pallas_ragged")
 

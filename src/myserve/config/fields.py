@@ -1,7 +1,7 @@
 """Typed config sections from YAML values: each value checked against its field's annotation,
 unknown keys answered with the closest known one (or with what replaced a removed key), dotted
 ``section.key`` overrides, and the docstrings written under the fields. Every error is a one-line
-``ConfigError`` naming the dotted key. ``config.py`` holds the sections themselves.
+``ConfigError`` naming the dotted key. ``schema.py`` and its sibling modules hold the sections themselves.
 """
 
 import ast

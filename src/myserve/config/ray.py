@@ -1,9 +1,9 @@
 """The ``ray`` section of a deployment: many engine replicas behind one address on Ray Serve
-(``myserve/ray/``). Its own module to keep ``config.py`` readable; ``config`` re-exports it."""
+(``myserve/ray/``). Its own module to keep ``schema.py`` readable; ``myserve.config`` re-exports it."""
 
 import dataclasses
 
-from myserve.config_fields import check, check_choice
+from myserve.config.fields import check, check_choice
 
 ROUTINGS = ("prefix", "least_loaded")
 """``ray.routing`` values (``ray/affinity.py``)."""

@@ -2,8 +2,8 @@
 
 A deployment is a YAML file with one mapping per section (``model``, ``engine``, ``server``,
 ``mesh``); the command line overrides single keys as ``section.field=value``. Every field carries a
-docstring right under it, which ``config_fields.field_docs`` reads back for ``--help``. How a
-section is built from YAML values (types, unknown keys, dotted overrides) is ``config_fields``. Every mistake a user
+docstring right under it, which ``fields.field_docs`` reads back for ``--help``. How a
+section is built from YAML values (types, unknown keys, dotted overrides) is ``fields.py``. Every mistake a user
 can make here raises :class:`~myserve.errors.ConfigError` with one line naming the file (or
 ``overrides``) and the dotted key.
 """
@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 
-from myserve.config_engine import EngineConfig
-from myserve.config_fields import (
+from myserve.config.engine import EngineConfig
+from myserve.config.fields import (
     build,
     check,
     check_choice,
@@ -30,8 +30,8 @@ from myserve.config_fields import (
     set_dotted,
     wrong_type,
 )
-from myserve.config_ray import RayConfig
-from myserve.config_server import REASONING_PARSERS, TOOL_CALL_PARSERS, ServerConfig
+from myserve.config.ray import RayConfig
+from myserve.config.server import REASONING_PARSERS, TOOL_CALL_PARSERS, ServerConfig
 from myserve.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -338,7 +338,7 @@ _BUILTIN_DEFAULT: dict[str, dict[str, object]] = {
 
 def default_config_path() -> Path | None:
     """The repository's ``config/smollm2-135m-cpu.yaml`` if this is a source checkout, else None."""
-    path = Path(__file__).resolve().parents[2] / "config" / DEFAULT_CONFIG_NAME
+    path = Path(__file__).resolve().parents[3] / "config" / DEFAULT_CONFIG_NAME
     return path if path.is_file() else None
 
 

@@ -1,10 +1,10 @@
 """The ``server`` section of a deployment: the HTTP front end (address, key, limits, CORS, tool and
-reasoning parsers, processes, tracing). Its own module to keep ``config.py`` readable; ``config``
+reasoning parsers, processes, tracing). Its own module to keep ``schema.py`` readable; ``myserve.config``
 re-exports it with the sections it holds."""
 
 import dataclasses
 
-from myserve.config_fields import check, check_choice, check_names, check_not_empty
+from myserve.config.fields import check, check_choice, check_names, check_not_empty
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")

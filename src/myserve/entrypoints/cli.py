@@ -36,15 +36,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     command, rest = args[0], args[1:]
     if command == "serve":
-        from myserve import serve
+        from myserve.entrypoints import serve
 
         return serve.main(rest, prog="myserve serve")
     if command == "run-batch":
-        from myserve import run_batch
+        from myserve.entrypoints import run_batch
 
         return run_batch.main(rest)
     if command == "generate":
-        from myserve import generate
+        from myserve.entrypoints import generate
 
         return generate.main(rest)
     print(f"myserve: unknown command {command!r}; one of: {', '.join(COMMANDS)}", file=sys.stderr)

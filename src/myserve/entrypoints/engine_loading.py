@@ -14,8 +14,8 @@ from myserve.errors import ConfigError
 
 if TYPE_CHECKING:
     from myserve.config import Config
+    from myserve.entrypoints.service import GenerationService
     from myserve.frontend.core_client import EngineClient
-    from myserve.service import GenerationService
 
 logger = logging.getLogger("myserve.serve")
 
@@ -50,8 +50,8 @@ def load_engines(configs: Sequence[Config], names: Sequence[tuple[str, ...]]) ->
     process at once (their loading and warmup overlap) and wait until each has loaded. If one
     fails, all are stopped and its error is raised (a ``ConfigError`` for a configuration)."""
     from myserve.core.process import run_core
+    from myserve.entrypoints.memory_check import check_memory
     from myserve.frontend.core_client import EngineClient
-    from myserve.memory_check import check_memory
 
     seen: dict[str, int] = {}
     for i, model_names in enumerate(names):
@@ -98,11 +98,11 @@ def _in_process(config: Config) -> GenerationService | int:
     """The engine in this process: the service, or a multi-host follower's exit status."""
     import jax
 
+    from myserve.entrypoints.service import GenerationService
     from myserve.runtime import multihost
     from myserve.runtime.deployment import Deployment
     from myserve.runtime.host_memory import keep_freed_memory
     from myserve.runtime.kv_sizing import use_gpu_share
-    from myserve.service import GenerationService
 
     use_gpu_share(config.engine)
     multihost.initialize(config.mesh)  # before anything touches a JAX backend

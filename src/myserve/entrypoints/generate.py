@@ -16,8 +16,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from myserve.config import load_config
+from myserve.entrypoints.hub import fetch_checkpoints
 from myserve.errors import MyserveError
-from myserve.hub import fetch_checkpoints
 from myserve.models.llama import LlamaModel
 from myserve.models.sharding import MeshAxes
 from myserve.runtime.buckets import BLOCK_TOKENS, CHUNK_TOKENS

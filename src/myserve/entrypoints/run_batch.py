@@ -27,10 +27,10 @@ from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from myserve.entrypoints.hub import fetch_checkpoints
+from myserve.entrypoints.serve import add_config_flags, config_from_args, load_engine, served_model_names
 from myserve.errors import ConfigError, MyserveError
 from myserve.frontend.front_end_process import GIL_SWITCH_INTERVAL_S
-from myserve.hub import fetch_checkpoints
-from myserve.serve import add_config_flags, config_from_args, load_engine, served_model_names
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

@@ -22,13 +22,19 @@ import tempfile
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from myserve.engine_loading import front_tokenizer, load_engine, load_engines, served_model_name, served_model_names
+from myserve.entrypoints.engine_loading import (
+    front_tokenizer,
+    load_engine,
+    load_engines,
+    served_model_name,
+    served_model_names,
+)
+from myserve.entrypoints.hub import fetch_checkpoints
+from myserve.entrypoints.memory_check import check_mesh_fits
+from myserve.entrypoints.serve_args import add_config_flags, add_models, config_from_args, parse_args
 from myserve.errors import MyserveError
 from myserve.frontend.front_end_process import GIL_SWITCH_INTERVAL_S
 from myserve.frontend.request_log import set_log_levels
-from myserve.hub import fetch_checkpoints
-from myserve.memory_check import check_mesh_fits
-from myserve.serve_args import add_config_flags, add_models, config_from_args, parse_args
 
 __all__ = [
     "add_config_flags",

@@ -16,8 +16,15 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from myserve.config import QUANTIZATIONS, REASONING_PARSERS, TOOL_CALL_PARSERS
+from myserve.entrypoints.vllm_flags import (
+    DTYPE_NAMES,
+    add_other_flags,
+    check_other_flags,
+    expand_vllm_config,
+    parse_size,
+    task_of,
+)
 from myserve.errors import ConfigError
-from myserve.vllm_flags import DTYPE_NAMES, add_other_flags, check_other_flags, expand_vllm_config, parse_size, task_of
 
 if TYPE_CHECKING:
     from myserve.config import Config
@@ -346,7 +353,7 @@ def add_models(config: Config, specs: Sequence[str]) -> Config:
     entries of its ``models``). Each entry inherits the top-level model, engine and mesh keys it
     does not set. Raises ``ConfigError`` naming the spec."""
     from myserve.config import MODEL_SECTIONS, ModelEntry, from_mapping
-    from myserve.config_fields import inherit
+    from myserve.config.fields import inherit
 
     entries = list(config.models)
     server = config.server

@@ -34,7 +34,7 @@ class EngineReplica:
     """A Ray Serve deployment class (``serve.deployment`` is applied by ``ray/deployment.py``)."""
 
     async def __init__(self, config: Config) -> None:  # type: ignore[misc]  # Ray awaits it
-        from myserve.engine_loading import load_engine, served_model_names
+        from myserve.entrypoints.engine_loading import load_engine, served_model_names
         from myserve.frontend.front_end_process import GIL_SWITCH_INTERVAL_S
         from myserve.frontend.http_server import app_for_models, served_model
 

@@ -19,8 +19,8 @@ def start_service(checkpoint: Path | None, *overrides: str, prebuild: bool = Fal
     """
     from myserve.bundled import bundled_gguf_path
     from myserve.config import load_config
+    from myserve.entrypoints.service import GenerationService
     from myserve.runtime.deployment import Deployment
-    from myserve.service import GenerationService
 
     base = ["model.dtype=float32"]
     if checkpoint is not None:
@@ -37,8 +37,8 @@ def start_client(checkpoint: Path | None, *overrides: str):
     from myserve.bundled import bundled_gguf_path
     from myserve.config import load_config
     from myserve.core.process import run_core
+    from myserve.entrypoints.serve import front_tokenizer
     from myserve.frontend.core_client import EngineClient
-    from myserve.serve import front_tokenizer
 
     base = ["model.dtype=float32"]
     if checkpoint is not None:
