@@ -28,8 +28,11 @@ class TimedStep(Protocol):
     """Model iterations of a decode-only call (K, or 1); 0 for any step with a prompt chunk."""
     dispatched_at: float
     """``time.perf_counter()`` when it was handed to the device."""
-    chunks: Sized
-    """One per sequence in the step."""
+
+    @property
+    def chunks(self) -> Sized:
+        """One per sequence in the step."""
+        ...
 
 
 class DecodePacer:
