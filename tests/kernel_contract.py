@@ -25,11 +25,14 @@ def contract_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> jax.Array:
     """What the kernel returns: each real query token's causal attention over its sequence's pages
     (query ``j`` of sequence ``s`` at position ``kv_lens[s] - q_len + j``); zeros past the real tokens.
     ``sliding_window``: keys at positions ``<= pos - sliding_window`` are masked too; ``soft_cap``:
-    scaled scores become ``soft_cap * tanh(s / soft_cap)``."""
+    scaled scores become ``soft_cap * tanh(s / soft_cap)``; ``k_scale``, ``v_scale``: the cache's
+    keys and values are widened to float32 and multiplied by them (a quantized cache)."""
     t, h, d = q.shape
     _, page_size, combined, _ = kv_pages.shape
     kvh = combined // 2
@@ -41,9 +44,13 @@ def contract_attention(
     ctx = kv_pages[page_indices[seq]]  # [T, W, page_size, 2 * KVH, D]
     ctx = ctx.reshape(t, -1, kvh, 2, d)
     keys, values = ctx[..., 0, :], ctx[..., 1, :]  # [T, W * page_size, KVH, D]
+    if k_scale is not None:
+        keys = keys.astype(jnp.float32) * k_scale
+    if v_scale is not None:
+        values = values.astype(jnp.float32) * v_scale
     group = h // kvh
     qg = q.reshape(t, kvh, group, d)
-    scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys, preferred_element_type=jnp.float32) * sm_scale
+    scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32) * sm_scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     visible = jnp.arange(keys.shape[1])[None, :] <= pos[:, None]  # causal, and inside the context

@@ -159,8 +159,8 @@ def test_request_timeout_is_off_by_default_and_takes_seconds() -> None:
             "engine.page_sise=32",
             "overrides: unknown key 'engine.page_sise' (did you mean 'engine.page_size'?); "
             "known keys: page_size, num_pages, gpu_memory_utilization, kv_cache_memory_bytes, attention_backend, "
-            "moe_backend, quantized_matmul, compilation_cache_dir, max_num_seqs, max_num_batched_tokens, max_waiting, "
-            "token_buckets, context_buckets, "
+            "moe_backend, quantized_matmul, kv_cache_dtype, compilation_cache_dir, max_num_seqs, "
+            "max_num_batched_tokens, max_waiting, token_buckets, context_buckets, "
             "decode_steps, decode_call_budget_ms, enable_prefix_caching, async_scheduling, seed, enable_lora, "
             "max_loras, max_lora_rank, "
             "max_cpu_loras, lora_modules, enable_weight_updates, speculative_method, speculative_model, "

@@ -128,7 +128,6 @@ def test_flags_with_no_meaning_here_are_logged(caplog: pytest.LogCaptureFixture)
     ("argv", "message"),
     [
         (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: only 1 is supported"),
-        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: only auto is supported"),
         (["--speculative-config", '{"method": "draft_model"}'], "--speculative-config: a draft model needs"),
         (["--speculative-config", '{"method": "eagle"}'], "--speculative-config: method 'eagle' is not supported"),
     ],

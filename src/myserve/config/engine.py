@@ -6,6 +6,8 @@ import dataclasses
 from myserve.config.fields import check, check_choice, check_not_empty
 
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas_decode", "pallas_ragged")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""``engine.kv_cache_dtype``'s choices (vLLM's names; ``fp8`` is ``fp8_e4m3``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,6 +40,11 @@ class EngineConfig:
     """How narrow (model.quantization int8 / int4) dense weights multiply: auto, xla (dequantized in
     the step, XLA fusing what it can) or pallas (GPU, one device per replica: our grouped matmul
     kernel reads the codes as stored); auto = xla."""
+    kv_cache_dtype: str = "auto"
+    """What the KV cache holds: auto (the model's dtype), int8, fp8 (= fp8_e4m3) or fp8_e5m2: a byte
+    per value and a bf16 scale per token and KV head, so the same memory holds ~2x (bf16 models) to
+    ~4x (float32) the tokens; every attention path reads it quantized (docs/design/ops.md,
+    "Quantized KV cache"). The TPU kernel takes fp8 only (one scale per cache)."""
     compilation_cache_dir: str | None = "~/.cache/myserve/xla"
     """Directory for JAX's persistent compilation cache, so a restart skips most of warmup's
     compiling; null = no persistent cache."""
@@ -115,6 +122,7 @@ class EngineConfig:
         check_choice("engine.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("engine.moe_backend", self.moe_backend, ("auto", "loop", "ragged_dot", "pallas"))
         check_choice("engine.quantized_matmul", self.quantized_matmul, ("auto", "xla", "pallas"))
+        check_choice("engine.kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_not_empty("engine.compilation_cache_dir", self.compilation_cache_dir)
         check(self.max_num_seqs >= 1, f"engine.max_num_seqs must be >= 1, got {self.max_num_seqs}")
         budget = self.max_num_batched_tokens

@@ -90,7 +90,7 @@ def footprint(config: Config, name: str, where: str) -> Footprint:
             host_available=host_available(),
         )
         pages = plan.pages
-    kv = pages * page_bytes(spec, engine.page_size, itemsize)
+    kv = pages * page_bytes(spec, engine.page_size, itemsize, kv_cache_dtype=engine.kv_cache_dtype)
     mesh = config.mesh
     weights = weight_bytes(config, where)
     return Footprint(name, weights * mesh.data, kv * mesh.data, mesh.data * mesh.expert * mesh.model)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from myserve.config import QUANTIZATIONS, REASONING_PARSERS, TOOL_CALL_PARSERS
+from myserve.config.engine import KV_CACHE_DTYPES
 from myserve.entrypoints.vllm_flags import (
     DTYPE_NAMES,
     add_other_flags,
@@ -65,6 +66,7 @@ _FLAGS = {
     "override_generation_config": "model.override_generation_config",
     "gpu_memory_utilization": "engine.gpu_memory_utilization",
     "kv_cache_memory_bytes": "engine.kv_cache_memory_bytes",
+    "kv_cache_dtype": "engine.kv_cache_dtype",
     "block_size": "engine.page_size",
     "max_num_batched_tokens": "engine.max_num_batched_tokens",
     "enable_prefix_caching": "engine.enable_prefix_caching",
@@ -247,6 +249,9 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
         "--gpu-memory-utilization", type=float, help="GPU/TPU: share of device memory for weights, KV and activations"
     )
     p.add_argument("--kv-cache-memory-bytes", type=parse_size, help="the KV pool's bytes per device, e.g. 4G")
+    p.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="what the KV cache holds: auto (the model's dtype), int8, fp8"
+    )
     p.add_argument("--block-size", type=int, help="tokens per KV page (engine.page_size)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)

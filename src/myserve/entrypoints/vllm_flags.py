@@ -54,6 +54,13 @@ SAME = [
     Flag("--dtype", "same", "model.dtype", "auto, bfloat16, float16 (half), float32 (float)", "bfloat16"),
     Flag("--max-model-len", "same", "model.max_model_len", "also 32k, 1M", "4096"),
     Flag(
+        "--kv-cache-dtype",
+        "same",
+        "engine.kv_cache_dtype",
+        "auto, fp8 (= fp8_e4m3), fp8_e5m2, or int8: a byte per value, a scale per token and head",
+        "fp8",
+    ),
+    Flag(
         "--quantization",
         "partly",
         "model.quantization",
@@ -176,7 +183,6 @@ OTHERS = [
     Flag(
         "--load-format", "partly", allowed=("auto", "safetensors", "gguf"), note="the checkpoint's format is detected"
     ),
-    Flag("--kv-cache-dtype", "partly", allowed=("auto",), note="the KV cache has the model's dtype"),
     Flag(
         "--pipeline-parallel-size", "partly", allowed=("1",), note="no pipeline parallelism; use --tensor-parallel-size"
     ),

@@ -157,8 +157,9 @@ def _view_attention(
         oldest = jnp.maximum(view.positions[:, 0] - (window - 1), 0)
         first = jnp.clip(oldest // span, 0, num_chunks - steps).astype(jnp.int32)
 
-    def scores(i: int | jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Chunk ``i``'s masked scores [KVH, N, M, span] and values [KVH, N, span, D]."""
+    def scores(i: int | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """Chunk ``i``'s masked scores [KVH, N, M, span], values [KVH, N, span, D] and, quantized,
+        the values' scales [KVH, N, 1, span]."""
         if window is None:  # every row reads chunk i
             pages = lax.dynamic_slice_in_dim(view.pages, i * chunk_pages, chunk_pages, axis=1)
             kv_pos = jnp.broadcast_to(i * span + jnp.arange(span), (n, span))
@@ -167,39 +168,50 @@ def _view_attention(
             pages = jnp.take_along_axis(view.pages, chunk[:, None] * chunk_pages + jnp.arange(chunk_pages), axis=1)
             kv_pos = chunk[:, None] * span + jnp.arange(span)  # [N, span]
         keys, values = (
-            _gather_pages(x, layer, pages, heads_sharded).reshape(kvh, n, span, d) for x in (cache.k, cache.v)
-        )
+            _gather_pages(x, layer, pages, heads_sharded).reshape(kvh, n, span, d).astype(qm.dtype)
+            for x in (cache.k, cache.v)
+        )  # (a quantized cache's codes widened chunk by chunk; the scales apply to scores and weights)
         mask = (kv_pos[:, None, :] <= q_pos[:, :, None]) & (kv_pos[:, None, :] < view.kv_lens[:, None, None])
         if window is not None:
             mask &= kv_pos[:, None, :] > q_pos[:, :, None] - window
         s = jnp.einsum("knmd,knsd->knms", qm, keys, preferred_element_type=jnp.float32) * sm_scale
+        v_scale = None
+        if cache.k_scale is not None and cache.v_scale is not None:
+            k_scale, v_scale = (
+                _gather_pages(x, layer, pages, heads_sharded).reshape(kvh, n, 1, span).astype(jnp.float32)
+                for x in (cache.k_scale, cache.v_scale)
+            )
+            s = s * k_scale  # each key's scale: a column of the scores
         if soft_cap is not None:  # as transformers: on the scaled scores, before the mask
             s = soft_cap * jnp.tanh(s / soft_cap)
-        return jnp.where(mask[None], s, _MASK_VALUE), values  # [KVH, N, M, span]
+        return jnp.where(mask[None], s, _MASK_VALUE), values, v_scale  # [KVH, N, M, span]
 
-    def weighted(p: jax.Array, values: jax.Array) -> jax.Array:
-        """The values summed by weights ``p`` [KVH, N, M, span]: [KVH, N, M, D] float32."""
+    def weighted(p: jax.Array, values: jax.Array, v_scale: jax.Array | None) -> jax.Array:
+        """The values summed by weights ``p`` [KVH, N, M, span] (times each value's scale when
+        quantized): [KVH, N, M, D] float32."""
+        if v_scale is not None:
+            p = p * v_scale
         return jnp.einsum("knms,knsd->knmd", p.astype(values.dtype), values, preferred_element_type=jnp.float32)
 
     if steps == 1:
         # One chunk (most decode steps): a plain softmax. The online one's first iteration gives
         # the same numbers (its corrections multiply zeros), through more small ops: a decode
         # token's layer is dozens of them, each costing more to run than to compute on a CPU.
-        s, values = scores(0)
+        s, values, v_scale = scores(0)
         p = jnp.exp(s - fused_max(s, axis=3, keepdims=True))
-        denom, acc = fused_sum(p, axis=3), weighted(p, values)
+        denom, acc = fused_sum(p, axis=3), weighted(p, values, v_scale)
     else:
 
         def body(
             i: int | jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]
         ) -> tuple[jax.Array, jax.Array, jax.Array]:
             m, denom, acc = carry
-            s, values = scores(i)
+            s, values, v_scale = scores(i)
             m_new = jnp.maximum(m, fused_max(s, axis=3))
             p = jnp.exp(s - m_new[..., None])
             correction = jnp.exp(m - m_new)
             denom = denom * correction + fused_sum(p, axis=3)
-            acc = acc * correction[..., None] + weighted(p, values)
+            acc = acc * correction[..., None] + weighted(p, values, v_scale)
             return m_new, denom, acc
 
         init = (
@@ -312,6 +324,7 @@ def resolve_backend(
     page_size: int,
     sliding_window: bool = False,
     soft_cap: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> Resolved:
     """Pick the attention implementation. ``auto`` and ``pallas``: the platform's kernel where it
     imports and the model fits it, the reference otherwise (an explicit choice instead fails with
@@ -323,7 +336,8 @@ def resolve_backend(
     kernel (``pallas_gpu``, ``ops/gpu_attention.py``). ``pallas_ragged`` and ``pallas_decode`` name
     the two GPU kernels; ``reference`` forces the reference.
     ``sliding_window``, ``soft_cap``: whether any layer of the model has one (the TPU kernel and
-    our GPU kernel do both, the GPU decode kernel neither)."""
+    our GPU kernel do both, the GPU decode kernel neither). ``kv_cache_dtype``: ``int8`` needs a scale
+    per token, which the TPU kernel does not take (one per cache: fp8 only)."""
     if backend == "reference":
         return "reference"
     platform = jax.default_backend()
@@ -333,6 +347,8 @@ def resolve_backend(
     picked: Resolved
     if platform == "tpu":
         misfit = pallas_fit(num_heads, num_kv_heads, head_dim, page_size)  # it imports the kernel's module
+        if kv_cache_dtype == "int8":
+            misfit = "an int8 KV cache needs a scale per token, the kernel takes one per cache (use fp8)"
         picked = "pallas"
     elif gpu and backend != "pallas_decode":
         misfit = gpu_ragged_attention.ragged_fit(num_heads, num_kv_heads, head_dim, page_size)

@@ -64,16 +64,18 @@ def decode_attention(
     ``cache_sharding``: the cache's sharding; with its KV heads split the kernel runs per device."""
     call = functools.partial(_decode, layer=layer, sm_scale=sm_scale)
     heads = None if cache_sharding is None else cache_sharding.spec[1] if len(cache_sharding.spec) > 1 else None
+    args = (q, cache.k, cache.v, kv_lens, pages, cache.k_scale, cache.v_scale)
     if heads is None:
-        return call(q, cache.k, cache.v, kv_lens, pages)
+        return call(*args)
+    cached = P(None, heads)  # K, V and (quantized) their scales: KV heads split
     per_device = jax.shard_map(
         call,
         mesh=cache_sharding.mesh,  # type: ignore[union-attr]
-        in_specs=(P(None, heads, None), P(None, heads), P(None, heads), P(), P()),
+        in_specs=(P(None, heads, None), cached, cached, P(), P(), cached, cached),
         out_specs=P(None, heads, None),
         check_vma=False,
     )
-    return per_device(q, cache.k, cache.v, kv_lens, pages)
+    return per_device(*args)  # type: ignore[no-any-return]
 
 
 def _decode(
@@ -82,11 +84,14 @@ def _decode(
     v: jax.Array,
     kv_lens: jax.Array,
     pages: jax.Array,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     *,
     layer: int | jax.Array,
     sm_scale: float,
 ) -> jax.Array:
-    """``decode_attention`` on one device's heads: ``k``/``v`` [layers, kv_heads, pages, page_size, D]."""
+    """``decode_attention`` on one device's heads: ``k``/``v`` [layers, kv_heads, pages, page_size, D]
+    (quantized: their scales [..., page_size, 1], which the kernel applies to scores and weights)."""
     kernel = _gpu_kernel()
     if kernel is None:  # resolve_backend never picks this backend without the kernel
         raise RuntimeError("the Pallas paged decode attention kernel is not available")
@@ -102,6 +107,9 @@ def _decode(
     tables = (jnp.clip(pages, 0, num_pages - 1)[:, None, :] + heads[None, :, None]).reshape(n * kvh, width)
     lengths = jnp.repeat(kv_lens.astype(jnp.int32), kvh)
     merged = (1, num_layers * kvh * num_pages, page_size, d)  # bitcasts: no data moves
+    scales = {}
+    if k_scale is not None and v_scale is not None:
+        scales = {f"{name}_scales_pages": x.reshape(merged[:-1]) for name, x in (("k", k_scale), ("v", v_scale))}
     out = kernel(
         qs,
         k.reshape(merged),
@@ -110,6 +118,7 @@ def _decode(
         lengths,
         pages_per_compute_block=per_block,
         k_splits=k_splits,
+        **scales,
     )
     # The kernel divides by (sum + eps), so a row with no context is already zeros.
     return out.reshape(n, h, d).astype(q.dtype)

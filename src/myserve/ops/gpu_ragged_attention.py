@@ -86,13 +86,14 @@ def view_attention(
     )  # fmt: skip
     heads = None if cache_sharding is None else cache_sharding.spec[1] if len(cache_sharding.spec) > 1 else None
     rows = q[view.idx]  # [N, Q, heads, D]
-    args = (rows, cache.k, cache.v, view.idx, view.positions, view.pages)
+    args = (rows, cache.k, cache.v, view.idx, view.positions, view.pages, cache.k_scale, cache.v_scale)
     if heads is None:
         return call(*args)
+    cached = P(None, heads)  # K, V and (quantized) their scales: KV heads split
     per_device = jax.shard_map(
         call,
         mesh=cache_sharding.mesh,  # type: ignore[union-attr]
-        in_specs=(P(None, None, heads, None), P(None, heads), P(None, heads), P(), P(), P()),
+        in_specs=(P(None, None, heads, None), cached, cached, P(), P(), P(), cached, cached),
         out_specs=P(None, None, heads, None),
         check_vma=False,
     )
@@ -126,6 +127,8 @@ def _view_attention(
     idx: jax.Array,
     positions: jax.Array,
     pages: jax.Array,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     *,
     layer: int | jax.Array,
     num_tokens: int,
@@ -135,7 +138,7 @@ def _view_attention(
     interpret: bool,
 ) -> jax.Array:
     """``view_attention`` on one device's heads: ``rows`` [N, Q, heads, D], ``k``/``v`` [layers,
-    kv_heads, pages, page_size, D]."""
+    kv_heads, pages, page_size, D] (quantized: with their scales [..., page_size, 1])."""
     n, qn, h, d = rows.shape
     num_layers, kvh, num_pages, page_size, _ = k.shape
     g = h // kvh
@@ -165,12 +168,17 @@ def _view_attention(
     tables = (jnp.clip(pages, 0, num_pages - 1) + layer * kvh * num_pages).astype(jnp.int32)
     merged = (num_layers * kvh * num_pages, page_size, d)  # bitcasts: no data moves
 
+    quantized = k_scale is not None and v_scale is not None
     kernel = functools.partial(
         _kernel, splits=splits, pages_per_block=ppb, block_k=block_k, num_pages=num_pages,
-        window=window, soft_cap=soft_cap,
+        window=window, soft_cap=soft_cap, quantized=quantized,
     )  # fmt: skip
     grid = (n, kvh, m_pad // block_m, splits)
     out_dtype = rows.dtype if splits == 1 else jnp.float32
+    whole = pl.BlockSpec(merged, lambda i, j, t, s: (0, 0, 0))
+    scales: tuple[jax.Array, ...] = ()
+    if k_scale is not None and v_scale is not None:  # [merged pages, page_size]: bitcasts too
+        scales = (k_scale.reshape(merged[:2]), v_scale.reshape(merged[:2]))
     out, lse = pl.pallas_call(
         kernel,
         grid=grid,
@@ -179,8 +187,9 @@ def _view_attention(
             pl.BlockSpec((None, width), lambda i, j, t, s: (i, 0)),  # tables
             pl.BlockSpec((None, block_m), lambda i, j, t, s: (i, t)),  # row_pos
             pl.BlockSpec((None, None, block_m, d), lambda i, j, t, s: (i, j, t, 0)),  # queries
-            pl.BlockSpec(merged, lambda i, j, t, s: (0, 0, 0)),  # k, whole
-            pl.BlockSpec(merged, lambda i, j, t, s: (0, 0, 0)),  # v, whole
+            whole,  # k
+            whole,  # v
+            *[pl.BlockSpec(merged[:2], lambda i, j, t, s: (0, 0))] * len(scales),  # their scales
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, block_m, d), lambda i, j, t, s: (s, i, j, t, 0)),
@@ -193,7 +202,7 @@ def _view_attention(
         interpret=interpret,
         compiler_params=_compiler_params(),
         name=f"ragged_paged_attention_m{block_m}_k{block_k}_s{splits}",
-    )(bounds, tables, row_pos, qs, k.reshape(merged), v.reshape(merged))
+    )(bounds, tables, row_pos, qs, k.reshape(merged), v.reshape(merged), *scales)
     if splits == 1:
         o = out[0].astype(jnp.float32)
     else:  # merge the splits' partial softmaxes by their log-sum-exps
@@ -211,18 +220,24 @@ def _kernel(
     q_ref: jax.Array,
     k_ref: jax.Array,
     v_ref: jax.Array,
-    o_ref: jax.Array,
-    lse_ref: jax.Array,
-    *,
+    *refs: jax.Array,
     splits: int,
     pages_per_block: int,
     block_k: int,
     num_pages: int,
     window: int | None,
     soft_cap: float | None,
+    quantized: bool,
 ) -> None:
     """One program: a tile of one row's query rows for one KV head, over its split of the row's
-    K/V blocks, with an online softmax."""
+    K/V blocks, with an online softmax. ``refs``: the K and V scales when ``quantized``, then the
+    outputs: a quantized block is widened to the queries' dtype in registers, its keys' scales
+    multiply the scores and its values' the weights."""
+    ks_ref = vs_ref = None
+    if quantized:
+        ks_ref, vs_ref, o_ref, lse_ref = refs
+    else:
+        o_ref, lse_ref = refs
     head, split = pl.program_id(1), pl.program_id(3)
     first, end = bounds_ref[0], bounds_ref[1]
     per_split = (end - first + splits - 1) // splits
@@ -235,9 +250,11 @@ def _kernel(
     def body(b: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
         acc, m, denom = carry
         ids = tables_ref[pl.ds(b * pages_per_block, pages_per_block)] + head * num_pages
-        keys = k_ref[ids].reshape(block_k, d)
-        values = v_ref[ids].reshape(block_k, d)
+        keys = k_ref[ids].reshape(block_k, d).astype(q.dtype)
+        values = v_ref[ids].reshape(block_k, d).astype(q.dtype)
         s = lax.dot_general(q, keys, _NT, preferred_element_type=jnp.float32)  # [BM, BK]
+        if ks_ref is not None:
+            s = s * ks_ref[ids].reshape(1, block_k).astype(jnp.float32)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = b * block_k + lax.broadcasted_iota(jnp.int32, (block_m, block_k), 1)
@@ -249,7 +266,10 @@ def _kernel(
         p = jnp.exp(s - m_new[:, None])
         correction = jnp.exp(m - m_new)
         denom = denom * correction + jnp.sum(p, axis=1)
-        acc = acc * correction[:, None] + jnp.dot(p.astype(values.dtype), values, preferred_element_type=jnp.float32)
+        weights = p if vs_ref is None else p * vs_ref[ids].reshape(1, block_k).astype(jnp.float32)
+        acc = acc * correction[:, None] + jnp.dot(
+            weights.astype(values.dtype), values, preferred_element_type=jnp.float32
+        )
         return acc, m_new, denom
 
     init = (

@@ -8,6 +8,20 @@ The reference layout (``KVCache``), two arrays for the whole model::
 
     KVCache.k, KVCache.v: [layers, kv_heads, pages + 1, page_size, head_dim]
 
+A quantized cache (``engine.kv_cache_dtype``: ``int8``, ``fp8_e4m3``, ``fp8_e5m2``) holds K and V
+in that dtype and, beside them, one scale per token and KV head::
+
+    KVCache.k_scale, KVCache.v_scale: [layers, kv_heads, pages + 1, page_size, 1] bfloat16
+
+A token's head vector is written as ``round(x / s)`` with ``s = max|x| / QMAX`` (the dtype's largest
+finite value), so every token uses the dtype's whole range whatever its magnitude; a reader
+multiplies the scores by the key's scale and the probabilities by the value's (never a dequantized
+copy of the pages). Per token rather than per page: a page's scale would have to be fixed by its
+first token or its earlier tokens rewritten when a later one is larger, and a per-token scale costs
+2 bytes next to ``head_dim`` (64-128), so the pool still holds ~1.9x (bf16) to ~3.8x (f32) the tokens
+(``docs/design/ops.md``, "Quantized KV cache"). The trailing axis of 1 keeps the scales' rank the
+cache's, so one sharding and one page gather serve both.
+
 The page past the pool (``spare_page``) is never handed out: it takes the writes of padding
 tokens and of rows that stopped, so a write needs no bounds check. (Dropping an out-of-range write
 instead costs XLA:CPU a check and an index reshuffle per layer, two of the few dozen small ops a
@@ -39,13 +53,31 @@ from jax import lax
 
 from myserve.ops.ragged_batch import RaggedBatch
 
+QUANTIZED_KV = {"int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+"""``engine.kv_cache_dtype`` -> the dtype a quantized cache holds (``fp8`` means ``fp8_e4m3``)."""
+
+
+def kv_dtype(name: str, model_dtype: jnp.dtype) -> jnp.dtype:
+    """The cache dtype of ``engine.kv_cache_dtype`` ``name`` (``auto``: the model's)."""
+    name = "fp8_e4m3" if name == "fp8" else name
+    return jnp.dtype(model_dtype if name == "auto" else QUANTIZED_KV[name])
+
+
+def is_quantized(dtype: jnp.dtype) -> bool:
+    """Whether a cache of ``dtype`` carries scales (an 8-bit integer or float dtype)."""
+    return jnp.dtype(dtype).itemsize == 1
+
 
 class KVCache(eqx.Module):
     """The paged KV cache of every layer: keys and values, ``[layers, kv_heads, pages + 1, page_size,
-    head_dim]`` (the last page: ``spare_page``)."""
+    head_dim]`` (the last page: ``spare_page``); quantized, their per-token scales."""
 
     k: jax.Array
     v: jax.Array
+    k_scale: jax.Array | None = None
+    """Quantized: each key's scale, ``[layers, kv_heads, pages + 1, page_size, 1]``; None otherwise."""
+    v_scale: jax.Array | None = None
+    """Quantized: each value's scale, as ``k_scale``."""
 
     @property
     def num_pages(self) -> int:
@@ -84,25 +116,50 @@ class KernelKVCache(eqx.Module):
         return self.kv.shape[2]
 
 
+def quantize(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """``x`` [..., D] as ``dtype`` with one scale per vector: (codes [..., D], scales [..., 1] bf16),
+    ``x ~= codes * scales``."""
+    top = float(jnp.iinfo(dtype).max) if jnp.issubdtype(dtype, jnp.integer) else float(jnp.finfo(dtype).max)
+    xf = x.astype(jnp.float32)
+    # The scale as stored (bf16), so that codes and scale agree; a zero vector keeps scale 1.
+    absmax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    scale = jnp.where(absmax > 0, absmax / top, 1.0).astype(jnp.bfloat16)
+    scaled = jnp.clip(xf / scale.astype(jnp.float32), -top, top)
+    codes = jnp.round(scaled) if jnp.issubdtype(dtype, jnp.integer) else scaled
+    return codes.astype(dtype), scale
+
+
 def write_kv(cache: KVCache, layer: int | jax.Array, k: jax.Array, v: jax.Array, batch: RaggedBatch) -> KVCache:
     """Scatter this step's keys and values ``k``, ``v`` [1, T, kv_heads, head_dim] into their pages
-    of layer ``layer`` (the caller donates the cache, so XLA updates it in place)."""
+    of layer ``layer`` (quantized with their scales when the cache is; the caller donates the
+    cache, so XLA updates it in place)."""
     t = k.shape[1]
     valid = jnp.arange(t)[None, :] < batch.q_lens[:, None]
     # Padding tokens (and stopped rows, whose write page is the spare one) write the spare page.
     page_idx = jnp.where(valid, batch.write_pages, cache.spare_page)
     offset = batch.positions % cache.page_size
+    arrays: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    if cache.k_scale is not None and cache.v_scale is not None:
+        (k, ks), (v, vs) = quantize(k, cache.k.dtype), quantize(v, cache.v.dtype)
+        arrays, values = (cache.k, cache.v, cache.k_scale, cache.v_scale), (k, v, ks, vs)
+    else:
+        arrays, values = (cache.k, cache.v), (k, v)
     if t == 1:
         # One token (a one-row decode step): a slice update. XLA:CPU turns a one-update scatter into
         # one too, behind a bounds check and index shuffles of its own, per layer.
         start = (jnp.asarray(layer, jnp.int32), 0, page_idx[0, 0], offset[0, 0], 0)
-        new_k = lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype).reshape(1, -1, 1, 1, k.shape[-1]), start)
-        new_v = lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype).reshape(1, -1, 1, 1, v.shape[-1]), start)
-        return KVCache(new_k, new_v)
-    # Indexing [layer, :, page_idx, offset] puts the [1, T] index dims first: updates are [1, T, KVH, D].
-    new_k = cache.k.at[layer, :, page_idx, offset].set(k.astype(cache.k.dtype), mode="promise_in_bounds")
-    new_v = cache.v.at[layer, :, page_idx, offset].set(v.astype(cache.v.dtype), mode="promise_in_bounds")
-    return KVCache(new_k, new_v)
+        new = [
+            lax.dynamic_update_slice(a, x.astype(a.dtype).reshape(1, -1, 1, 1, x.shape[-1]), start)
+            for a, x in zip(arrays, values, strict=True)
+        ]
+    else:
+        # Indexing [layer, :, page_idx, offset] puts the [1, T] index dims first: updates are [1, T, KVH, D].
+        new = [
+            a.at[layer, :, page_idx, offset].set(x.astype(a.dtype), mode="promise_in_bounds")
+            for a, x in zip(arrays, values, strict=True)
+        ]
+    return KVCache(*new)
 
 
 def write_kv_kernel(
@@ -113,5 +170,11 @@ def write_kv_kernel(
     valid = jnp.arange(t)[None, :] < batch.q_lens[:, None]
     page_idx = jnp.where(valid, batch.write_pages, cache.spare_page)  # padding: one past the pool, dropped
     offset = batch.positions % cache.page_size
-    pairs = jnp.stack([k, v], axis=3).reshape(1, t, 2 * kvh, d).astype(cache.kv.dtype)
+    # A quantized kernel cache (fp8 only) holds the values as they are: the kernel's scale is one
+    # number per cache (1), so values beyond the dtype's range are clipped to it.
+    pairs = jnp.stack([k, v], axis=3).reshape(1, t, 2 * kvh, d)
+    if is_quantized(cache.kv.dtype):
+        top = float(jnp.finfo(cache.kv.dtype).max)
+        pairs = jnp.clip(pairs.astype(jnp.float32), -top, top)
+    pairs = pairs.astype(cache.kv.dtype)
     return KernelKVCache(cache.kv.at[layer, page_idx, offset].set(pairs, mode="drop"))

@@ -73,6 +73,8 @@ def kernel_attention(
         options["sliding_window"] = window
     if soft_cap is not None:
         options["soft_cap"] = soft_cap
+    if cache.kv.dtype.itemsize == 1:  # an fp8 cache: widened in the kernel by its one scale (1)
+        options["k_scale"] = options["v_scale"] = 1.0
     call = functools.partial(kernel, **options)
     heads = None if cache_sharding is None else cache_sharding.spec[3] if len(cache_sharding.spec) > 3 else None
     if heads is None:

@@ -137,6 +137,7 @@ class Deployment:
             page_size=config.engine.page_size,
             sliding_window="sliding" in spec.layer_types,
             soft_cap=spec.attn_softcap is not None,
+            kv_cache_dtype=config.engine.kv_cache_dtype,
         )
         started = (time.perf_counter(), *compile_counts()) if prebuild else None
         prebuilt = _prebuild(config, source, mesh, mapping, dtype, backend, max_len) if prebuild else ()
@@ -282,6 +283,7 @@ def executor_for(
         step_cache=StepCache.for_process(cfg.compilation_cache_dir),
         sampler=config.model.task != "embed",
         pool=config.model.task != "generate",
+        kv_cache_dtype=cfg.kv_cache_dtype,
     )
 
 

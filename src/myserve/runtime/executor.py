@@ -26,10 +26,11 @@ from jax.sharding import Mesh, NamedSharding
 
 from myserve.models.llama import LlamaModel
 from myserve.models.sharding import MeshAxes, kv_cache_sharding
+from myserve.ops.paged_cache import kv_dtype
 from myserve.runtime.device import StepRead
 from myserve.runtime.executable_args import executable_args, stand_ins
 from myserve.runtime.executables import BuildKey, Executables, Step, out_trees
-from myserve.runtime.kv_cache import cache_arrays, init_kv_cache, kv_cache_shape, make_cache
+from myserve.runtime.kv_cache import cache_layout, init_kv_cache, make_cache
 from myserve.runtime.mesh import replicated
 from myserve.runtime.model_step import (
     ForwardOutput,
@@ -82,13 +83,15 @@ class Executor:
         step_cache: StepCache | None = None,
         sampler: bool = True,
         pool: bool = False,
+        kv_cache_dtype: str = "auto",
     ):
         """``model`` may be abstract (``load_model(abstract=True)``): the executor then holds no
         arrays, only their shapes and shardings, and serves to build step executables early.
         ``prebuilt``: such an executor's builds, taken by ``CompileSteps`` when they match.
         ``step_cache``: where step executables are loaded from without tracing, and stored.
         ``sampler`` False: an embedding-only deployment, whose steps have no LM head nor sampler.
-        ``pool``: the deployment embeds, so its steps compute the pooled sums (always when not ``sampler``)."""
+        ``pool``: the deployment embeds, so its steps compute the pooled sums (always when not ``sampler``).
+        ``kv_cache_dtype``: ``engine.kv_cache_dtype`` (``auto``: the model's dtype)."""
         self.sampler = sampler
         self.pool = pool or not sampler
         self._prebuilt = prebuilt
@@ -120,13 +123,13 @@ class Executor:
                 return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
             return jax.device_put(np.zeros(shape, dtype), sharding)
 
+        cache_dtype = kv_dtype(kv_cache_dtype, dtype)
         if abstract:
-            cache_shape = kv_cache_shape(model.spec, num_pages, page_size, backend)
-            arrays = [place(cache_shape, dtype, self.cache_sharding) for _ in range(cache_arrays(backend))]
-            self.kv_cache = make_cache(arrays, backend)
+            layout = cache_layout(model.spec, num_pages, page_size, cache_dtype, backend)
+            self.kv_cache = make_cache([place(shape, dt, self.cache_sharding) for shape, dt in layout], backend)
         else:
             self.kv_cache = init_kv_cache(
-                model.spec, num_pages, page_size, dtype, mesh, mapping, backend, self._small_ops
+                model.spec, num_pages, page_size, cache_dtype, mesh, mapping, backend, self._small_ops
             )
         self.compiled = Executables(self.call_args, out_trees(self.kv_cache), tuple(mesh.devices.flat), step_cache)
         # The dtype of the hidden states the forward hands the head (that of the embeddings).

@@ -1,8 +1,8 @@
 """Allocation of the paged KV cache on the mesh, and keeping its sharding through the jitted steps.
 
 Two layouts, picked by the attention backend (``ops/paged_cache.py``): the reference path's
-head-major K and V arrays and the TPU kernel's one array with K and V interleaved per head. Both
-hold the same bytes per page.
+head-major K and V arrays (with per-token scales when quantized) and the TPU kernel's one array
+with K and V interleaved per head. Both hold the same bytes per page, less the scales.
 """
 
 from __future__ import annotations
@@ -17,29 +17,37 @@ from jax.sharding import Mesh, NamedSharding
 
 from myserve.models.sharding import MeshAxes, kv_cache_sharding
 from myserve.models.spec import ModelSpec
-from myserve.ops.paged_cache import KernelKVCache, KVCache
+from myserve.ops.paged_cache import KernelKVCache, KVCache, is_quantized
 
 Cache = KVCache | KernelKVCache
 """The paged KV cache in either layout."""
 
 
-def kv_cache_shape(spec: ModelSpec, num_pages: int, page_size: int, backend: str = "reference") -> tuple[int, ...]:
-    """Shape of each cache array for a pool of ``num_pages``: the reference's K (and V) [layers,
-    kv_heads, pages + 1, page_size, head_dim] (with its spare page, ``KVCache.spare_page``), or the
-    kernel's [layers, pages, page_size, 2 * kv_heads, head_dim]."""
+ArraySpec = tuple[tuple[int, ...], jnp.dtype]
+"""One cache array's shape and dtype."""
+
+
+def cache_layout(
+    spec: ModelSpec, num_pages: int, page_size: int, dtype: jnp.dtype, backend: str = "reference"
+) -> tuple[ArraySpec, ...]:
+    """Shape and dtype of each cache array for a pool of ``num_pages`` in ``dtype`` (the model's, or
+    a quantized ``engine.kv_cache_dtype``): the reference's K and V [layers, kv_heads, pages + 1,
+    page_size, head_dim] (with its spare page, ``KVCache.spare_page``), quantized with their scales
+    [..., page_size, 1] bf16; or the kernel's one array [layers, pages, page_size, 2 * kv_heads,
+    head_dim] (no scales: the TPU kernel takes one per cache)."""
+    dtype = jnp.dtype(dtype)
     if backend == "pallas":
-        return (spec.num_layers, num_pages, page_size, 2 * spec.num_kv_heads, spec.head_dim)
-    return (spec.num_layers, spec.num_kv_heads, num_pages + 1, page_size, spec.head_dim)
+        return (((spec.num_layers, num_pages, page_size, 2 * spec.num_kv_heads, spec.head_dim), dtype),)
+    shape = (spec.num_layers, spec.num_kv_heads, num_pages + 1, page_size, spec.head_dim)
+    arrays: list[ArraySpec] = [(shape, dtype), (shape, dtype)]
+    if is_quantized(dtype):
+        arrays += [((*shape[:-1], 1), jnp.dtype(jnp.bfloat16))] * 2
+    return tuple(arrays)
 
 
 def make_cache(arrays: list[jax.Array], backend: str = "reference") -> Cache:
-    """The cache of ``backend``'s layout around its arrays (one for the kernel, K and V otherwise)."""
-    return KernelKVCache(arrays[0]) if backend == "pallas" else KVCache(arrays[0], arrays[1])
-
-
-def cache_arrays(backend: str = "reference") -> int:
-    """How many arrays the cache of ``backend`` has."""
-    return 1 if backend == "pallas" else 2
+    """The cache of ``backend``'s layout around its arrays (``cache_layout``'s order)."""
+    return KernelKVCache(arrays[0]) if backend == "pallas" else KVCache(*arrays)
 
 
 def init_kv_cache(
@@ -52,19 +60,19 @@ def init_kv_cache(
     backend: str = "reference",
     build: Callable[..., Any] | None = None,
 ) -> Cache:
-    """A zeroed KV cache, created directly with its sharding (never whole on one device first).
-    ``build``: how to run ``zero_arrays`` (an executor's ``SmallOps``, which loads it from the step
-    cache: a warm start compiles nothing); by default it is jitted here."""
-    shape = kv_cache_shape(spec, num_pages, page_size, backend)
-    static = (shape, jnp.dtype(dtype), cache_arrays(backend), kv_cache_sharding(mapping, mesh, backend))
+    """A zeroed KV cache in ``dtype`` (``cache_layout``), created directly with its sharding (never
+    whole on one device first). ``build``: how to run ``zero_arrays`` (an executor's ``SmallOps``,
+    which loads it from the step cache: a warm start compiles nothing); by default it is jitted here."""
+    layout = cache_layout(spec, num_pages, page_size, dtype, backend)
+    static = (layout, kv_cache_sharding(mapping, mesh, backend))
     arrays = build(zero_arrays, (), static) if build is not None else zero_arrays(*static)
     return make_cache(list(arrays), backend)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def zero_arrays(shape: tuple[int, ...], dtype: jnp.dtype, n: int, sharding: NamedSharding) -> list[jax.Array]:
-    """``n`` zeroed arrays of ``shape`` made on the devices in ``sharding``, each its own shards."""
-    return [jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding) for _ in range(n)]
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def zero_arrays(layout: tuple[ArraySpec, ...], sharding: NamedSharding) -> list[jax.Array]:
+    """Zeroed arrays of ``layout``'s shapes and dtypes made on the devices in ``sharding``, each its own shards."""
+    return [jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding) for shape, dtype in layout]
 
 
 def constrain_cache(cache: Cache, sharding: NamedSharding | None) -> Cache:

@@ -48,11 +48,16 @@ class MemoryPlan:
     """Where the budget came from, in words."""
 
 
-def page_bytes(spec: ModelSpec, page_size: int, itemsize: int, model_shards: int = 1) -> int:
+def page_bytes(
+    spec: ModelSpec, page_size: int, itemsize: int, model_shards: int = 1, kv_cache_dtype: str = "auto"
+) -> int:
     """One page's K and V over every layer, on one device: the KV heads split over the mesh's model
-    axis (replicated when there are fewer heads than devices)."""
+    axis (replicated when there are fewer heads than devices). ``itemsize``: the model dtype's bytes,
+    which the cache holds unless ``kv_cache_dtype`` quantizes it: then a byte per value and a 2-byte
+    scale per token and head (``ops/paged_cache.py``)."""
     heads = -(-spec.num_kv_heads // model_shards)
-    return 2 * spec.num_layers * heads * page_size * spec.head_dim * itemsize
+    per_head = spec.head_dim * itemsize if kv_cache_dtype == "auto" else spec.head_dim + 2
+    return 2 * spec.num_layers * heads * page_size * per_head
 
 
 def activation_bytes(spec: ModelSpec, tokens: int, rows: int, itemsize: int, model_shards: int = 1) -> int:
@@ -122,7 +127,7 @@ def plan_pages(
     costs beyond the model's K/V (a draft model's cache of the same page ids). Raises ``ConfigError`` when the pool
     would not hold one sequence of ``max_model_len`` tokens."""
     env = os.environ if env is None else env
-    one_page = page_bytes(spec, engine.page_size, itemsize, model_shards) + extra_page_bytes
+    one_page = page_bytes(spec, engine.page_size, itemsize, model_shards, engine.kv_cache_dtype) + extra_page_bytes
     cap = None
     if engine.kv_cache_memory_bytes is not None:
         budget, source = engine.kv_cache_memory_bytes, "kv_cache_memory_bytes"

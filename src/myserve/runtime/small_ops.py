@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from myserve.ops.paged_cache import KernelKVCache, KVCache
+from myserve.ops.paged_cache import KernelKVCache
 from myserve.runtime.compile_counter import count_loaded, thread_cache_hits
 from myserve.runtime.kv_cache import Cache, constrain_cache
 from myserve.runtime.step_cache import StepCache
@@ -60,10 +60,8 @@ def copy_page(kv_cache: Cache, src: jax.Array, dst: jax.Array, sharding: NamedSh
     """Page ``dst`` of every layer's K and V becomes a copy of page ``src`` (copy-on-write)."""
     if isinstance(kv_cache, KernelKVCache):  # [layers, pages, ...]
         copied: Cache = KernelKVCache(kv_cache.kv.at[:, dst].set(kv_cache.kv[:, src]))
-    else:  # [layers, kv_heads, pages, ...]
-        copied = KVCache(
-            kv_cache.k.at[:, :, dst].set(kv_cache.k[:, :, src]), kv_cache.v.at[:, :, dst].set(kv_cache.v[:, :, src])
-        )
+    else:  # [layers, kv_heads, pages, ...]: K, V and (quantized) their scales
+        copied = jax.tree.map(lambda a: a.at[:, :, dst].set(a[:, :, src]), kv_cache)
     return constrain_cache(copied, sharding)
 
 
