@@ -163,7 +163,8 @@ def test_request_timeout_is_off_by_default_and_takes_seconds() -> None:
             "max_num_batched_tokens, max_waiting, token_buckets, context_buckets, "
             "decode_steps, decode_call_budget_ms, enable_prefix_caching, async_scheduling, seed, enable_lora, "
             "max_loras, max_lora_rank, "
-            "max_cpu_loras, lora_modules, enable_weight_updates, speculative_method, speculative_model, "
+            "max_cpu_loras, lora_modules, enable_sleep_mode, enable_weight_updates, speculative_method, "
+            "speculative_model, "
             "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min",
         ),
         (

@@ -321,8 +321,8 @@ def test_readme_tables_are_the_modules_and_every_row_holds(service, monkeypatch)
             else:  # refused, or read by nothing (and so named in the header)
                 for cls in (CompletionRequest, ChatCompletionRequest):
                     assert name not in cls.model_fields or any(u.field == name for u in cls.UNSUPPORTED), name
-    monkeypatch.setenv(lora.ENV, "true")  # the runtime adapter endpoints' opt-in
-    live = LiveServer(create_models_app([ServedModel(engine=service, names=("tiny",))]))
+    monkeypatch.setenv(lora.ENV, "true")  # the runtime adapter endpoints' opt-in (and sleep mode's, below)
+    live = LiveServer(create_models_app([ServedModel(engine=service, names=("tiny",))], sleep_mode=True))
     try:
         for row in ENDPOINTS:
             method, path = row.name.split(" ")

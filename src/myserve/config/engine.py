@@ -95,6 +95,10 @@ class EngineConfig:
     """Adapters kept read on the host (least recently used dropped); null = max_loras."""
     lora_modules: tuple[str, ...] = ()
     """Adapters served from the start, as name=path (a PEFT directory)."""
+    enable_sleep_mode: bool = False
+    """Serve vLLM's POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping: free the device's
+    KV cache and weights between bursts of work (level 1 keeps the weights in host memory, level 2
+    reads them again on wake-up), as RL frameworks do between rollouts (docs/design/core.md, "Sleep mode")."""
     enable_weight_updates: bool = False
     """Take new versions of the weights while serving (sglang's POST /update_weights_from_disk,
     docs/design/core.md "Live weight updates"): they read files the server can reach, so opt-in."""

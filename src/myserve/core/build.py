@@ -21,6 +21,7 @@ from myserve.errors import ConfigError
 from myserve.runtime.compile_counter import compile_counts
 from myserve.runtime.deployment import Deployment, executor_for, step_buckets
 from myserve.runtime.device import Device
+from myserve.runtime.device_sleep import DeviceSleep
 from myserve.runtime.executor import Executor
 from myserve.runtime.generation_config import generation_defaults
 from myserve.runtime.lora_files import LoraAdapter, empty_adapter, read_adapter
@@ -98,7 +99,21 @@ def core_arguments(
         adapters=registry,
         memory_utilization=cfg.gpu_memory_utilization,
         weight_loader=_weight_loader(dep, executors),
+        sleeper=_sleeper(dep, executors),
     )
+
+
+def _sleeper(dep: Deployment, executors: Sequence[Executor]) -> DeviceSleep | None:
+    """What frees and refills the devices (``engine.enable_sleep_mode``); one host only, and not
+    beside a draft model (whose executor would keep its arrays)."""
+    engine = dep.config.engine
+    if not engine.enable_sleep_mode:
+        return None
+    if jax.process_count() > 1:
+        raise ConfigError("engine.enable_sleep_mode: sleep mode runs on one host")
+    if engine.speculative_method == "draft_model":
+        raise ConfigError("engine.enable_sleep_mode: not with a draft model (speculative_method draft_model)")
+    return DeviceSleep(executors, WeightUpdater(dep, executors))
 
 
 def _weight_loader(dep: Deployment, executors: Sequence[Executor]) -> WeightUpdater | None:

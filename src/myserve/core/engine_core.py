@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Self, cast
 
 from myserve.core.adapters import AdapterRegistry, check_adapter
 from myserve.core.engine_admin import EngineAdmin
+from myserve.core.engine_sleep import EngineSleep, Sleeper
 from myserve.core.engine_stats import EngineCounters
 from myserve.core.engine_weights import EngineWeights, WeightLoader
 from myserve.core.pooling import finished_embeddings
@@ -50,7 +51,7 @@ Sink = Callable[[list[RequestOutput]], None]
 """Where an engine iteration's token deltas go (called on the engine thread)."""
 
 
-class EngineCore(EngineCounters, EngineAdmin, EngineWeights, RequestEndings):
+class EngineCore(EngineCounters, EngineAdmin, EngineWeights, EngineSleep, RequestEndings):
     """Continuous batching over the paged KV cache, driven by one background thread.
 
     The device work is done by one ``Replica`` per data-parallel row of the mesh (usually one).
@@ -74,9 +75,11 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, RequestEndings):
         adapters: AdapterRegistry | None = None,
         memory_utilization: float = 0.9,
         weight_loader: WeightLoader | None = None,
+        sleeper: Sleeper | None = None,
     ):
         self.replicas = list(replicas)
         self._init_weights(weight_loader)
+        self._init_sleep(sleeper)
         self.memory_utilization = memory_utilization
         """``engine.gpu_memory_utilization``: the share of a device the peak after warmup is held to."""
         self.adapters = adapters
@@ -186,6 +189,7 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, RequestEndings):
         refusing one of those would fail a request that was told it was accepted."""
         if self.dead is not None:
             raise EngineDead(f"engine stopped: {self.dead}")
+        self.check_awake()
         prompt = [int(t) for t in prompt_ids]
         limits = dict(vocab_size=self.vocab_size, max_model_len=self.max_model_len, pooler=self.pooler)
         validate_request(prompt, params, grammars=self.grammars, **limits)  # type: ignore[arg-type]
@@ -221,9 +225,11 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, RequestEndings):
                         priming = True
                     continue
                 self.timer.idle()  # the next step follows a wait for requests, not a step
+                self._sleep_when_idle()
                 # Asked again after each spell of work (cheap once none is left): a runner warmed up
                 # again (a test's, on its own thread while this one waited) has executables to prime.
-                priming = self._prime_next()
+                # (Asleep, the devices hold nothing to run them on.)
+                priming = None if self.sleep_level else self._prime_next()
         except BaseException as e:  # the engine must never die silently: fail every request
             logger.exception("engine thread crashed")
             self.dead = e
@@ -254,6 +260,7 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, RequestEndings):
         self.drain_inbox(block=block and not self.has_work())
         if self.has_work():
             self._step()
+        self._sleep_when_idle()
         self._flush()
         return self.has_work()
 
@@ -308,7 +315,7 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, RequestEndings):
                 if req is not None:
                     self._finish_request(req, "abort", choice)
             else:
-                self._admin(kind, payload) or self._weights_admin(kind, payload)
+                self._admin(kind, payload) or self._weights_admin(kind, payload) or self._sleep_admin(kind, payload)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

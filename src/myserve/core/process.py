@@ -180,6 +180,12 @@ def run_core(config: Config, links: Sequence[CoreLink]) -> None:
                 send(msg.WeightsChanged(token, error, version))  # type: ignore[arg-type]
 
             core.request_weight_update(message.path, message.version, message.policy, weights_done)
+        elif isinstance(message, msg.Sleep):
+            sleep_done = _slept(send, message.token)
+            if message.level:
+                core.request_sleep(message.level, sleep_done)
+            else:
+                core.request_wake_up(sleep_done)
         else:
             break
     core.shutdown()  # on a multi-host mesh this also ends the followers' loops
@@ -188,6 +194,15 @@ def run_core(config: Config, links: Sequence[CoreLink]) -> None:
     multihost.shutdown()
     _linger(inbox, outboxes)
     os._exit(code)
+
+
+def _slept(send: Callable[[msg.FromCore], None], token: str) -> Callable[[str | None, dict[str, object]], None]:
+    """Tells every front end how the sleep or wake-up ``token`` went, and the sleep state now."""
+
+    def done(error: str | None, state: dict[str, object]) -> None:
+        send(msg.SleepChanged(token, error, state))  # type: ignore[arg-type]
+
+    return done
 
 
 def _answer(send: Callable[[msg.FromCore], None], token: str) -> Callable[[str | None, dict[str, str]], None]:

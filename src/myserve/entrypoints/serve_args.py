@@ -78,6 +78,7 @@ _FLAGS = {
     "checkpoint_path": "model.checkpoint_path",
     "hf_config": "model.hf_config",
     "enable_weight_updates": "engine.enable_weight_updates",
+    "enable_sleep_mode": "engine.enable_sleep_mode",
     "max_loras": "engine.max_loras",
     "max_lora_rank": "engine.max_lora_rank",
     "max_cpu_loras": "engine.max_cpu_loras",
@@ -304,6 +305,12 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
         action="store_const",
         const=True,
         help="take new weights while serving: POST /update_weights_from_disk (engine.enable_weight_updates)",
+    )
+    p.add_argument(
+        "--enable-sleep-mode",
+        action="store_const",
+        const=True,
+        help="serve POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping (engine.enable_sleep_mode)",
     )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key")
 

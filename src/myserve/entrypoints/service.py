@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from myserve.core.engine_core import EngineCore
 from myserve.frontend.output_processor import OutputProcessor
@@ -58,6 +58,26 @@ class GenerationService(EngineCore):
             loop.call_soon_threadsafe(settle, future, (error, version))
 
         self.request_weight_update(path, version, policy, done)
+        return await future
+
+    async def sleep(self, level: int) -> tuple[str | None, dict[str, object]]:
+        """Sleep at ``level`` once the requests held have finished (``core/engine_sleep.py``); the
+        error (None once asleep) and the sleep state."""
+        return await self._told(lambda done: self.request_sleep(level, done))
+
+    async def wake_up(self) -> tuple[str | None, dict[str, object]]:
+        """Wake up (or cancel a sleep still waiting); the error and the sleep state."""
+        return await self._told(self.request_wake_up)
+
+    async def _told(self, ask: Callable[[Callable[[str | None, dict[str, object]], None]], None]) -> tuple:
+        """``ask(done)`` the engine thread, and wait for what it tells ``done``."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[tuple] = loop.create_future()
+
+        def done(error: str | None, state: dict[str, object]) -> None:
+            loop.call_soon_threadsafe(settle, future, (error, state))
+
+        ask(done)
         return await future
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:

@@ -94,6 +94,13 @@ SAME = [
     Flag("--async-scheduling", "same", "engine.async_scheduling", "and --no-async-scheduling", takes_value=False),
     Flag("--seed", "same", "engine.seed", "seeds of requests that send none", "0"),
     Flag("--enable-lora", "same", "engine.enable_lora", "LoRA adapters (dense models' projections)", takes_value=False),
+    Flag(
+        "--enable-sleep-mode",
+        "same",
+        "engine.enable_sleep_mode",
+        "POST /sleep?level=1 or 2, POST /wake_up, GET /is_sleeping",
+        takes_value=False,
+    ),
     Flag("--lora-modules", "same", "engine.lora_modules", "name=path or vLLM's JSON form", "sql=/adapters/sql"),
     Flag("--max-loras", "same", "engine.max_loras", "adapters on the device at once", "4"),
     Flag("--max-lora-rank", "same", "engine.max_lora_rank", "", "32"),
@@ -197,7 +204,6 @@ OTHERS = [
     Flag("--disable-uvicorn-access-log", "not yet", note="--log-level warning quiets it", takes_value=False),
     Flag("--disable-fastapi-docs", "not yet", note="/docs and /openapi.json are always served", takes_value=False),
     Flag("--middleware", "not yet", note="no user middleware"),
-    Flag("--enable-sleep-mode", "not yet", note="the weights and KV pool stay on the device", takes_value=False),
     Flag("--limit-mm-per-prompt", "not yet", note="text models only"),
     Flag(
         "--enable-prompt-tokens-details",

@@ -29,7 +29,7 @@ from myserve.frontend.guard import RequestGuard
 from myserve.frontend.metrics import Metrics
 from myserve.frontend.openapi import install_openapi
 from myserve.frontend.reasoning import FORMATS
-from myserve.frontend.routes import ROUTERS, lora, weights
+from myserve.frontend.routes import ROUTERS, lora, sleep, weights
 from myserve.frontend.served_models import ServedModels
 from myserve.frontend.tool_parsers import PARSERS
 
@@ -90,6 +90,7 @@ def create_app(
     cors: CORSPolicy | None = None,
     responses_store_size: int = 256,
     weight_updates: bool = False,
+    sleep_mode: bool = False,
 ) -> FastAPI:
     """The OpenAI-compatible app for one model, ``service`` (which the caller starts and stops),
     answering to ``served_model_name`` (a name, or names: aliases); the options as ``ServedModel``'s
@@ -112,6 +113,7 @@ def create_app(
         cors=cors,
         responses_store_size=responses_store_size,
         weight_updates=weight_updates,
+        sleep_mode=sleep_mode,
     )
 
 
@@ -124,13 +126,15 @@ def create_models_app(
     cors: CORSPolicy | None = None,
     responses_store_size: int = 256,
     weight_updates: bool = False,
+    sleep_mode: bool = False,
 ) -> FastAPI:
     """The app for several models (or one): a request goes to the model its ``model`` names, the
     first model where it names none; they share the API key, the body limit, the CORS policy (None =
     vLLM's default: any origin), the drain, the metrics registry (every series labelled with its
     model), ``tracer`` (``frontend/tracing.py``: a span per generation or embeddings request; None:
     no tracing) and the Responses API's store of ``responses_store_size`` responses (0: none stored);
-    ``weight_updates``: serve ``/update_weights_from_disk`` (the engine takes them)."""
+    ``weight_updates``: serve ``/update_weights_from_disk`` (the engine takes them); ``sleep_mode``:
+    serve ``/sleep``, ``/wake_up`` and ``/is_sleeping`` (``engine.enable_sleep_mode``)."""
     state, metrics = ServerState(responses_store_size), Metrics()
     contexts = [
         AppContext(
@@ -177,5 +181,7 @@ def create_models_app(
         app.include_router(lora.router)
     if weight_updates:  # likewise opt-in (engine.enable_weight_updates)
         app.include_router(weights.router)
+    if sleep_mode:  # vLLM's opt-in too (--enable-sleep-mode)
+        app.include_router(sleep.router)
     install_openapi(app, models.engines)
     return app

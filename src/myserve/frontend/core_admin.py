@@ -13,7 +13,7 @@ from myserve.wire import messages as msg
 
 
 class CoreAdmin:
-    """``update_adapter`` and ``update_weights`` of ``EngineClient``."""
+    """``update_adapter``, ``update_weights``, ``sleep`` and ``wake_up`` of ``EngineClient``."""
 
     _answers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]]
     """Requests waiting for the core's answer, by token (the receiver settles them)."""
@@ -43,3 +43,16 @@ class CoreAdmin:
         (None once the new version serves) and the version served now."""
         answer = await self._ask(lambda token: msg.UpdateWeights(token, path, version, policy))
         return cast(tuple[str | None, dict], answer)
+
+    sleep_state: dict[str, object]
+    """The core's sleep state as last heard (``is_sleeping``, ``level``; ``core/engine_sleep.py``)."""
+
+    async def sleep(self, level: int) -> tuple[str | None, dict[str, object]]:
+        """Put the core to sleep at ``level`` once its requests have finished (this front end
+        refuses new ones from now on); the core's error (None once asleep) and its sleep state."""
+        self.sleep_state = {**self.sleep_state, "is_sleeping": True}
+        return cast(tuple[str | None, dict], await self._ask(lambda token: msg.Sleep(token, level)))
+
+    async def wake_up(self) -> tuple[str | None, dict[str, object]]:
+        """Wake the core up (or cancel a sleep still waiting); its error and sleep state."""
+        return cast(tuple[str | None, dict], await self._ask(lambda token: msg.Sleep(token, 0)))

@@ -38,7 +38,7 @@ from myserve.tokenizer import Tokenizer
 from myserve.validation import validate_request
 from myserve.wire import messages as msg
 from myserve.wire.link import CoreLink
-from myserve.wire.outputs import EngineDead, EngineStats, Overloaded, RequestOutput, Usage
+from myserve.wire.outputs import EngineDead, EngineSleeping, EngineStats, Overloaded, RequestOutput, Usage
 from myserve.wire.params import SamplingParams
 from myserve.wire.pooling import Pooler
 
@@ -90,6 +90,7 @@ class EngineClient(CoreAdmin):
         """Request defaults from the model's generation config, as the core said on loading."""
         self._adapters: dict[str, str] = {}
         self._answers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
+        self.sleep_state = {"is_sleeping": False, "level": 0}
         self.max_waiting = config.engine.max_waiting
         self._stats: EngineStats | None = None
         self._added_since_stats = 0
@@ -236,6 +237,8 @@ class EngineClient(CoreAdmin):
         """Queue a request; returns the stream of its deltas. Raises on invalid or excess requests."""
         if self.dead is not None:
             raise EngineDead(f"engine stopped: {self.dead}")
+        if self.sleep_state.get("is_sleeping"):
+            raise EngineSleeping("the engine is sleeping: POST /wake_up first")
         prompt = [int(t) for t in prompt_ids]
         validate_request(
             prompt,
@@ -378,6 +381,11 @@ class EngineClient(CoreAdmin):
             self.generation_defaults = message.generation_defaults
             self._adapters = dict(message.adapters)
             self._loaded.set()
+        elif isinstance(message, msg.SleepChanged):
+            self.sleep_state = dict(message.state)
+            waiting = self._answers.get(message.token)
+            if waiting is not None:
+                waiting[0].call_soon_threadsafe(settle, waiting[1], (message.error, self.sleep_state))
         elif isinstance(message, msg.AdaptersChanged | msg.WeightsChanged):
             answer = (message.error, message.version) if isinstance(message, msg.WeightsChanged) else message.error
             if isinstance(message, msg.AdaptersChanged):

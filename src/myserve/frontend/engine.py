@@ -66,6 +66,20 @@ class Engine(Protocol):
         version serves) and the version served now (label, loaded_at, path)."""
         ...
 
+    @property
+    def sleep_state(self) -> dict[str, object]:
+        """``is_sleeping`` (asleep, or going to sleep) and ``level`` (``core/engine_sleep.py``)."""
+        ...
+
+    async def sleep(self, level: int) -> tuple[str | None, dict[str, object]]:
+        """Sleep at ``level`` once the requests held have finished; the error (None once asleep)
+        and the sleep state."""
+        ...
+
+    async def wake_up(self) -> tuple[str | None, dict[str, object]]:
+        """Wake up (or cancel a sleep still waiting); the error and the sleep state."""
+        ...
+
     def stats(self) -> EngineStats:
         """The engine's counters (queue lengths, pages, cache hits) for the metrics."""
         ...

@@ -18,7 +18,7 @@ from myserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, 
 from myserve.frontend.responses import WEIGHTS_HEADER, CompletionResponse, ResponseContext
 from myserve.frontend.stream import RequestStream
 from myserve.grammar import GrammarSpec
-from myserve.wire.outputs import ContextLengthExceeded, EngineDead, Overloaded
+from myserve.wire.outputs import ContextLengthExceeded, EngineDead, EngineSleeping, Overloaded
 from myserve.wire.params import InvalidParams, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -228,5 +228,7 @@ def _submit_all(context: AppContext, response: ResponseContext, grammar_field: s
             raise APIError(429, str(e), code="overloaded", headers={"Retry-After": "1"}) from None
         if isinstance(e, EngineDead):
             raise APIError(503, str(e), code="engine_dead") from None
+        if isinstance(e, EngineSleeping):
+            raise APIError(503, str(e), code="engine_sleeping", headers={"Retry-After": "1"}) from None
         raise
     return streams

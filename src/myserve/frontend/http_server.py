@@ -81,6 +81,7 @@ def app_for_models(config: Config, served: Sequence[ServedModel]) -> FastAPI:
         cors=cors,
         responses_store_size=s.responses_store_size,
         weight_updates=config.engine.enable_weight_updates,
+        sleep_mode=config.engine.enable_sleep_mode,
     )
 
 

@@ -85,7 +85,7 @@ ENDPOINTS = [
     Row("POST /v1/audio/transcriptions", "not yet", note="text models only"),
     Row("POST /v1/load_lora_adapter", "same", note="with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true and --enable-lora"),
     Row("POST /v1/unload_lora_adapter", "same", note="with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true"),
-    Row("POST /sleep", "not yet", note="the weights and KV pool stay on the device"),
+    Row("POST /sleep", "same", note="with --enable-sleep-mode; also POST /wake_up, GET /is_sleeping"),
     Row("POST /start_profile", "not yet", note="profile with python -m myserve.bench.device"),
 ]
 """vLLM's OpenAI-server endpoints."""

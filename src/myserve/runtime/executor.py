@@ -127,10 +127,9 @@ class Executor:
         if abstract:
             layout = cache_layout(model.spec, num_pages, page_size, cache_dtype, backend)
             self.kv_cache = make_cache([place(shape, dt, self.cache_sharding) for shape, dt in layout], backend)
-        else:
-            self.kv_cache = init_kv_cache(
-                model.spec, num_pages, page_size, cache_dtype, mesh, mapping, backend, self._small_ops
-            )
+        self._cache_args = (model.spec, num_pages, page_size, cache_dtype, mesh, mapping, backend)
+        if not abstract:
+            self.kv_cache = init_kv_cache(*self._cache_args, self._small_ops)
         self.compiled = Executables(self.call_args, out_trees(self.kv_cache), tuple(mesh.devices.flat), step_cache)
         # The dtype of the hidden states the forward hands the head (that of the embeddings).
         self.hidden_dtype = jax.eval_shape(lambda o: o.embed_tokens(jnp.zeros((1, 1), jnp.int32)), self.outer).dtype
@@ -214,6 +213,25 @@ class Executor:
                 for new, old in zip(layers, self.layers, strict=True)
             )
         self._weights[slot] = (model, outer, layers)
+
+    @property
+    def weight_slots(self) -> list[tuple[LlamaModel, LlamaModel, tuple[tuple[jax.Array, ...], ...]] | None]:
+        """The two weight slots (model, outer, layers' leaves), None where empty (``device_sleep``)."""
+        return self._weights
+
+    def put_weights(self, slot: int, model: LlamaModel) -> None:
+        """Slot ``slot`` holds ``model`` as it is, LoRA stacks included (a woken copy of its own)."""
+        outer, _, layers = split_model(model)
+        self._weights[slot] = (model, outer, layers)
+
+    def free_kv_cache(self) -> None:
+        """Free the KV cache's device arrays (sleep mode; ``restore_kv_cache`` makes it again)."""
+        for leaf in jax.tree.leaves(self.kv_cache):
+            leaf.delete()
+
+    def restore_kv_cache(self) -> None:
+        """A zeroed KV cache in the same layout and shardings (nothing compiles: ``SmallOps``)."""
+        self.kv_cache = init_kv_cache(*self._cache_args, self._small_ops)
 
     def drop_weights(self, slot: int) -> None:
         """Let weight slot ``slot`` go (its arrays are freed once no step in flight holds them)."""

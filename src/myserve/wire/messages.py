@@ -59,6 +59,14 @@ class UpdateWeights(msgspec.Struct, tag="update_weights", array_like=True):
     policy: str = "finish"
 
 
+class Sleep(msgspec.Struct, tag="sleep", array_like=True):
+    """Front -> core: sleep at ``level`` once the requests held have finished, or wake up (level
+    0; ``core/engine_sleep.py``); the core answers every front end with ``SleepChanged``."""
+
+    token: str
+    level: int
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """Front -> core: stop (in-flight requests are aborted) and exit 0."""
 
@@ -112,6 +120,15 @@ class WeightsChanged(msgspec.Struct, tag="weights", array_like=True):
     version: dict[str, str | int | None]
 
 
+class SleepChanged(msgspec.Struct, tag="slept", array_like=True):
+    """Core -> every front end: the answer to ``Sleep`` ``token`` (``error`` None: done) and the
+    sleep state now (``is_sleeping``, ``level``, the last sleep's device bytes)."""
+
+    token: str
+    error: str | None
+    state: dict[str, bool | int]
+
+
 class Died(msgspec.Struct, tag="died", array_like=True):
     """Core -> front: the engine stopped on an error (every request was failed first)."""
 
@@ -120,8 +137,8 @@ class Died(msgspec.Struct, tag="died", array_like=True):
     """The deployment could not load because of its configuration: a one-line error, exit 2."""
 
 
-ToCore = AddRequest | AbortRequest | ResetPrefixCache | UpdateAdapter | UpdateWeights | Shutdown
-FromCore = Loaded | Ready | Outputs | Heartbeat | AdaptersChanged | WeightsChanged | Died
+ToCore = AddRequest | AbortRequest | ResetPrefixCache | UpdateAdapter | UpdateWeights | Sleep | Shutdown
+FromCore = Loaded | Ready | Outputs | Heartbeat | AdaptersChanged | WeightsChanged | SleepChanged | Died
 
 encoder = msgspec.msgpack.Encoder()
 to_core = msgspec.msgpack.Decoder(ToCore)

@@ -15,6 +15,10 @@ class ContextLengthExceeded(MyserveError):
     """Prompt plus requested completion does not fit in the model's context (HTTP 400)."""
 
 
+class EngineSleeping(MyserveError):
+    """The engine sleeps, or is about to (sleep mode): the caller should wake it first (HTTP 503)."""
+
+
 class EngineDead(MyserveError):
     """The engine thread has stopped; no request can be served."""
 
