@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 
-import pytest
-
-from myserve.runtime.executables import BACKGROUND_NICENESS, BuildKey, Executables
+from myserve.runtime.executables import BuildKey, Executables
 
 
 def test_stopping_cancels_the_queued_builds_and_leaves_the_one_under_way_to_end() -> None:
@@ -36,26 +32,3 @@ def test_stopping_cancels_the_queued_builds_and_leaves_the_one_under_way_to_end(
     assert not exe.ready(("score", 2))
     assert exe.get(("score", 2)) == "built 2"  # a cancelled build is built on first use
     assert exe.background_done(0)
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="per-thread niceness is Linux's")
-def test_background_builds_run_at_a_lower_priority_than_serving() -> None:
-    """The build thread (and threads it starts) yields a contended core to the serving threads."""
-    seen: dict[str, int] = {}
-
-    def build_one(key: BuildKey) -> str:
-        seen["build"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        child = threading.Thread(target=lambda: seen.update(child=os.getpriority(os.PRIO_PROCESS, 0)))
-        child.start()
-        child.join()
-        return "built"
-
-    exe = Executables(lambda key: (None, (), ()), {}, (), None)
-    exe._build_one = build_one  # type: ignore[method-assign]
-    serving = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    exe.build_in_background([("score", 1)])
-    assert exe.background_done(10)
-    exe.stop_background()
-    expected = min(serving + BACKGROUND_NICENESS, 19)
-    assert seen == {"build": expected, "child": expected}
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == serving  # this thread untouched

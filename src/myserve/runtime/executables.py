@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,22 +35,6 @@ _COMPILE_THREADS = max(1, min(4, os.cpu_count() or 1))
 """Executables compiled (or loaded from the persistent cache) at once during warmup. Loading is
 native work that mostly runs without the GIL: a warm start of the bundled model on the 2-core CPU
 took 6.1-6.9 s of warmup with two threads against 7.3-7.9 s with one."""
-
-BACKGROUND_NICENESS = 10
-"""How much less CPU the background builds take than serving when both want it (Linux niceness
-of the build thread, inherited by the threads it starts): at 10 a busy serving thread gets ~90 %
-of a contended core. On the 2-core CPU a build at full priority made the first requests after a
-warm start ~1.4x slower than a primed server's; idle, the builds run at full speed all the same."""
-
-
-def _yield_to_serving() -> None:
-    """The background build thread's start: lower its priority (``BACKGROUND_NICENESS``); where the
-    system has no per-thread niceness (not Linux) it builds at the serving threads' priority."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
-    except (AttributeError, OSError):
-        pass
-
 
 BuildKey = tuple[Any, ...]
 """One executable: ``("forward", shape)``, ``("head", sampling rows, mode)``, ``("score", tokens)``
@@ -115,7 +98,7 @@ class Executables:
         """Start building ``keys`` on a background thread, one at a time and in order (the serving
         thread keeps the other core); a step that needs one first waits for it (``get``)."""
         if self._background is None:
-            self._background = ThreadPoolExecutor(1, thread_name_prefix="build-later", initializer=_yield_to_serving)
+            self._background = ThreadPoolExecutor(1, thread_name_prefix="build-later")
         for key in keys:
             if key not in self.built and key not in self._pending:
                 self._pending[key] = self._background.submit(self._build_one, key)
