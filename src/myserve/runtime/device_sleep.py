@@ -62,7 +62,8 @@ class DeviceSleep:
                 leaves, treedef = jax.tree.flatten(weights[0])
                 if level == 1:
                     arrays = [isinstance(x, jax.Array) for x in leaves]
-                    values = [np.asarray(jax.device_get(x)) if a else x for x, a in zip(leaves, arrays, strict=True)]
+                    # A copy, not a view: on CPU a view would share the buffer the delete below frees.
+                    values = [np.array(jax.device_get(x), copy=True) if isinstance(x, jax.Array) else x for x in leaves]
                     host[slot] = (
                         treedef,
                         values,
