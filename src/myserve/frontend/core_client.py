@@ -381,14 +381,14 @@ class EngineClient(CoreAdmin):
             self.generation_defaults = message.generation_defaults
             self._adapters = dict(message.adapters)
             self._loaded.set()
-        elif isinstance(message, msg.SleepChanged):
-            self.sleep_state = dict(message.state)
-            waiting = self._answers.get(message.token)
-            if waiting is not None:
-                waiting[0].call_soon_threadsafe(settle, waiting[1], (message.error, self.sleep_state))
-        elif isinstance(message, msg.AdaptersChanged | msg.WeightsChanged):
-            answer = (message.error, message.version) if isinstance(message, msg.WeightsChanged) else message.error
-            if isinstance(message, msg.AdaptersChanged):
+        elif isinstance(message, msg.AdaptersChanged | msg.WeightsChanged | msg.SleepChanged):
+            answer: object = message.error
+            if isinstance(message, msg.WeightsChanged):
+                answer = (message.error, message.version)
+            elif isinstance(message, msg.SleepChanged):
+                self.sleep_state = dict(message.state)
+                answer = (message.error, self.sleep_state)
+            else:
                 self._adapters = dict(message.adapters)
             waiting = self._answers.get(message.token)
             if waiting is not None:

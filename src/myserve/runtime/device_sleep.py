@@ -59,17 +59,9 @@ class DeviceSleep:
             for slot, weights in enumerate(ex.weight_slots):
                 if weights is None:
                     continue
-                leaves, treedef = jax.tree.flatten(weights[0])
                 if level == 1:
-                    arrays = [isinstance(x, jax.Array) for x in leaves]
-                    # A copy, not a view: on CPU a view would share the buffer the delete below frees.
-                    values = [np.array(jax.device_get(x), copy=True) if isinstance(x, jax.Array) else x for x in leaves]
-                    host[slot] = (
-                        treedef,
-                        values,
-                        [x.sharding if a else None for x, a in zip(leaves, arrays, strict=True)],
-                    )
-                for x in leaves:
+                    host[slot] = _host_copy(weights[0], to_host=True)
+                for x in jax.tree.leaves(weights[0]):
                     if isinstance(x, jax.Array):
                         x.delete()
             ex.free_kv_cache()
@@ -87,7 +79,7 @@ class DeviceSleep:
                 if weights is None or slot in host or not _freed(weights[0]):
                     continue  # (a version installed while asleep is on the device already)
                 path = paths.get(slot) or self.checkpoint
-                host[slot] = _host_copy(self.reader.load(path)[self.executors.index(ex)])
+                host[slot] = _host_copy(self.reader.load(path)[self.executors.index(ex)], to_host=False)
             for slot, (treedef, values, shardings) in host.items():
                 if ex.weight_slots[slot] is None:
                     continue  # let go while asleep (a newer version replaced it)
@@ -104,8 +96,12 @@ def _freed(model: Any) -> bool:
     return any(x.is_deleted() for x in jax.tree.leaves(model) if isinstance(x, jax.Array))
 
 
-def _host_copy(model: Any) -> HostCopy:
-    """A freshly read model as a host copy (its arrays stay on the device: ``wake_up`` then puts
-    them back as they are)."""
+def _host_copy(model: Any, *, to_host: bool) -> HostCopy:
+    """``model`` as a weight slot to put back: its arrays copied to host memory (``to_host``; a
+    copy, not a view: on CPU a view would share the buffer that sleep then frees), or kept as they
+    are (a model just read onto the device)."""
     leaves, treedef = jax.tree.flatten(model)
-    return treedef, leaves, [x.sharding if isinstance(x, jax.Array) else None for x in leaves]
+    arrays = [isinstance(x, jax.Array) for x in leaves]
+    pairs = list(zip(leaves, arrays, strict=True))
+    values = [np.array(jax.device_get(x), copy=True) if a and to_host else x for x, a in pairs]
+    return treedef, values, [x.sharding if a else None for x, a in pairs]
