@@ -78,6 +78,11 @@ class EngineConfig:
     decodes go one token per call and time to first token stays short; 0 = no limit."""
     enable_prefix_caching: bool = True
     """Reuse KV pages of identical prompt prefixes across requests."""
+    kv_offloading_size: float = 0.0
+    """GiB of host memory for a second tier of the prefix cache (vLLM's --kv-offloading-size): pages
+    the device pool evicts are copied there and brought back on a hit instead of being computed
+    again, least recently used dropped when full (docs/design/core.md, "Host tier"); split evenly
+    over data-parallel replicas; 0 = no host tier."""
     async_scheduling: bool = True
     """Overlap the host with the device: plan and dispatch step N+1 (its in-flight tokens fed on
     the device from step N) before reading step N's tokens; false = one step at a time."""
@@ -136,6 +141,16 @@ class EngineConfig:
         )
         check(self.max_waiting >= 1, f"engine.max_waiting must be >= 1, got {self.max_waiting}")
         check(0 <= self.decode_steps <= 64, f"engine.decode_steps must be in [0, 64], got {self.decode_steps}")
+        offload = self.kv_offloading_size
+        check(offload >= 0, f"engine.kv_offloading_size must be >= 0 GiB, got {offload}")
+        check(
+            not offload or self.enable_prefix_caching,
+            "engine.kv_offloading_size is a tier of the prefix cache: it needs engine.enable_prefix_caching",
+        )
+        check(
+            not offload or self.speculative_method != "draft_model",
+            "engine.kv_offloading_size: a draft model's own KV pages are not offloaded; use speculative_method ngram",
+        )
         budget_ms = self.decode_call_budget_ms
         check(budget_ms >= 0, f"engine.decode_call_budget_ms must be >= 0, got {budget_ms}")
         check(self.max_loras >= 1, f"engine.max_loras must be >= 1, got {self.max_loras}")

@@ -79,10 +79,10 @@ def core_arguments(
     drafts: list[Device | None] = [None] * len(devices)
     if dep.draft is not None:
         pairs = zip(dep.draft.models, dep.meshes, strict=True)
-        drafts = [executor_for(dep.config, model, mesh, dep.draft.mapping) for model, mesh in pairs]
+        drafts = [executor_for(dep.config, model, mesh, dep.draft.mapping, host_tier=False) for model, mesh in pairs]
     replicas = [
-        make_replica(cfg, device, buckets, eos, registry, zeros, draft_device=d)
-        for device, d in zip(devices, drafts, strict=True)
+        make_replica(cfg, device, buckets, eos, registry, zeros, draft_device=d, host_pages=_host_pages(e))
+        for device, d, e in zip(devices, drafts, executors, strict=True)
     ]
     return replicas, dict(
         vocab_size=dep.spec.vocab_size,
@@ -101,6 +101,11 @@ def core_arguments(
         weight_loader=_weight_loader(dep, executors),
         sleeper=_sleeper(dep, executors),
     )
+
+
+def _host_pages(executor: Executor) -> int:
+    """The pages of ``executor``'s host tier (0: none): the core's index of it has as many slots."""
+    return 0 if executor.host_kv is None else executor.host_kv.num_slots
 
 
 def _sleeper(dep: Deployment, executors: Sequence[Executor]) -> DeviceSleep | None:

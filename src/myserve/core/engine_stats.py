@@ -35,6 +35,7 @@ class EngineCounters:
         allocators = [r.allocator for r in self.replicas]
         queries, hits = sum(a.prefix_queries for a in allocators), sum(a.prefix_hits for a in allocators)
         compiled, loaded = self._compile_counts()
+        hosts = [a.host for a in allocators if a.host is not None]
         return EngineStats(
             waiting=self._num_waiting() + self._pending,
             running=sum(len(r.scheduler.running) for r in self.replicas),
@@ -62,6 +63,10 @@ class EngineCounters:
             weight_swaps=self.weight_swaps,
             weights_version=str(self.weights_info["version"]),
             weights_loaded_at=float(cast(float, self.weights_info["loaded_at"])),
+            host_tier_hit_tokens=sum(h.hit_tokens for h in hosts),
+            host_tier_pages_used=sum(h.num_used for h in hosts),
+            host_tier_pages_total=sum(h.num_slots for h in hosts),
+            host_tier_saved_pages=sum(h.saved_pages for h in hosts),
             primed=all(r.runner.warmed_up and r.runner.primed for r in self.replicas),
         )
 

@@ -3,7 +3,9 @@
 Pages are the unit of allocation, sharing and preemption. Each page has a reference count; a page
 with count 0 is either free (on the free list) or *cached*: it is full, its tokens are known by a
 chained hash, and a later request with the same prefix can take it back. Cached pages nobody holds
-are evicted least-recently-used first when the free list runs dry.
+are evicted least-recently-used first when the free list runs dry; with a host tier
+(``core/host_tier.py``) an evicted page is first copied to host memory, and a prefix found there
+is loaded back into fresh pages instead of being computed again.
 
 The chained hash of page ``i`` covers all tokens of pages ``0..i`` (``hash((parent_hash, tokens))``),
 so equal hashes mean equal prefixes, not just equal pages. The hash is a 128-bit BLAKE2b digest:
@@ -17,6 +19,8 @@ import hashlib
 from collections.abc import Sequence
 
 import numpy as np
+
+from myserve.core.host_tier import HostTier
 
 PageHash = bytes
 
@@ -40,7 +44,10 @@ class OutOfPages(Exception):
 class PageAllocator:
     """Free list, reference counts and the prefix cache of ``num_pages`` pages of ``page_size`` tokens."""
 
-    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_cache: bool = True):
+    def __init__(
+        self, num_pages: int, page_size: int, *, enable_prefix_cache: bool = True, host: HostTier | None = None
+    ):
+        """``host``: the host-memory tier evicted cached pages go to (None: they are forgotten)."""
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_cache = enable_prefix_cache
@@ -52,6 +59,9 @@ class PageAllocator:
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens served from cached pages
+        self.host = host if enable_prefix_cache else None
+        self._saves: list[tuple[int, int]] = []  # (device page, host slot) copies the next step must precede
+        self._loads: list[tuple[int, int]] = []  # (host slot, device page) fills, after the saves
 
     # -- accounting -------------------------------------------------------------------------
     @property
@@ -88,7 +98,11 @@ class PageAllocator:
                 page = self._free.popleft()
             else:
                 page, _ = self._evictable.popitem(last=False)
-                del self._by_hash[self._page_hash.pop(page)]
+                page_hash = self._page_hash.pop(page)
+                del self._by_hash[page_hash]
+                slot = None if self.host is None else self.host.store(page_hash)
+                if slot is not None:  # copied out before the step that reuses the page writes it
+                    self._saves.append((page, slot))
             self._refs[page] = 1
             pages.append(page)
         return pages
@@ -97,7 +111,7 @@ class PageAllocator:
         """Forget every cached prefix (``/reset_prefix_cache``): unreferenced cached pages return to
         the free list, and pages in use are no longer offered to later requests (they stay their
         sequences'). Returns how many pages were forgotten."""
-        forgotten = len(self._page_hash)
+        forgotten = len(self._page_hash) + (self.host.clear() if self.host is not None else 0)
         self._free.extend(self._evictable)
         self._evictable.clear()
         self._page_hash.clear()
@@ -143,10 +157,42 @@ class PageAllocator:
         self.share(pages)  # also takes them out of the eviction order
         return pages
 
-    def record_lookup(self, num_tokens: int, hit_tokens: int) -> None:
-        """Count one admitted sequence's prefix lookup for the hit rate."""
+    def match_host(self, hashes: Sequence[PageHash], start: int, num_prompt_tokens: int) -> list[int]:
+        """Host slots of the run of ``hashes[start:]`` (after the device's ``start`` hits) the host
+        tier holds, within ``match_prefix``'s limit; pinned until the transfers are taken, or
+        ``unpin_host``."""
+        if self.host is None:
+            return []
+        return self.host.match(hashes[start : max(start, (num_prompt_tokens - 1) // self.page_size)])
+
+    def unpin_host(self, slots: Sequence[int]) -> None:
+        """Matched host slots not loaded after all (the sequence did not fit)."""
+        if self.host is not None:
+            self.host.unpin(slots)
+
+    def load(self, slots: Sequence[int], pages: Sequence[int], hashes: Sequence[PageHash]) -> None:
+        """Fill freshly allocated ``pages`` from host ``slots`` before the next step; they are then
+        cached under ``hashes`` like computed pages. The slots stay pinned until the transfers are
+        taken, so that no save of the same step lands in a slot before it is read."""
+        self._loads.extend(zip(slots, pages, strict=True))
+        for page, page_hash in zip(pages, hashes, strict=True):
+            self.cache_page(page, page_hash)
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The host tier's copies the next step must be preceded by, in order: (device page, host
+        slot) saves, then (host slot, device page) loads."""
+        saves, loads = self._saves, self._loads
+        self._saves, self._loads = [], []
+        self.unpin_host([slot for slot, _ in loads])
+        return saves, loads
+
+    def record_lookup(self, num_tokens: int, hit_tokens: int, host_tokens: int = 0) -> None:
+        """Count one admitted sequence's prefix lookup for the hit rate (``hit_tokens`` from the
+        device's pages, ``host_tokens`` more from the host tier's)."""
         self.prefix_queries += num_tokens
         self.prefix_hits += hit_tokens
+        if self.host is not None:
+            self.host.hit_tokens += host_tokens
 
     def cache_page(self, page: int, page_hash: PageHash) -> None:
         """Record that ``page`` is full with the tokens ``page_hash`` stands for.

@@ -24,6 +24,7 @@ import numpy as np
 from myserve.config import EngineConfig
 from myserve.core.adapters import AdapterRegistry, AdapterSlots
 from myserve.core.draft import DraftProposer
+from myserve.core.host_tier import HostTier
 from myserve.core.ngram import PromptLookup
 from myserve.core.pages import PageAllocator
 from myserve.core.runner import ModelRunner
@@ -65,14 +66,17 @@ def make_replica(
     adapters: AdapterRegistry | None = None,
     adapter_zeros: tuple[np.ndarray, ...] = (),
     draft_device: Device | None = None,
+    host_pages: int = 0,
 ) -> Replica:
     """A replica whose runner sends its ops to ``device``, sized by the engine config; with
     ``adapters`` (LoRA served) its own device slots for them, ``adapter_zeros`` being an empty
     adapter's arrays (``LoraAdapter.flat()``); ``draft_device``: the draft model's executor of
-    ``engine.speculative_method=draft_model``."""
+    ``engine.speculative_method=draft_model``; ``host_pages``: the slots of its device's host tier
+    of the prefix cache (0: none)."""
     pages, budget = cfg.num_pages, cfg.max_num_batched_tokens
     assert pages is not None and budget is not None, "Deployment.load resolves the pool and the step budget"
-    allocator = PageAllocator(pages, cfg.page_size, enable_prefix_cache=cfg.enable_prefix_caching)
+    host = HostTier(host_pages) if host_pages else None
+    allocator = PageAllocator(pages, cfg.page_size, enable_prefix_cache=cfg.enable_prefix_caching, host=host)
     proposer: Proposer | None = None
     draft: DraftProposer | None = None
     if cfg.speculative_method == "ngram":

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from myserve.core.decode_pacing import DecodePacer
+from myserve.core.host_tier import host_tier_ops
 from myserve.core.scheduler import ScheduledBatch, ScheduledChunk
 from myserve.core.sequence import Sequence as Seq
 from myserve.grammar import allocate_bitmask, fill_bitmask
@@ -224,8 +225,10 @@ class ModelRunner:
         return packed
 
     def plan(self, batch: ScheduledBatch) -> PlannedStep:
-        """One scheduler step as ops: page copies, slot fills, then the step call (host only)."""
-        ops: list[Op] = [WriteAdapter(slot, adapter.flat()) for slot, adapter in batch.adapter_writes]
+        """One scheduler step as ops: the host tier's saves and loads, page copies, slot fills, then
+        the step call (host only)."""
+        ops: list[Op] = host_tier_ops(batch.saves, batch.loads)
+        ops += [WriteAdapter(slot, adapter.flat()) for slot, adapter in batch.adapter_writes]
         ops += [CopyPage(src, dst) for src, dst in batch.copies]
         for seq in batch.fill_slots:
             ops.extend(self._fill_slot(seq))

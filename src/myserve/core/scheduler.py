@@ -93,6 +93,10 @@ class ScheduledBatch:
     """LoRA adapters to write into device slots before the step (``core/adapters.py``)."""
     weights: int = 0
     """The weight slot the step runs on: only sequences of that version of the weights are in it."""
+    saves: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    """(device page, host slot): evicted prefix pages to copy to the host tier first (``core/host_tier.py``)."""
+    loads: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    """(host slot, device page): prefix pages to fill from the host tier, after the saves."""
 
     @property
     def empty(self) -> bool:
@@ -157,7 +161,9 @@ class Scheduler:
         """Give back every resource ``seq`` holds: one reference to each of its pages (prefix-cache
         hits and pages shared with n > 1 siblings are references like any other) and its penalty slot.
         The one release path: finish, abort, preemption and engine errors all come here."""
-        self.allocator.release(seq.pages)
+        # Last page first: the eviction order then drops a prefix's tail before its head (a head
+        # evicted first would leave the rest unreachable, as vLLM's free queue reasons too).
+        self.allocator.release(seq.pages[::-1])
         seq.pages = []
         if seq.slot is not None:
             self.slots.release(seq.slot, seq)
@@ -274,7 +280,9 @@ class Scheduler:
         if self.decode_steps > 1 and decodes and not prefills and not preempted and not copies:
             decodes = [self._several(c) for c in decodes]
         writes = self.adapters.take_pending() if self.adapters is not None else []
-        return ScheduledBatch(decodes, prefills, preempted, copies, fill_slots, writes, weights)
+        # The host tier's copies go with the next step that runs (only a step writes a page).
+        saves, loads = self.allocator.take_transfers() if decodes or prefills else ([], [])
+        return ScheduledBatch(decodes, prefills, preempted, copies, fill_slots, writes, weights, saves, loads)
 
     def _speculate(self, chunks: dict[Sequence, ScheduledChunk], budget: int, multi: int, cap: int) -> tuple[int, int]:
         """Turn decodes that may speculate into a draft's worth of positions, oldest first, while the
@@ -388,16 +396,21 @@ class Scheduler:
         # A prompt that is scored (prompt logprobs) or mean/cls pooled must be computed whole: no cached pages.
         scored = (seq.params.prompt_logprobs is not None and not seq.output_ids) or seq.pools_every_token
         cached = [] if scored else self.allocator.match_prefix(hashes, seq.num_tokens)
-        computed = len(cached) * self.page_size
+        hosted = [] if scored else self.allocator.match_host(hashes, len(cached), seq.num_tokens)
+        known = len(cached) + len(hosted)  # pages whose K/V exist: on the device, or in host memory
+        computed = known * self.page_size
         first = min(seq.num_tokens - computed, budget, self.max_prefill_chunk)
         need = -(-(computed + first) // self.page_size) - len(cached)
         if not self.allocator.can_allocate(need):
             self.allocator.release(cached)
+            self.allocator.unpin_host(hosted)
             return 0
-        self.allocator.record_lookup(seq.num_tokens, computed)
-        seq.pages = cached + self.allocator.allocate(need)
-        seq.page_hashes = hashes[: len(cached)]
-        seq.num_cached_pages = len(cached)
+        self.allocator.record_lookup(seq.num_tokens, len(cached) * self.page_size, len(hosted) * self.page_size)
+        fresh = self.allocator.allocate(need)
+        self.allocator.load(hosted, fresh[: len(hosted)], hashes[len(cached) : known])
+        seq.pages = cached + fresh
+        seq.page_hashes = hashes[:known]
+        seq.num_cached_pages = known
         seq.num_computed = computed
         seq.num_prefix_hit_tokens += computed
         return first

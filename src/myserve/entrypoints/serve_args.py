@@ -67,6 +67,7 @@ _FLAGS = {
     "gpu_memory_utilization": "engine.gpu_memory_utilization",
     "kv_cache_memory_bytes": "engine.kv_cache_memory_bytes",
     "kv_cache_dtype": "engine.kv_cache_dtype",
+    "kv_offloading_size": "engine.kv_offloading_size",
     "block_size": "engine.page_size",
     "max_num_batched_tokens": "engine.max_num_batched_tokens",
     "enable_prefix_caching": "engine.enable_prefix_caching",
@@ -253,6 +254,7 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="what the KV cache holds: auto (the model's dtype), int8, fp8"
     )
+    p.add_argument("--kv-offloading-size", type=float, help="GiB of host memory holding prefix pages the device evicts")
     p.add_argument("--block-size", type=int, help="tokens per KV page (engine.page_size)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)

@@ -81,6 +81,13 @@ SAME = [
     Flag("--task", "same", "model.task", "vLLM's older spelling: generate, embed", "embed"),
     Flag("--gpu-memory-utilization", "same", "engine.gpu_memory_utilization", "KV pool sized from it", "0.8"),
     Flag("--kv-cache-memory-bytes", "same", "engine.kv_cache_memory_bytes", "KV pool bytes per device; 4G", "1G"),
+    Flag(
+        "--kv-offloading-size",
+        "same",
+        "engine.kv_offloading_size",
+        "GiB of host memory for prefix pages the device evicts (the native backend)",
+        "8",
+    ),
     Flag("--block-size", "same", "engine.page_size", "tokens per KV page", "32"),
     Flag("--max-num-seqs", "same", "engine.max_num_seqs", "", "32"),
     Flag("--max-num-batched-tokens", "same", "engine.max_num_batched_tokens", "", "1024"),
@@ -192,6 +199,9 @@ OTHERS = [
     ),
     Flag(
         "--pipeline-parallel-size", "partly", allowed=("1",), note="no pipeline parallelism; use --tensor-parallel-size"
+    ),
+    Flag(
+        "--kv-offloading-backend", "partly", allowed=("native",), note="host memory (--kv-offloading-size); no LMCache"
     ),
     Flag("--scheduling-policy", "partly", allowed=("fcfs",), note="first come, first served"),
     Flag("--chat-template-content-format", "partly", allowed=("auto",), note="both content formats are read"),

@@ -90,6 +90,18 @@ class Metrics:
         self.prefix_hit_rate = Gauge(
             "vllm:gpu_prefix_cache_hit_rate", "Prefix cache hit tokens over queried tokens, since start.", m, registry=r
         )
+        self.prefix_hit_tokens = Gauge(
+            "myserve_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache since start, by tier (device pool, host memory)",
+            [*m, "tier"],
+            registry=r,
+        )
+        self.host_tier_pages = Gauge(
+            "myserve_kv_host_pages_used", "Pages the host tier of the prefix cache holds", m, registry=r
+        )
+        self.host_tier_total = Gauge(
+            "myserve_kv_host_pages_total", "Pages the host tier can hold (0: none)", m, registry=r
+        )
         self.pages_used = Gauge("myserve_kv_pages_used", "KV cache pages referenced", m, registry=r)
         self.pages_total = Gauge("myserve_kv_pages_total", "KV cache pages", m, registry=r)
         self.grammar_matchers = Gauge(
@@ -244,6 +256,10 @@ class ModelMetrics:
         f.gpu_cache_usage.labels(name).set(usage)
         queries = s.prefix_cache_queries
         f.prefix_hit_rate.labels(name).set(s.prefix_cache_hit_tokens / queries if queries else 0.0)
+        f.prefix_hit_tokens.labels(name, "device").set(s.prefix_cache_hit_tokens)
+        f.prefix_hit_tokens.labels(name, "host").set(s.host_tier_hit_tokens)
+        f.host_tier_pages.labels(name).set(s.host_tier_pages_used)
+        f.host_tier_total.labels(name).set(s.host_tier_pages_total)
         f.pages_used.labels(name).set(s.pages_used)
         f.pages_total.labels(name).set(s.pages_total)
         f.grammar_matchers.labels(name).set(s.grammar_matchers)

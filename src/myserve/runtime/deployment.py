@@ -271,8 +271,10 @@ def executor_for(
     mesh: Mesh,
     mapping: Mapping[str, MeshAxes],
     prebuilt: Future[Prebuilt] | None = None,
+    host_tier: bool = True,
 ) -> Executor:
-    """One replica's executor of ``model`` (real or abstract) on ``mesh``, sized by the config."""
+    """One replica's executor of ``model`` (real or abstract) on ``mesh``, sized by the config;
+    ``host_tier`` False: without the host tier's store (a draft model's executor)."""
     cfg = config.engine
     assert cfg.num_pages is not None, "Deployment.load sizes the KV pool (engine.num_pages null)"
     return Executor(
@@ -287,7 +289,16 @@ def executor_for(
         sampler=config.model.task != "embed",
         pool=config.model.task != "generate",
         kv_cache_dtype=cfg.kv_cache_dtype,
+        host_pages=host_pages(config, model) if host_tier else 0,
     )
+
+
+def host_pages(config: Config, model: LlamaModel) -> int:
+    """Pages of a replica's host tier of the prefix cache (``engine.kv_offloading_size``; 0: none)."""
+    from myserve.runtime.kv_sizing import host_tier_pages
+
+    itemsize = jnp.dtype(model.dtype).itemsize
+    return host_tier_pages(config.engine, model.spec, itemsize, config.mesh.data)
 
 
 def _prebuild(

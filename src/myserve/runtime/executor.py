@@ -30,6 +30,8 @@ from myserve.ops.paged_cache import kv_dtype
 from myserve.runtime.device import StepRead
 from myserve.runtime.executable_args import executable_args, stand_ins
 from myserve.runtime.executables import BuildKey, Executables, Step, out_trees
+from myserve.runtime.fetch import fetch
+from myserve.runtime.host_kv import HostKV
 from myserve.runtime.kv_cache import cache_layout, init_kv_cache, make_cache
 from myserve.runtime.mesh import replicated
 from myserve.runtime.model_step import (
@@ -49,9 +51,11 @@ from myserve.runtime.step_ops import (
     ClearSlot,
     CompileSteps,
     CopyPage,
+    LoadPages,
     Op,
     PrimeSteps,
     Progress,
+    SavePages,
     StepCall,
     WriteAdapter,
 )
@@ -84,6 +88,7 @@ class Executor:
         sampler: bool = True,
         pool: bool = False,
         kv_cache_dtype: str = "auto",
+        host_pages: int = 0,
     ):
         """``model`` may be abstract (``load_model(abstract=True)``): the executor then holds no
         arrays, only their shapes and shardings, and serves to build step executables early.
@@ -91,7 +96,8 @@ class Executor:
         ``step_cache``: where step executables are loaded from without tracing, and stored.
         ``sampler`` False: an embedding-only deployment, whose steps have no LM head nor sampler.
         ``pool``: the deployment embeds, so its steps compute the pooled sums (always when not ``sampler``).
-        ``kv_cache_dtype``: ``engine.kv_cache_dtype`` (``auto``: the model's dtype)."""
+        ``kv_cache_dtype``: ``engine.kv_cache_dtype`` (``auto``: the model's dtype). ``host_pages``:
+        the host tier's pages (``engine.kv_offloading_size``; 0: none)."""
         self.sampler = sampler
         self.pool = pool or not sampler
         self._prebuilt = prebuilt
@@ -128,8 +134,12 @@ class Executor:
             layout = cache_layout(model.spec, num_pages, page_size, cache_dtype, backend)
             self.kv_cache = make_cache([place(shape, dt, self.cache_sharding) for shape, dt in layout], backend)
         self._cache_args = (model.spec, num_pages, page_size, cache_dtype, mesh, mapping, backend)
+        self.host_kv: HostKV | None = None
         if not abstract:
             self.kv_cache = init_kv_cache(*self._cache_args, self._small_ops)
+            if host_pages:
+                self.host_kv = HostKV(self.kv_cache, host_pages, self.cache_sharding, self._small_ops)
+                self.kv_cache = self.host_kv.warm(self.kv_cache)
         self.compiled = Executables(self.call_args, out_trees(self.kv_cache), tuple(mesh.devices.flat), step_cache)
         # The dtype of the hidden states the forward hands the head (that of the embeddings).
         self.hidden_dtype = jax.eval_shape(lambda o: o.embed_tokens(jnp.zeros((1, 1), jnp.int32)), self.outer).dtype
@@ -168,6 +178,9 @@ class Executor:
             elif isinstance(op, CopyPage):
                 args: tuple[Any, ...] = (self.kv_cache, np.int32(op.src), np.int32(op.dst))
                 self.kv_cache = self._small_ops(copy_page, args, (self.cache_sharding,))
+            elif isinstance(op, SavePages | LoadPages):
+                assert self.host_kv is not None, "host-tier transfers need engine.kv_offloading_size"
+                self.kv_cache = self.host_kv.apply(op, self.kv_cache)
             elif isinstance(op, ClearSlot):
                 args = (self.counts, self.prompt_mask, np.int32(op.slot))
                 self.counts, self.prompt_mask = self._small_ops(clear_slot, args)
@@ -432,14 +445,3 @@ Prebuilt = tuple[dict[BuildKey, Step], list[tuple[object, ...]]]
 def _signature(state: object) -> list[tuple[object, ...]]:
     """Shape, dtype and sharding of every array (or abstract array) in ``state``."""
     return [(a.shape, a.dtype, a.sharding) for a in jax.tree_util.tree_leaves(state)]
-
-
-def fetch(arrays: Sequence[jax.Array]) -> list[np.ndarray]:
-    """Device arrays to numpy, all transfers started before any is awaited.
-
-    On a multi-host mesh an output spans devices of other processes; every result here is
-    replicated, so the local copy is the whole value.
-    """
-    if all(a.is_fully_addressable for a in arrays):
-        return list(jax.device_get(list(arrays)))
-    return [np.asarray(a.addressable_data(0)) for a in arrays]

@@ -60,6 +60,13 @@ def page_bytes(
     return 2 * spec.num_layers * heads * page_size * per_head
 
 
+def host_tier_pages(engine: EngineConfig, spec: ModelSpec, itemsize: int, replicas: int = 1) -> int:
+    """Pages of one replica's host tier: ``engine.kv_offloading_size`` GiB split over the
+    data-parallel replicas, at a whole page's bytes (every KV head: the host holds them all)."""
+    size = int(engine.kv_offloading_size * 2**30) // max(replicas, 1)
+    return size // page_bytes(spec, engine.page_size, itemsize, 1, engine.kv_cache_dtype)
+
+
 def activation_bytes(spec: ModelSpec, tokens: int, rows: int, itemsize: int, model_shards: int = 1) -> int:
     """An estimate of the largest step's live temporaries on one device: a few hidden-state-sized
     buffers, the MLP's gate and up projections and the attention's queries for ``tokens`` tokens,

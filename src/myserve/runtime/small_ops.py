@@ -1,5 +1,6 @@
 """The executor's small ops, each jitted and built once at warmup (``SmallOps``): a page copy,
-penalty-slot writes, and a LoRA adapter's write into its device slot."""
+penalty-slot writes, a LoRA adapter's write into its device slot, and the host tier's page
+gather and scatter."""
 
 from __future__ import annotations
 
@@ -88,3 +89,23 @@ def write_adapter(
 def clear_slot(counts: jax.Array, prompt_mask: jax.Array, slot: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Penalty slot ``slot`` emptied for a new sequence."""
     return counts.at[slot].set(0), prompt_mask.at[slot].set(False)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def gather_pages(kv_cache: Cache, pages: jax.Array, axis: int, sharding: NamedSharding) -> tuple[jax.Array, ...]:
+    """Every cache array's ``pages`` (their K/V in every layer and head, scales included), in the
+    cache's order and sharding: what the host tier saves (``runtime/host_kv.py``)."""
+    leaves = jax.tree.leaves(kv_cache)
+    return tuple(jax.lax.with_sharding_constraint(jnp.take(a, pages, axis=axis), sharding) for a in leaves)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=(3, 4))
+def scatter_pages(
+    kv_cache: Cache, pages: jax.Array, values: tuple[jax.Array, ...], axis: int, sharding: NamedSharding
+) -> Cache:
+    """The cache with ``values`` (``gather_pages``' arrays) written into ``pages``; a page listed
+    twice takes the same values twice (padding repeats the last)."""
+    leaves, treedef = jax.tree.flatten(kv_cache)
+    index = (slice(None),) * axis + (pages,)
+    written = [a.at[index].set(v.astype(a.dtype)) for a, v in zip(leaves, values, strict=True)]
+    return constrain_cache(jax.tree.unflatten(treedef, written), sharding)

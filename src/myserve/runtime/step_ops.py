@@ -27,6 +27,25 @@ class CopyPage(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True
     dst: int
 
 
+class SavePages(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
+    """Copy device pages to host-tier slots (``runtime/host_kv.py``): prefix pages the pool evicts,
+    before the step that reuses them writes them."""
+
+    pages: np.ndarray
+    """int32 [n]: the device pages."""
+    slots: np.ndarray
+    """int32 [n]: the host slot each goes to."""
+
+
+class LoadPages(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
+    """Fill device pages from host-tier slots: a prefix found in host memory, instead of computed."""
+
+    slots: np.ndarray
+    """int32 [n]: the host slots."""
+    pages: np.ndarray
+    """int32 [n]: the device page each fills."""
+
+
 class ClearSlot(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
     """Reset a penalty slot."""
 
@@ -121,7 +140,7 @@ class PrimeSteps(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=Tr
         ]
 
 
-Op = CopyPage | ClearSlot | WriteSlot | WriteAdapter | CompileSteps | PrimeSteps | StepCall
+Op = CopyPage | SavePages | LoadPages | ClearSlot | WriteSlot | WriteAdapter | CompileSteps | PrimeSteps | StepCall
 """The ops are msgspec Structs, tagged by class name, so that a multi-host leader sends them to its
 followers as typed data (``runtime/step_channel.py``), never as pickle."""
 

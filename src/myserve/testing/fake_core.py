@@ -212,13 +212,16 @@ class FakeCore:
         pooler: Any = None,
         decode_steps: int = 1,
         decode_call_budget_s: float = 0.0,
+        host_pages: int = 0,
     ):
-        """``pooler``: a ``wire.pooling.Pooler`` (its ``hidden_size`` ``FAKE_HIDDEN``) to serve embeddings;
+        """``host_pages``: slots of a host tier of the prefix cache (0: none);
+        ``pooler``: a ``wire.pooling.Pooler`` (its ``hidden_size`` ``FAKE_HIDDEN``) to serve embeddings;
         ``decode_steps``: tokens per several-token decode call (``engine.decode_steps``), paced by
         ``decode_call_budget_s`` (``engine.decode_call_budget_ms``; 0: no limit)."""
         import math
 
         from myserve.core.engine_core import EngineCore
+        from myserve.core.host_tier import HostTier
         from myserve.core.pages import PageAllocator
         from myserve.core.replica import Replica
         from myserve.core.runner import ModelRunner
@@ -236,7 +239,8 @@ class FakeCore:
             block_tokens=min(block_tokens, budget),
             chunk_pages=2,
         )
-        allocator = PageAllocator(num_pages, page_size, enable_prefix_cache=prefix_cache)
+        host = HostTier(host_pages) if host_pages else None
+        allocator = PageAllocator(num_pages, page_size, enable_prefix_cache=prefix_cache, host=host)
         self.scheduler = Scheduler(
             allocator,
             max_num_seqs=max_num_seqs,

@@ -127,6 +127,15 @@ class EngineStats:
     """The label of the version of the weights new requests run on."""
     weights_loaded_at: float = 0.0
     """Unix time that version began serving."""
+    host_tier_hit_tokens: int = 0
+    """Prompt tokens whose K/V came back from the host tier of the prefix cache (not counted in
+    ``prefix_cache_hit_tokens``, the device's hits)."""
+    host_tier_pages_used: int = 0
+    """Pages the host tier holds."""
+    host_tier_pages_total: int = 0
+    """Pages it can hold (0: no host tier)."""
+    host_tier_saved_pages: int = 0
+    """Pages copied to it so far (evicted from the device)."""
     primed: bool = False
     """Whether every step executable has run once (``ModelRunner.primed``); until then the idle engine
     runs them one at a time, and a request that arrives waits for the one in progress."""
