@@ -121,7 +121,7 @@ def measure(overrides: list[str], args: argparse.Namespace) -> dict[str, Any]:
             host_saved_pages=after.host_tier_saved_pages - before.host_tier_saved_pages,
             host_pages=[after.host_tier_pages_used, after.host_tier_pages_total],
             num_preemptions=after.num_preemptions - before.num_preemptions,
-            idle=after.pages_used == 0 and alloc.take_transfers() == ([], []),
+            idle=after.pages_used == 0 and alloc.transfers_owed == 0,
             pool_pages=after.pages_total,
         )
         return got

@@ -178,6 +178,11 @@ class PageAllocator:
         for page, page_hash in zip(pages, hashes, strict=True):
             self.cache_page(page, page_hash)
 
+    @property
+    def transfers_owed(self) -> int:
+        """Host-tier saves and loads recorded and not yet taken by a step (0 when idle)."""
+        return len(self._saves) + len(self._loads)
+
     def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The host tier's copies the next step must be preceded by, in order: (device page, host
         slot) saves, then (host slot, device page) loads."""
