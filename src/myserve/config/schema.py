@@ -36,6 +36,8 @@ from myserve.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "w8a8")
+DEFAULT_IMAGES_PER_PROMPT = 4
+"""Images per prompt when ``model.limit_mm_per_prompt`` says nothing."""
 TASKS, POOLINGS = ("generate", "embed", "generate+embed"), ("auto", "last", "mean", "cls")
 
 
@@ -91,6 +93,13 @@ class ModelConfig:
     vllm = none (OpenAI's defaults), or a directory holding a generation_config.json."""
     override_generation_config: str | None = None
     """A JSON object of request defaults applied over generation_config's, e.g. '{"temperature": 0.5}'."""
+    limit_mm_per_prompt: str | None = None
+    """Inputs per prompt by modality, a JSON object (vLLM's), e.g. '{"image": 2}'; null = 4 images
+    for a vision-language model (a text-only model takes none)."""
+    allowed_media_domains: tuple[str, ...] = ()
+    """Hosts whose http(s) image URLs the server fetches (exact names); empty = none: only data: URLs."""
+    allowed_local_media_path: str | None = None
+    """A directory whose files requests may name as file:// image URLs; null = none."""
 
     def __post_init__(self) -> None:
         for name in ("checkpoint", "tokenizer", "chat_template", "checkpoint_path", "hf_config"):
@@ -117,6 +126,27 @@ class ModelConfig:
             check_not_empty(f"model.{name}", getattr(self, name))
         if self.override_generation_config is not None:
             check_generation_overrides(self.override_generation_config)
+        self.images_per_prompt  # noqa: B018 - parsed here, so a bad value fails at load
+        check_not_empty("model.allowed_local_media_path", self.allowed_local_media_path)
+
+    @property
+    def images_per_prompt(self) -> int:
+        """Images one prompt may carry (``limit_mm_per_prompt``'s ``image``, 4 when it names none)."""
+        if self.limit_mm_per_prompt is None:
+            return DEFAULT_IMAGES_PER_PROMPT
+        try:
+            value = json.loads(self.limit_mm_per_prompt)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"model.limit_mm_per_prompt: not JSON ({e.msg})") from None
+        check(isinstance(value, dict), f"model.limit_mm_per_prompt must be a JSON object, got {value!r}")
+        unknown = set(value) - {"image"}
+        check(not unknown, f"model.limit_mm_per_prompt: only images are taken, not {', '.join(sorted(unknown))}")
+        count = value.get("image", DEFAULT_IMAGES_PER_PROMPT)
+        if isinstance(count, dict):  # vLLM's newer form: {"image": {"count": N, ...}}
+            count = count.get("count", DEFAULT_IMAGES_PER_PROMPT)
+        ok = isinstance(count, int) and not isinstance(count, bool) and count >= 0
+        check(ok, f"model.limit_mm_per_prompt: image must be an integer >= 0, got {count!r}")
+        return int(count)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,7 @@ from myserve.runtime.device import Device
 from myserve.runtime.device_sleep import DeviceSleep
 from myserve.runtime.executor import Executor
 from myserve.runtime.generation_config import generation_defaults
+from myserve.runtime.image_encoder import ImageEncoder
 from myserve.runtime.lora_files import LoraAdapter, empty_adapter, read_adapter
 from myserve.runtime.multihost import BroadcastingDevice, stop_followers
 from myserve.runtime.weight_update import WeightUpdater
@@ -100,7 +101,15 @@ def core_arguments(
         memory_utilization=cfg.gpu_memory_utilization,
         weight_loader=_weight_loader(dep, executors),
         sleeper=_sleeper(dep, executors),
+        image_encoder=_image_encoder(dep),
+        max_images=dep.config.model.images_per_prompt,
     )
+
+
+def _image_encoder(dep: Deployment) -> ImageEncoder | None:
+    """A vision-language model's tower on the first replica's devices (its embeddings go to the host:
+    every replica's steps take them from there)."""
+    return None if dep.vision is None else ImageEncoder(*dep.vision, dep.meshes[0])
 
 
 def _host_pages(executor: Executor) -> int:

@@ -25,6 +25,7 @@ from myserve.core.engine_admin import EngineAdmin
 from myserve.core.engine_sleep import EngineSleep, Sleeper
 from myserve.core.engine_stats import EngineCounters
 from myserve.core.engine_weights import EngineWeights, WeightLoader
+from myserve.core.images import ImageEncoding, ImageSpan, check_images
 from myserve.core.pooling import finished_embeddings
 from myserve.core.replica import Replica, Request
 from myserve.core.request_endings import RequestEndings
@@ -36,6 +37,7 @@ from myserve.core.warmup import warm_up
 from myserve.grammar import LazyGrammars
 from myserve.tokenizer import Tokenizer
 from myserve.validation import validate_request
+from myserve.wire.images import ImageInput
 from myserve.wire.outputs import EngineDead, Overloaded, RequestOutput
 from myserve.wire.params import SamplingParams
 from myserve.wire.pooling import Pooler
@@ -76,8 +78,14 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, EngineSleep, Reques
         memory_utilization: float = 0.9,
         weight_loader: WeightLoader | None = None,
         sleeper: Sleeper | None = None,
+        image_encoder: ImageEncoding | None = None,
+        max_images: int | None = None,
     ):
+        """``image_encoder``: a vision-language model's vision tower (None: prompts take no images);
+        ``max_images``: images per prompt at most (None: no bound here)."""
         self.replicas = list(replicas)
+        self.image_encoder = image_encoder
+        self.max_images = max_images
         self._init_weights(weight_loader)
         self._init_sleep(sleeper)
         self.memory_utilization = memory_utilization
@@ -179,26 +187,34 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, EngineSleep, Reques
 
     # -- front (any thread) -------------------------------------------------------------------
     def add(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, admitted: bool = False
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        admitted: bool = False,
+        images: Sequence[ImageInput] = (),
     ) -> None:
         """Queue a request, its token deltas to come through ``sink``. Raises on invalid or excess
         requests (``InvalidParams``, ``ContextLengthExceeded``, ``Overloaded``, ``EngineDead``).
 
         ``admitted``: a front end has already checked the waiting queue (and answers 429 itself), so
         the bound is not checked again here: its view lags the queue by the requests in transit, and
-        refusing one of those would fail a request that was told it was accepted."""
+        refusing one of those would fail a request that was told it was accepted. ``images``: the
+        prompt's images, their placeholder tokens already in ``prompt_ids`` (``core/images.py``)."""
         if self.dead is not None:
             raise EngineDead(f"engine stopped: {self.dead}")
         self.check_awake()
         prompt = [int(t) for t in prompt_ids]
         limits = dict(vocab_size=self.vocab_size, max_model_len=self.max_model_len, pooler=self.pooler)
         validate_request(prompt, params, grammars=self.grammars, **limits)  # type: ignore[arg-type]
+        check_images(prompt, images, self.image_encoder, self.max_images)
         check_adapter(self.adapters, params.adapter)
         with self._pending_lock:
             if not admitted and self._pending + self._num_waiting() >= self.max_waiting:
                 raise Overloaded(f"the waiting queue is full ({self.max_waiting} requests)")
             self._pending += 1
-        self._inbox.put(("submit", Request(request_id, prompt, params)))
+        self._inbox.put(("submit", Request(request_id, prompt, params, images)))
         if self.dead is not None:  # died between the check above and the put: nobody will drain it
             raise EngineDead(f"engine stopped: {self.dead}")
 
@@ -321,6 +337,15 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, EngineSleep, Reques
             except queue.Empty:
                 return
 
+    def _encode_images(self, req: Request) -> tuple[ImageSpan, ...]:
+        """The request's images with their token embeddings: from the encoder cache, or through the
+        vision tower now (on the engine thread, once per distinct image)."""
+        if not req.images:
+            return ()
+        assert self.image_encoder is not None, "add() refuses images without an encoder"
+        encoder = self.image_encoder
+        return tuple(ImageSpan(i.key, i.offset, i.length, encoder.embeddings(i)) for i in req.images)
+
     def _admit(self, req: Request) -> None:
         with self._pending_lock:
             self._pending -= 1
@@ -331,6 +356,7 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, EngineSleep, Reques
         # All choices of a request on one replica: they share its prompt pages.
         req.replica = min(self.replicas, key=lambda r: r.load)
         token_filter = TokenFilter(req.params, self.vocab_size) if req.params.masks_tokens else None
+        images = self._encode_images(req)
         for choice in range(req.params.n):
             parent = req.seqs[0] if req.seqs else None
             seed = self._seeds.getrandbits(32) if req.params.seed is None else None
@@ -338,6 +364,7 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, EngineSleep, Reques
             seq.pool_type = self.pooler.type if req.params.pooling and self.pooler else None
             req.seqs.append(seq)
             seq.token_filter = token_filter
+            seq.images = images
             seq.hash_root = self._version_root(self.adapters.hash_root(req.params.adapter) if self.adapters else None)
             seq.weights = self.weights_slot
             if req.params.grammar is not None:

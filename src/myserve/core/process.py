@@ -163,7 +163,7 @@ def run_core(config: Config, links: Sequence[CoreLink]) -> None:
             if len(outboxes) > 1:
                 sender[message.request_id] = message.front_end
             try:
-                core.add(message.request_id, message.prompt_ids, message.params, admitted=True)
+                core.add(message.request_id, message.prompt_ids, message.params, admitted=True, images=message.images)
             except Exception as e:  # validated by the front end already: a race with the core's death
                 sender.pop(message.request_id, None)
                 send(msg.Outputs([_failed(message.request_id, e)]), message.front_end)

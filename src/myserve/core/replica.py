@@ -32,6 +32,7 @@ from myserve.core.scheduler import Proposer, Scheduler
 from myserve.core.sequence import Sequence as Seq
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.device import Device
+from myserve.wire.images import ImageInput
 from myserve.wire.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -112,10 +113,14 @@ def make_replica(
 class Request:
     """Engine-thread state of one request: its choices, and the replica that holds them."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
+    def __init__(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, images: Sequence[ImageInput] = ()
+    ):
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
+        self.images = tuple(images)
+        """The prompt's images (encoded at admission: ``core/images.py``)."""
         self.seqs: list[Seq] = []
         self.unfinished = params.n
         self.error: str | None = None

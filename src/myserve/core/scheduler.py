@@ -392,7 +392,7 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Pages for ``seq``: its prefix-cached ones and those of a first chunk; the chunk's size, or 0 if short."""
         root = {} if seq.hash_root is None else {"parent": seq.hash_root}
-        hashes = chain_hashes(seq.tokens(0, seq.num_tokens), self.page_size, **root)
+        hashes = chain_hashes(seq.hash_tokens(0, seq.num_tokens), self.page_size, **root)
         # A prompt that is scored (prompt logprobs) or mean/cls pooled must be computed whole: no cached pages.
         scored = (seq.params.prompt_logprobs is not None and not seq.output_ids) or seq.pools_every_token
         cached = [] if scored else self.allocator.match_prefix(hashes, seq.num_tokens)

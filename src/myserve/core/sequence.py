@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from myserve.core.images import ImageSpan, hash_tokens
 from myserve.core.pages import PageHash, chain_hashes
 from myserve.wire.outputs import RequestOutput, TokenLogprob
 from myserve.wire.params import SamplingParams
@@ -109,6 +110,9 @@ class Sequence:
         self.pool_type: str | None = None
         # Pooled sums read back so far, by chunk start: (chunk tokens, float32 [hidden]).
         self.pool_parts: dict[int, tuple[int, np.ndarray]] = {}
+        # The prompt's images (``core/images.py``): their positions take the vision tower's
+        # embeddings, and their page hashes the image's content key.
+        self.images: tuple[ImageSpan, ...] = ()
 
     @property
     def pools_every_token(self) -> bool:
@@ -187,6 +191,11 @@ class Sequence:
         if start >= p:
             return self.output_ids[start - p : stop - p]
         return self.prompt_ids[start:] + self.output_ids[: stop - p]
+
+    def hash_tokens(self, start: int, stop: int) -> list[int]:
+        """``tokens(start, stop)`` as page hashes see them: an image's positions carry its key."""
+        tokens = self.tokens(start, stop)
+        return hash_tokens(tokens, start, self.images) if self.images else tokens
 
     @property
     def num_pending(self) -> int:
@@ -284,7 +293,7 @@ class Sequence:
         if full > len(self.page_hashes):
             start = len(self.page_hashes) * page_size
             parent = self.page_hashes[-1] if self.page_hashes else self.hash_root
-            new_tokens = self.tokens(start, full * page_size)
+            new_tokens = self.hash_tokens(start, full * page_size)
             kwargs = {} if parent is None else {"parent": parent}
             self.page_hashes.extend(chain_hashes(new_tokens, page_size, **kwargs))
         fresh = [(self.pages[i], self.page_hashes[i]) for i in range(self.num_cached_pages, full)]

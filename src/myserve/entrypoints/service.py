@@ -18,6 +18,7 @@ from myserve.core.engine_core import EngineCore
 from myserve.frontend.output_processor import OutputProcessor
 from myserve.frontend.output_thread import OutputThread
 from myserve.frontend.stream import RequestStream, settle
+from myserve.wire.images import ImageInput
 from myserve.wire.params import SamplingParams
 
 
@@ -80,14 +81,21 @@ class GenerationService(EngineCore):
         ask(done)
         return await future
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
-        """Queue a request; returns the stream of its deltas. Raises on invalid or excess requests."""
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        images: Sequence[ImageInput] = (),
+    ) -> RequestStream:
+        """Queue a request (with its prompt's images, if any); returns the stream of its deltas.
+        Raises on invalid or excess requests."""
         request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
         stream = RequestStream(request_id, on_close=self.abort)
         prompt = [int(t) for t in prompt_ids]
         self.processor.track(request_id, prompt, params, stream)
         try:
-            self.add(request_id, prompt, params)
+            self.add(request_id, prompt, params, images=images)
         except BaseException:
             self.processor.forget(request_id)
             raise

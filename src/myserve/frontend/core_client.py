@@ -37,6 +37,7 @@ from myserve.grammar import LazyGrammars
 from myserve.tokenizer import Tokenizer
 from myserve.validation import validate_request
 from myserve.wire import messages as msg
+from myserve.wire.images import ImageInput
 from myserve.wire.link import CoreLink
 from myserve.wire.outputs import EngineDead, EngineSleeping, EngineStats, Overloaded, RequestOutput, Usage
 from myserve.wire.params import SamplingParams
@@ -233,8 +234,15 @@ class EngineClient(CoreAdmin):
         """The LoRA adapters the core serves (name -> path), as it said when loaded."""
         return dict(self._adapters)
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
-        """Queue a request; returns the stream of its deltas. Raises on invalid or excess requests."""
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        images: Sequence[ImageInput] = (),
+    ) -> RequestStream:
+        """Queue a request (with its prompt's images, if any); returns the stream of its deltas.
+        Raises on invalid or excess requests (the core checks the images)."""
         if self.dead is not None:
             raise EngineDead(f"engine stopped: {self.dead}")
         if self.sleep_state.get("is_sleeping"):
@@ -257,7 +265,7 @@ class EngineClient(CoreAdmin):
         with self._open_lock:
             self._open[request_id] = stream
         self._added_since_stats += 1
-        self._send(msg.AddRequest(request_id, prompt, params, self.link.index))
+        self._send(msg.AddRequest(request_id, prompt, params, self.link.index, list(images)))
         return stream
 
     def abort(self, request_id: str, choice: int | None = None) -> None:

@@ -10,6 +10,7 @@ from typing import Protocol
 
 from myserve.frontend.stream import RequestStream
 from myserve.tokenizer import Tokenizer
+from myserve.wire.images import ImageInput
 from myserve.wire.outputs import EngineStats
 from myserve.wire.params import SamplingParams
 from myserve.wire.pooling import Pooler
@@ -49,8 +50,15 @@ class Engine(Protocol):
         """The width of the model's logits: token ids are below it."""
         ...
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
-        """Queue a request; the stream of its outputs. Raises on invalid or excess requests."""
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        images: Sequence[ImageInput] = (),
+    ) -> RequestStream:
+        """Queue a request (with its prompt's images: a vision-language model's); the stream of its
+        outputs. Raises on invalid or excess requests."""
         ...
 
     def reset_prefix_cache(self) -> None:

@@ -40,6 +40,15 @@ from myserve.ops.moe import resolve_moe_backend
 logger = logging.getLogger(__name__)
 
 
+_TEXT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+)
+"""Where vision-language checkpoints keep their text model's weights (transformers' older and newer
+namings), and the names a text-only checkpoint gives them: the decoder loads from either."""
+
+
 class SafetensorsSource:
     """Tensors of an HF checkpoint directory: one or many ``*.safetensors`` (with an index)."""
 
@@ -63,6 +72,12 @@ class SafetensorsSource:
             for f in files:
                 for name in self._open(f).keys():
                     self._files[name] = f
+        self._stored: dict[str, str] = {}  # a text-model name -> the name a vision-language checkpoint stores it under
+        for name in list(self._files):
+            for prefix, plain in _TEXT_PREFIXES:
+                if name.startswith(prefix) and plain + name[len(prefix) :] not in self._files:
+                    alias = plain + name[len(prefix) :]
+                    self._files[alias], self._stored[alias] = self._files[name], name
 
     def _open(self, file: Path, framework: str = "numpy"):
         try:
@@ -79,7 +94,8 @@ class SafetensorsSource:
         file = self._files.get(hf_name)
         if file is None:
             raise CheckpointError(f"checkpoint has no tensor {hf_name}")
-        return self._read(file, hf_name, lambda f: f.get_tensor(hf_name))
+        stored = self._stored.get(hf_name, hf_name)
+        return self._read(file, stored, lambda f: f.get_tensor(stored))
 
     def _read(self, file: Path, hf_name: str, get: Callable[[Any], Any]) -> np.ndarray:
         """``get`` applied to ``file`` opened for numpy (bf16 through ``ml_dtypes``), or for JAX on
@@ -99,7 +115,8 @@ class SafetensorsSource:
         file = self._files.get(hf_name)
         if file is None:
             raise CheckpointError(f"checkpoint has no tensor {hf_name}")
-        return self._read(file, hf_name, lambda f: f.get_slice(hf_name)[index])
+        stored = self._stored.get(hf_name, hf_name)
+        return self._read(file, stored, lambda f: f.get_slice(stored)[index])
 
 
 def open_source(resolved: ResolvedCheckpoint, weights: str | Path | None = None) -> TensorSource:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from myserve.errors import CheckpointError
+from myserve.models.vision_spec import VISION_MODEL_TYPES
 
 # model_type -> family. Every family shares models/llama.py; the flags below say how they differ.
 SUPPORTED_MODEL_TYPES = (
@@ -275,6 +276,9 @@ def _layer_types(cfg: Mapping[str, Any], model_type: str, num_layers: int, windo
 def spec_from_hf_config(cfg: Mapping[str, Any], source: str) -> ModelSpec:
     """Build a ModelSpec from a parsed ``config.json``; ``source`` names the file for error messages."""
     model_type = cfg.get("model_type")
+    if model_type in VISION_MODEL_TYPES:  # a vision-language checkpoint: the decoder is its text model
+        text = dict(cfg.get("text_config") or {})
+        return spec_from_hf_config({**text, "model_type": text.get("model_type", "llama")}, source)
     if model_type == "gemma3":
         raise CheckpointError(
             f"{source}: multimodal Gemma 3 (model_type 'gemma3') is not supported; serve a text-only "

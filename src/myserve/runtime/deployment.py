@@ -12,17 +12,20 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from myserve.config import Config, EngineConfig
 from myserve.errors import ConfigError
-from myserve.models.checkpoint import resolve_checkpoint
+from myserve.models.checkpoint import ResolvedCheckpoint, resolve_checkpoint
 from myserve.models.gguf import resolve_quantization
 from myserve.models.llama import LlamaModel
-from myserve.models.loading import TensorSource, load_model, open_source
+from myserve.models.loading import SafetensorsSource, TensorSource, load_model, open_source
 from myserve.models.quant import MIN_ROWS
 from myserve.models.sharding import MeshAxes, axis_mapping
 from myserve.models.spec import ModelSpec
+from myserve.models.vision import Tower, read_tower
+from myserve.models.vision_spec import VisionSpec, vision_spec_of
 from myserve.ops.attention import resolve_backend
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.compile_counter import compile_counts
@@ -90,6 +93,8 @@ class Deployment:
     single-file checkpoint (GGUF)."""
     draft: DraftModels | None = None
     """The draft model of ``engine.speculative_method=draft_model`` (``runtime/draft_model.py``)."""
+    vision: tuple[VisionSpec, Tower] | None = None
+    """A vision-language checkpoint's tower and projector (host arrays); None for a text-only model."""
 
     @property
     def model(self) -> LlamaModel:
@@ -165,6 +170,7 @@ class Deployment:
             )
             tokenizer = tokenizer_future.result()
         draft = load_drafts(config, mesh, dtype, spec)
+        vision = _load_vision(config, resolved, source, dtype)
         logger.info(
             "loaded %s (%s, %d layers) as %s%s on mesh %s, attention=%s, in %.1fs",
             resolved.path,
@@ -178,8 +184,27 @@ class Deployment:
         )
         directory = resolved.path if resolved.path.is_dir() else None
         return Deployment(
-            config, spec, models, tokenizer, mesh, mapping, dtype, max_len, prebuilt, started, directory, draft
+            config, spec, models, tokenizer, mesh, mapping, dtype, max_len, prebuilt, started, directory, draft, vision
         )
+
+
+def _load_vision(
+    config: Config, resolved: ResolvedCheckpoint, source: TensorSource, dtype: jnp.dtype
+) -> tuple[VisionSpec, Tower] | None:
+    """The vision tower of a vision-language checkpoint (None for a text-only one), refused where
+    images cannot be served yet: speculative decoding, several processes."""
+    if not resolved.path.is_dir():
+        return None
+    spec = vision_spec_of(resolved.path)
+    if spec is None:
+        return None
+    if config.engine.speculative_method != "none":
+        raise ConfigError("a vision-language model cannot speculate yet: leave engine.speculative_method none")
+    if jax.process_count() > 1:
+        raise ConfigError("a vision-language model is served by one process (mesh.num_processes 1)")
+    if not isinstance(source, SafetensorsSource):
+        raise ConfigError("a vision-language model's weights are read from its safetensors files")
+    return spec, read_tower(source, spec, np.dtype(dtype))
 
 
 def _resolve_engine(config: Config, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, max_len: int) -> Config:

@@ -50,14 +50,20 @@ def executable_args(
     rep = ex.replicated
     kv_cache, counts, prompt_mask, fed = state
     embed = ex.outer.spec.hidden_size
-    if key[0] == "forward":
+    if key[0] in ("forward", "forward_images"):
         shape = key[1]
         assert isinstance(shape, StepShape)
         host = layout([], shape, ex.page_size)
         static: tuple[object, ...] = (shape, ex.treedef, ex.cache_sharding, rep, ex.pool)
         rows = SamplingRows.empty(shape.singles, ex.scratch_slot)
         packed = pack_step(host.pack(), rows.ints, rows.floats)
-        return forward_step, static, (ex.outer, ex.layers, kv_cache, fed, packed)
+        if key[0] == "forward":
+            return forward_step, static, (ex.outer, ex.layers, kv_cache, fed, packed)
+        images = (
+            jax.ShapeDtypeStruct((shape.tokens, embed), ex.hidden_dtype, sharding=rep),
+            jax.ShapeDtypeStruct((shape.tokens,), np.bool_, sharding=rep),
+        )
+        return forward_step, static, (ex.outer, ex.layers, kv_cache, fed, packed, images)
     if key[0] == "head":
         _, n_rows, mode = key
         assert isinstance(n_rows, int)

@@ -37,8 +37,9 @@ native work that mostly runs without the GIL: a warm start of the bundled model 
 took 6.1-6.9 s of warmup with two threads against 7.3-7.9 s with one."""
 
 BuildKey = tuple[Any, ...]
-"""One executable: ``("forward", shape)``, ``("head", sampling rows, mode)``, ``("score", tokens)``
-or ``("loop", shape, steps, mode)`` (``runtime/model_step.py``)."""
+"""One executable: ``("forward", shape)``, ``("forward_images", shape)`` (a step holding image tokens),
+``("head", sampling rows, mode)``, ``("score", tokens)`` or ``("loop", shape, steps, mode)``
+(``runtime/model_step.py``)."""
 
 Step = Callable[..., Any]
 """A compiled executable, called with its dynamic arguments."""
@@ -236,10 +237,11 @@ class Executables:
 
 def describe(key: BuildKey) -> str:
     """A key in words, for logs."""
-    if key[0] == "forward":
+    if key[0] in ("forward", "forward_images"):
         shape = key[1]
         assert isinstance(shape, StepShape)
-        return f"the forward step of {shape.tokens} tokens x {shape.width} pages"
+        what = "forward step" if key[0] == "forward" else "forward step with images"
+        return f"the {what} of {shape.tokens} tokens x {shape.width} pages"
     if key[0] == "head":
         return f"the {key[2]} head of {key[1]} rows"
     if key[0] == "loop":
@@ -253,6 +255,7 @@ def out_trees(cache: Cache) -> dict[str, jax.tree_util.PyTreeDef]:
     zeros = jax.tree.map(lambda _: 0, cache)
     return {
         "forward": jax.tree_util.tree_structure((ForwardOutput(0, 0, 0, 0, 0, 0), zeros)),  # type: ignore[arg-type]
+        "forward_images": jax.tree_util.tree_structure((ForwardOutput(0, 0, 0, 0, 0, 0), zeros)),  # type: ignore[arg-type]
         "head": jax.tree_util.tree_structure((SampleOutput(0, 0, 0, 0), 0, 0)),  # type: ignore[arg-type]
         "score": jax.tree_util.tree_structure((0, 0, 0, 0)),
         "loop": jax.tree_util.tree_structure((SampleOutput(0, 0, 0, 0), zeros, 0, 0)),  # type: ignore[arg-type]

@@ -289,11 +289,20 @@ class Executor:
             )  # fmt: skip
             return StepOutput(sampled, None, np.zeros((n1, 0), np.float32))  # nothing pools here
         fwd: ForwardOutput
-        forward = self.compiled.get(("forward", op.shape))
-        self.ran.add(("forward", op.shape))
-        self.calls["forward", op.shape] += 1
+        kind = "forward" if op.images is None else "forward_images"
+        forward = self.compiled.get((kind, op.shape))
+        self.ran.add((kind, op.shape))
+        self.calls[kind, op.shape] += 1
         packed = pack_step(op.batch, op.ints, op.floats)  # the step's one transfer
-        fwd, self.kv_cache = forward(outer, layers, self.kv_cache, self.fed, packed)
+        if op.images is None:
+            fwd, self.kv_cache = forward(outer, layers, self.kv_cache, self.fed, packed)
+        else:
+            assert op.image_mask is not None
+            images = (
+                jax.device_put(op.images.astype(self.hidden_dtype), self.replicated),
+                jax.device_put(op.image_mask, self.replicated),
+            )
+            fwd, self.kv_cache = forward(outer, layers, self.kv_cache, self.fed, packed, images)
         if self.sampler:
             self.ran.add(("head", n1, op.mode))
             self.calls["head", n1, op.mode] += 1

@@ -124,6 +124,7 @@ def forward_step(
     cache: Cache,
     fed: jax.Array,
     packed: jax.Array,
+    images: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[ForwardOutput, Cache]:
     """The model over one step. ``outer`` is the model without its layers, ``layers`` each layer's
     leaves (flattened once by the executor: a tuple of arrays flattens in C++, equinox modules in
@@ -131,13 +132,15 @@ def forward_step(
     sampling rows, which go on to the head as outputs). ``fed`` [F] holds the previous step's sampled tokens
     (F = max_num_seqs + 1 rows, whatever its bucket): tokens still in flight on the host are taken
     from it. ``pool`` (static): the deployment embeds, so the pooled sums are computed (a
-    ``segment_sum``: cheap beside the layers, so no step decides it on the device)."""
+    ``segment_sum``: cheap beside the layers, so no step decides it on the device). ``images``: a
+    step holding image tokens (its own executable, ``("forward_images", shape)``): (embeddings
+    [T, embed], mask [T]) replacing the token embeddings of the flat tokens the mask marks."""
     if replicated is not None:
         packed = jax.lax.with_sharding_constraint(packed, replicated)
     flat, ints, floats = split_step(packed, shape)
     tokens, batch, sample_idx, following, feed, pool_rows = unpack_step(flat, shape)
     tokens = jnp.where(feed >= 0, fed[jnp.maximum(feed, 0)], tokens)
-    x, cache = _forward(shape, treedef, cache_sharding, outer, layers, cache, tokens, batch)
+    x, cache = _forward(shape, treedef, cache_sharding, outer, layers, cache, tokens, batch, images)
     n1 = shape.singles
     hidden = x.rearrange((BATCH, POS, "embed")).array[0]  # [T, embed]
     if pool:
@@ -321,9 +324,10 @@ def _forward(
     cache: Cache,
     tokens: jax.Array,
     batch: RaggedBatch,
+    images: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[hax.NamedArray, Cache]:
     """Inside the jit: the hidden states [1, T, embed] of the flat ``tokens`` [T] after every decoder
-    layer, and the cache with their K/V written."""
+    layer, and the cache with their K/V written; ``images`` as ``forward_step``'s."""
     if isinstance(cache, KernelKVCache):  # the TPU kernel's per-sequence view of the rows, once per step
         batch = batch.with_kernel(kernel_meta(batch, shape.tokens))
     elif outer.attention_backend == "pallas_gpu":
@@ -331,6 +335,9 @@ def _forward(
     elif outer.attention_backend == "pallas_gpu_ragged":
         batch = batch.with_ragged_kernel()
     x = outer.embed_tokens(tokens[None])  # one row of T tokens: [1, T, embed]
+    if images is not None:  # image tokens take the vision tower's embeddings (after any embedding scale)
+        embeds, mask = images
+        x = hax.named(jnp.where(mask[None, :, None], embeds[None].astype(x.dtype), x.array), x.axes)
     kinds = outer.spec.layer_kinds()
     for i, leaves in enumerate(layers):
         x, cache = _layer(outer.spec, kinds[i], treedef, leaves, x, batch, cache, cache_sharding, jnp.int32(i))

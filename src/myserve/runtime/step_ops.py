@@ -109,6 +109,11 @@ class StepCall(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True
     weights: int = 0
     """The weight slot the step runs on (two while a new version of the weights replaces the old
     one: ``core/engine_weights.py``)."""
+    images: np.ndarray | None = None
+    """float32 [T, embed]: the vision tower's embeddings of the step's image tokens, at their flat
+    positions (zeros elsewhere); None when the step holds none (``("forward_images", shape)`` runs it)."""
+    image_mask: np.ndarray | None = None
+    """bool [T]: which flat tokens take their embedding from ``images``."""
 
 
 class WriteAdapter(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):

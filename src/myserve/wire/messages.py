@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
+from myserve.wire.images import ImageInput
 from myserve.wire.outputs import EngineStats, RequestOutput
 from myserve.wire.params import SamplingParams
 from myserve.wire.pooling import Pooler
@@ -26,6 +27,8 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     params: SamplingParams
     front_end: int = 0
     """Which front end sent it (``--api-server-count``): the one its outputs go back to."""
+    images: list[ImageInput] = msgspec.field(default_factory=list)
+    """The prompt's images, preprocessed, in prompt order (a vision-language model's)."""
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):

@@ -1,0 +1,122 @@
+"""Images in the engine core (host side, no JAX): where a sequence's image tokens sit, what the
+prefix cache hashes in their place, and which embeddings a step's flat tokens take.
+
+A prompt carries an image as a run of the model's image token (``ImageInput.offset``,
+``length``). The vision tower's output for it (``runtime/image_encoder.py``, cached by the image's
+content key) replaces those tokens' embeddings in every step that computes them: a prefill
+chunk, a chunk of it, or its recompute after preemption. Page hashes see a value derived from the
+image's key at each of its positions instead of the placeholder token, so a cached page holding
+image tokens is found again only for the same image at the same place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from myserve.wire.images import ImageInput
+from myserve.wire.params import InvalidParams
+
+_POSITION_BITS = 20
+"""Bits of an image's hash values that number its positions (images of up to ~1M tokens)."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImageSpan:
+    """One image of a sequence: its placeholder run ``offset .. offset + length`` and the token
+    embeddings [length, embed] (float32, the vision tower's output) those positions take."""
+
+    key: str
+    offset: int
+    length: int
+    embeddings: np.ndarray
+
+    @property
+    def stop(self) -> int:
+        """The position after its last token."""
+        return self.offset + self.length
+
+    def hash_values(self) -> np.ndarray:
+        """int64 [length]: what page hashes see at its positions instead of the image token. Negative,
+        so never a token id; distinct per image key and position."""
+        base = int(self.key[:10], 16) & ((1 << 40) - 1)  # 40 bits of the content hash
+        return -1 - ((base << _POSITION_BITS) | np.arange(self.length, dtype=np.int64))
+
+
+class ImageEncoding(Protocol):
+    """What the engine core needs of a vision tower (``runtime/image_encoder.py``)."""
+
+    image_token_id: int
+    tokens_per_image: int
+    image_shape: tuple[int, ...]
+    """The pixels' shape the tower takes (channels, height, width)."""
+
+    def embeddings(self, image: ImageInput) -> np.ndarray:
+        """float32 [tokens_per_image, embed] of ``image`` (from the encoder cache, or encoded now)."""
+        ...
+
+
+def check_images(
+    prompt: Sequence[int], images: Sequence[ImageInput], encoder: ImageEncoding | None, limit: int | None = None
+) -> None:
+    """Refuse images a model cannot take, or placeholders that do not match them: every image's run
+    of image tokens inside the prompt, in order, not overlapping, and no image token elsewhere."""
+    if not images:
+        if encoder is not None and encoder.image_token_id in prompt:
+            raise InvalidParams("messages", "the prompt holds image tokens but no image")
+        return
+    if encoder is None:
+        raise InvalidParams("messages", "this model does not take images")
+    if limit is not None and len(images) > limit:
+        raise InvalidParams("messages", f"at most {limit} images per prompt")
+    expected = np.zeros(len(prompt), bool)
+    end = 0
+    for image in images:
+        if tuple(image.shape) != encoder.image_shape or len(image.pixels) != 4 * int(np.prod(image.shape)):
+            raise InvalidParams("messages", f"an image's pixels must be float32 of shape {encoder.image_shape}")
+        if image.length != encoder.tokens_per_image:
+            raise InvalidParams("messages", f"an image takes {encoder.tokens_per_image} tokens, not {image.length}")
+        # (Not the prompt's last token either: a one-token chunk of it could be planned as a decode.)
+        if image.offset < end or image.offset + image.length >= len(prompt):
+            raise InvalidParams("messages", "image placeholders out of order, outside the prompt, or at its end")
+        expected[image.offset : image.offset + image.length] = True
+        end = image.offset + image.length
+    actual = np.asarray(prompt, np.int64) == encoder.image_token_id
+    if not np.array_equal(actual, expected):
+        raise InvalidParams("messages", "the prompt's image tokens do not match its images")
+
+
+def hash_tokens(tokens: list[int], start: int, images: Iterable[ImageSpan]) -> list[int]:
+    """``tokens`` (positions ``start ..``) with each image position's hash value in place of its token."""
+    stop = start + len(tokens)
+    out = tokens
+    for image in images:
+        lo, hi = max(start, image.offset), min(stop, image.stop)
+        if lo < hi:
+            if out is tokens:
+                out = list(tokens)
+            out[lo - start : hi - start] = image.hash_values()[lo - image.offset : hi - image.offset].tolist()
+    return out
+
+
+def step_images(
+    placed: Iterable[tuple[Sequence[ImageSpan], int, int, int]], tokens: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """A step's image embeddings [tokens, embed] and mask [tokens] from its chunks, each given as
+    (its sequence's images, its first position, its length, its first flat index); None when no
+    chunk computes an image token."""
+    out: tuple[np.ndarray, np.ndarray] | None = None
+    for images, start, n, at in placed:
+        for image in images:
+            lo, hi = max(start, image.offset), min(start + n, image.stop)
+            if lo >= hi:
+                continue
+            if out is None:
+                out = np.zeros((tokens, image.embeddings.shape[1]), np.float32), np.zeros(tokens, bool)
+            rows = slice(at + lo - start, at + hi - start)
+            out[0][rows] = image.embeddings[lo - image.offset : hi - image.offset]
+            out[1][rows] = True
+    return out

@@ -1,0 +1,154 @@
+"""Vision towers of vision-language checkpoints, in JAX: what turns an image into the language
+model's input embeddings at the image's placeholder positions.
+
+LLaVA (``model_type: llava``): a CLIP vision transformer (patch embedding, class token, learned
+positions, pre-norm encoder layers with ``quick_gelu`` MLPs), whose hidden states after layer
+``vision_feature_layer`` (-2: the one before the last; the final norm is not applied) are taken
+without the class token (``vision_feature_select_strategy: default``; ``full`` keeps it), then a
+two-layer MLP projector (``linear_1``, GELU, ``linear_2``) into the text model's width.
+
+The tower is small beside the language model and runs once per distinct image (the engine caches
+its output by the image's content hash: ``runtime/image_encoder.py``), so its weights are plain
+arrays replicated on the mesh, not haliax-named and sharded like the decoder's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from myserve.errors import CheckpointError
+from myserve.models.vision_spec import VisionSpec
+
+
+class _Source(Protocol):
+    def has(self, hf_name: str) -> bool: ...
+
+    def read(self, hf_name: str) -> np.ndarray: ...
+
+
+_TOWER_PREFIXES = (
+    "vision_tower.vision_model.",
+    "vision_tower.",
+    "model.vision_tower.vision_model.",
+    "model.vision_tower.",
+)
+_PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
+
+Tower = dict[str, Any]
+"""The tower's weights as a pytree of arrays: ``embed``, ``layers`` (a list) and ``projector``."""
+
+
+def read_tower(source: _Source, spec: VisionSpec, dtype: Any) -> Tower:
+    """The tower's and projector's weights from a checkpoint (either of transformers' namings), as
+    host arrays of ``dtype`` with each projection transposed to [in, out]."""
+    tower = _prefix(source, _TOWER_PREFIXES, "embeddings.patch_embedding.weight")
+    projector = _prefix(source, _PROJECTOR_PREFIXES, "linear_1.weight")
+
+    def get(name: str) -> np.ndarray:
+        return np.asarray(source.read(name), np.float32).astype(dtype)
+
+    def linear(name: str, bias: bool = True) -> dict[str, np.ndarray]:
+        out = {"w": get(f"{name}.weight").T}
+        if bias:
+            out["b"] = get(f"{name}.bias")
+        return out
+
+    def norm(name: str) -> dict[str, np.ndarray]:
+        return {"w": get(f"{name}.weight"), "b": get(f"{name}.bias")}
+
+    patch = get(f"{tower}embeddings.patch_embedding.weight")  # [hidden, 3, p, p]
+    layers = []
+    for i in range(spec.layers_run):
+        p = f"{tower}encoder.layers.{i}."
+        layers.append(
+            {
+                "norm1": norm(p + "layer_norm1"),
+                "q": linear(p + "self_attn.q_proj"),
+                "k": linear(p + "self_attn.k_proj"),
+                "v": linear(p + "self_attn.v_proj"),
+                "o": linear(p + "self_attn.out_proj"),
+                "norm2": norm(p + "layer_norm2"),
+                "fc1": linear(p + "mlp.fc1"),
+                "fc2": linear(p + "mlp.fc2"),
+            }
+        )
+    return {
+        "embed": {
+            "patch": patch.reshape(patch.shape[0], -1).T,  # [3 * p * p, hidden], (channel, row, column) order
+            "cls": get(f"{tower}embeddings.class_embedding"),
+            "pos": get(f"{tower}embeddings.position_embedding.weight"),
+            "pre_norm": norm(f"{tower}pre_layrnorm"),
+        },
+        "layers": layers,
+        "projector": {
+            "linear_1": linear(f"{projector}linear_1", spec.projector_bias),
+            "linear_2": linear(f"{projector}linear_2", spec.projector_bias),
+        },
+    }
+
+
+def _prefix(source: _Source, prefixes: tuple[str, ...], probe: str) -> str:
+    for prefix in prefixes:
+        if source.has(prefix + probe):
+            return prefix
+    raise CheckpointError(f"the checkpoint has no vision weights (looked for {prefixes[0]}{probe} and others)")
+
+
+def encode_images(spec: VisionSpec, tower: Tower, pixels: jax.Array) -> jax.Array:
+    """Images [N, 3, S, S] (the processor's normalized pixels) to their token embeddings
+    [N, tokens_per_image, text_hidden_size] in the tower's dtype (inside a jit)."""
+    n, c, s, _ = pixels.shape
+    p = spec.patch_size
+    g = s // p
+    dtype = tower["embed"]["patch"].dtype
+    # Non-overlapping patches: the stride-p convolution as one matmul over (channel, row, column).
+    patches = pixels.astype(dtype).reshape(n, c, g, p, g, p).transpose(0, 2, 4, 1, 3, 5).reshape(n, g * g, c * p * p)
+    x = patches @ tower["embed"]["patch"]
+    cls = jnp.broadcast_to(tower["embed"]["cls"], (n, 1, x.shape[-1]))
+    x = jnp.concatenate([cls, x], axis=1) + tower["embed"]["pos"][None]
+    x = _layer_norm(x, tower["embed"]["pre_norm"], spec.layer_norm_eps)
+    for layer in tower["layers"]:
+        x = _encoder_layer(spec, layer, x)
+    features = x if spec.keep_class_token else x[:, 1:]
+    proj = tower["projector"]
+    h = _activation(_linear(features, proj["linear_1"]), spec.projector_act)
+    return _linear(h, proj["linear_2"])
+
+
+def _encoder_layer(spec: VisionSpec, layer: Tower, x: jax.Array) -> jax.Array:
+    """One pre-norm CLIP encoder layer: full (bidirectional) attention over the image's tokens, then the MLP."""
+    n, t, d = x.shape
+    heads, hd = spec.num_heads, d // spec.num_heads
+    h = _layer_norm(x, layer["norm1"], spec.layer_norm_eps)
+    q, k, v = (_linear(h, layer[name]).reshape(n, t, heads, hd) for name in ("q", "k", "v"))
+    scores = jnp.einsum("nqhd,nkhd->nhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    attn = jnp.einsum("nhqk,nkhd->nqhd", weights, v).reshape(n, t, d)
+    x = x + _linear(attn, layer["o"])
+    h = _layer_norm(x, layer["norm2"], spec.layer_norm_eps)
+    return x + _linear(_activation(_linear(h, layer["fc1"]), spec.hidden_act), layer["fc2"])
+
+
+def _linear(x: jax.Array, weights: Tower) -> jax.Array:
+    y = x @ weights["w"]
+    return y + weights["b"] if "b" in weights else y
+
+
+def _layer_norm(x: jax.Array, weights: Tower, eps: float) -> jax.Array:
+    """LayerNorm in float32 (as transformers' on float32 inputs), returned in x's dtype."""
+    xf = x.astype(jnp.float32)
+    mean = xf.mean(-1, keepdims=True)
+    var = ((xf - mean) ** 2).mean(-1, keepdims=True)
+    out = (xf - mean) * jax.lax.rsqrt(var + eps) * weights["w"].astype(jnp.float32) + weights["b"].astype(jnp.float32)
+    return out.astype(x.dtype)
+
+
+def _activation(x: jax.Array, name: str) -> jax.Array:
+    if name == "quick_gelu":  # CLIP's: x * sigmoid(1.702 x)
+        return x * jax.nn.sigmoid(1.702 * x)
+    return jax.nn.gelu(x, approximate=name == "gelu_pytorch_tanh")
