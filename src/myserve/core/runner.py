@@ -242,8 +242,9 @@ class ModelRunner:
         with_images = [
             (c.seq.images, c.start, c.num_tokens, int(at))
             for c, at in zip(chunks, offsets, strict=False)
-            if c.seq.images
+            if c.seq.images and c.start < c.seq.images[-1].stop  # (decodes come after every image)
         ]
+        assert not (with_images and several), "several-token decodes are planned only in steps without prefills"
         shape: StepShape | None = None
         if not with_images and (several or (self.decode_steps == 1 and self._decodes_only(batch))):
             # One call for the step: one-token rows only, each decoding its own count of tokens

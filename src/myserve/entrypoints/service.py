@@ -13,13 +13,19 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Self
 
 from myserve.core.engine_core import EngineCore
+from myserve.frontend.images import ImageSupport
 from myserve.frontend.output_processor import OutputProcessor
 from myserve.frontend.output_thread import OutputThread
 from myserve.frontend.stream import RequestStream, settle
 from myserve.wire.images import ImageInput
 from myserve.wire.params import SamplingParams
+
+if TYPE_CHECKING:
+    from myserve.runtime.deployment import Deployment
+    from myserve.runtime.executor import Executor
 
 
 class GenerationService(EngineCore):
@@ -30,6 +36,15 @@ class GenerationService(EngineCore):
         self.processor = OutputProcessor(self.tokenizer, abort_choice=self.abort)
         self.outputs = OutputThread(self.processor)  # detokenizing off the engine thread
         self.sink = self.outputs.put
+        self.images: ImageSupport | None = None
+        """The front end's image input of a vision-language model (``from_deployment`` sets it)."""
+
+    @classmethod
+    def from_deployment(cls, dep: Deployment, executors: Sequence[Executor] | None = None) -> Self:
+        """A service (not yet started) for a loaded deployment, with its model's image input."""
+        service = super().from_deployment(dep, executors)
+        service.images = ImageSupport.load(dep.checkpoint_dir, dep.config.model)
+        return service
 
     def shutdown(self) -> None:
         """Stop the engine thread (in-flight requests are aborted), then the output thread once it

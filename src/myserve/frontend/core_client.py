@@ -24,12 +24,14 @@ import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from myserve.errors import ConfigError
 from myserve.frontend.core_admin import CoreAdmin
+from myserve.frontend.images import ImageSupport
 from myserve.frontend.output_processor import OutputProcessor
 from myserve.frontend.peer_guard import PeerGuard
 from myserve.frontend.stream import RequestStream, settle
@@ -126,6 +128,8 @@ class EngineClient(CoreAdmin):
         self._started = threading.Event()
         self._startup_error: BaseException | None = None
         self._tokenizer: Tokenizer | None = None
+        self.images: ImageSupport | None = None
+        """A vision-language model's image input (set with the tokenizer: ``wait_loaded``)."""
         self._tokenizer_error: BaseException | None = None
 
         def load() -> None:
@@ -192,6 +196,7 @@ class EngineClient(CoreAdmin):
         self._tokenizer_thread.join()
         if self._tokenizer_error is not None:
             raise self._tokenizer_error
+        self.images = ImageSupport.load(_checkpoint_dir(self.config), self.config.model)
         self.processor = OutputProcessor(self.tokenizer, abort_choice=self.abort)
         # Validation only: the core compiles each grammar again for its matchers.
         self.grammars = LazyGrammars(self.tokenizer.hf, self.vocab_size, self.tokenizer.eos_token_ids)
@@ -445,3 +450,11 @@ class EngineClient(CoreAdmin):
         """Remove the ipc socket files, if any (the front end that started the core owns them all)."""
         if self._owner and self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _checkpoint_dir(config: Config) -> Path | None:
+    """The served checkpoint's directory (None for a single file: a GGUF), found without JAX."""
+    from myserve.models.checkpoint import resolve_checkpoint
+
+    path = resolve_checkpoint(config.model.checkpoint).path
+    return path if path.is_dir() else None

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from myserve.frontend.images import ImageSupport
 from myserve.frontend.stream import RequestStream
 from myserve.tokenizer import Tokenizer
 from myserve.wire.images import ImageInput
@@ -29,6 +30,8 @@ class Engine(Protocol):
     """How the model makes embeddings (None: it serves none)."""
     generation_defaults: dict[str, float]
     """Sampling defaults for fields a request leaves out (the model's generation config)."""
+    images: ImageSupport | None
+    """A vision-language model's image input (its processor and limits); None: text only."""
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -214,7 +214,8 @@ def _submit_all(context: AppContext, response: ResponseContext, grammar_field: s
                 room = context.engine.max_model_len - len(ids)
                 bound = min(int(max_new), room) if params.max_tokens is None else min(int(max_new), params.max_tokens)
                 params = dataclasses.replace(params, max_tokens=max(1, bound))
-            streams.append(context.engine.submit(ids, params, request_id=f"{response.request_id}-{i}"))
+            images = response.images if i == 0 else ()  # (a chat has one prompt; it holds them)
+            streams.append(context.engine.submit(ids, params, request_id=f"{response.request_id}-{i}", images=images))
     except BaseException as e:
         for s in streams:
             s.close()

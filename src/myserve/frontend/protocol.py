@@ -189,6 +189,26 @@ class TextPart(_Request):
     text: str
 
 
+class ImageURL(_Request):
+    """Where an image part's image is: a ``data:`` URL (base64 PNG, JPEG, WebP...), or an
+    ``http(s)://`` / ``file://`` URL the server is configured to read."""
+
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+    """OpenAI's resolution hint; the model's own processor decides the size here."""
+
+
+class ImagePart(_Request):
+    """An image part of a message's content list (a vision-language model's input)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+type ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+"""A part of a message's content list."""
+
+
 class FunctionCall(_Request):
     """The function an assistant message called: its name and its arguments as JSON text."""
 
@@ -247,7 +267,7 @@ class ChatMessage(_Request):
     )
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
+    content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
     """Required (not null) except on assistant messages, which may carry only tool calls."""
     name: str | None = None
     tool_call_id: str | None = None
@@ -257,7 +277,7 @@ class ChatMessage(_Request):
 
     @field_validator("content")
     @classmethod
-    def _required_unless_assistant(cls, value: str | list[TextPart] | None, info: ValidationInfo) -> Any:
+    def _required_unless_assistant(cls, value: str | list[ContentPart] | None, info: ValidationInfo) -> Any:
         role = info.data.get("role")
         if value is None and role is not None and role != "assistant":
             raise ValueError(f"a {role} message must have content")
@@ -269,7 +289,13 @@ class ChatMessage(_Request):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def image_urls(self) -> list[str]:
+        """The URLs of its image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
 
 
 class ChatTemplateFields(_Request):

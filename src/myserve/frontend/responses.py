@@ -27,6 +27,7 @@ from myserve.frontend.output_streams import merged, sum_usage, until
 from myserve.frontend.request_log import RequestLog
 from myserve.frontend.sse import sse_event
 from myserve.frontend.stream import RequestStream
+from myserve.wire.images import ImageInput
 from myserve.wire.outputs import RequestOutput, Usage
 from myserve.wire.params import SamplingParams
 
@@ -82,6 +83,8 @@ class ResponseContext:
     """vLLM's ``prompt_logprobs`` field: top logprobs per prompt token in the body (None: not asked)."""
     token_ids_as_text: bool = False
     """Logprobs name tokens ``token_id:<id>`` (``return_tokens_as_token_ids``)."""
+    images: tuple[ImageInput, ...] = ()
+    """Chat with images: the one prompt's images, its placeholders already expanded."""
     request_id: str = dataclasses.field(init=False)
     """``chatcmpl-…``, ``cmpl-…`` or ``resp_…``; the engine requests are ``<request_id>-<prompt index>``."""
     created: int = dataclasses.field(init=False, default_factory=lambda: int(time.time()))

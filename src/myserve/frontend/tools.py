@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from myserve.frontend.errors import APIError
-from myserve.frontend.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from myserve.frontend.protocol import ChatCompletionRequest, ChatMessage, ImagePart, NamedToolChoice
 from myserve.frontend.tool_parsers import NamedCallParser, RequiredCallsParser, ToolParser
 from myserve.grammar import GrammarSpec
 
@@ -102,7 +102,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     arguments as objects (what HF templates expect), a tool message's ``tool_call_id``."""
     out = []
     for m in messages:
-        d: dict[str, Any] = {"role": m.role, "content": m.text()}
+        d: dict[str, Any] = {"role": m.role, "content": _template_content(m)}
         if m.name is not None:
             d["name"] = m.name
         if m.tool_call_id is not None:
@@ -118,6 +118,14 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             ]
         out.append(d)
     return out
+
+
+def _template_content(m: ChatMessage) -> str | list[dict[str, str]]:
+    """A message's content as templates take it: its text, or, when it holds images, its parts in
+    order (``{"type": "image"}`` where the template writes the model's image placeholder)."""
+    if not isinstance(m.content, list) or not any(isinstance(p, ImagePart) for p in m.content):
+        return m.text()
+    return [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text} for p in m.content]
 
 
 def _arguments_object(arguments: str) -> Any:

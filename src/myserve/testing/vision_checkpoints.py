@@ -34,7 +34,7 @@ def make_tiny_llava(directory: Path, *, seed: int = 0) -> Path:
 
     hf_tokenizer = Tokenizer.load(bundled_gguf_path()).hf
     hf_tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-    image_token_id = hf_tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    image_token_id = int(hf_tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))  # type: ignore[arg-type]
     hf_tokenizer.chat_template = LLAVA_TEMPLATE
     vision = transformers.CLIPVisionConfig(
         hidden_size=32,

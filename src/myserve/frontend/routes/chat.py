@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -17,6 +18,7 @@ from myserve.frontend.responses import ResponseContext
 from myserve.frontend.served_models import Models
 from myserve.frontend.structured import request_grammar
 from myserve.frontend.tools import ToolPlan, plan_tools
+from myserve.wire.images import ImageInput
 from myserve.wire.params import MAX_TOP_LOGPROBS
 
 router = APIRouter()
@@ -27,18 +29,35 @@ router = APIRouter()
 async def chat_completions(req: ChatCompletionRequest, request: Request, models: Models) -> Response:
     context = models.resolve(req.model)
     expires = admit(context, req, request)
-    response, param = prepare_chat(context, req, expires)
+    pixels = await chat_images(context, req)
+    response, param = prepare_chat(context, req, expires, pixels=pixels)
     return await respond(context, request, response, req.stream, param)
 
 
+async def chat_images(context: AppContext, req: ChatCompletionRequest) -> list[np.ndarray]:
+    """The preprocessed pixels of the messages' image parts, in order (``frontend/images.py``); a
+    400 for images sent to a model that takes none."""
+    urls = [url for m in req.messages for url in m.image_urls()]
+    if not urls:
+        return []
+    support = context.engine.images
+    if support is None:
+        raise APIError(400, "this model does not take images", param="messages", code="invalid_value")
+    return await support.pixels(urls)
+
+
 def prepare_chat(
-    context: AppContext, req: ChatCompletionRequest, expires: float | None, kind: str = "chat"
+    context: AppContext,
+    req: ChatCompletionRequest,
+    expires: float | None,
+    kind: str = "chat",
+    pixels: Sequence[np.ndarray] = (),
 ) -> tuple[ResponseContext, str]:
     """A chat request made ready to submit: checked (400 naming the field), its constraint and tool
     plan made, its messages rendered with the chat template, its sampling parameters set. Returns the
     response's context (``kind``: its shape, ``"chat"`` or ``"responses"``) and the request field
     that errors about its grammar name. The Responses API's route comes here too, through a chat
-    request made of its input."""
+    request made of its input. ``pixels``: the image parts' (``chat_images``), in order."""
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -74,10 +93,18 @@ def prepare_chat(
         grammar_after=after if grammar is not None and state != "content" else (),
         skip_special_tokens=False if plan.keeps_special_tokens else None,
     )
+    prompt, images = context.encode_chat(text), list[ImageInput]()
+    if pixels:
+        assert context.engine.images is not None, "chat_images refuses images for a text-only model"
+        if req.truncate_prompt_tokens:
+            message = "truncate_prompt_tokens cannot cut a prompt holding images"
+            raise APIError(400, message, param="truncate_prompt_tokens", code="invalid_value")
+        prompt, images = context.engine.images.expand(prompt, pixels)
     response = ResponseContext(
         kind=kind,
         model=req.model,  # the name the client used (an alias stays an alias)
-        prompts=context.truncate([context.encode_chat(text)], req.truncate_prompt_tokens),
+        prompts=context.truncate([prompt], req.truncate_prompt_tokens),
+        images=tuple(images),
         params=params,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         deadline=expires,

@@ -1,0 +1,260 @@
+"""LLaVA served: images in chat messages through the real HTTP app give transformers' greedy tokens
+and logprobs; the same image is encoded once and its pages come from the prefix cache; another
+image never shares them; bad images are 400s and the server keeps serving."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from test_server import LiveServer
+
+from myserve.frontend.app import create_app
+from myserve.testing import TINY_ENGINE, start_service
+from myserve.testing.vision_checkpoints import make_tiny_llava
+
+MAX_TOKENS = 8
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    """A PNG the test draws: a background, a rectangle and an ellipse in colours from ``seed``."""
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    colours = [tuple(int(c) for c in rng.integers(0, 256, 3)) for _ in range(3)]
+    image = Image.new("RGB", (width, height), colours[0])
+    if min(width, height) < 8:  # too small to draw on
+        return _saved(image)
+    draw = ImageDraw.Draw(image)
+    draw.rectangle((width // 8, height // 6, width // 2, height // 2), fill=colours[1])
+    draw.ellipse((width // 3, height // 3, width - 2, height - 2), fill=colours[2])
+    return _saved(image)
+
+
+def _saved(image: Any) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64,{base64.b64encode(data).decode()}"
+
+
+def image_part(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+SIZES = {"a": (40, 50, 1), "b": (64, 32, 2), "c": (33, 33, 3), "d": (48, 48, 5)}
+"""Width, height and colour seed of each image the tests draw (each resized differently)."""
+IMAGES = {name: png(w, h, seed) for name, (w, h, seed) in SIZES.items()}
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llava(tmp_path_factory.mktemp("llava") / "tiny-llava")
+
+
+@pytest.fixture(scope="module")
+def hf_llava(llava_dir: Path):
+    import torch
+    import transformers
+
+    return transformers.LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llava_service(llava_dir: Path):
+    svc = start_service(llava_dir, *TINY_ENGINE, "engine.num_pages=128", f"model.tokenizer={llava_dir}")
+    yield svc
+    svc.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(llava_service):
+    live = LiveServer(create_app(llava_service, served_model_name="llava"))
+    yield live
+    live.stop()
+
+
+def reference(llava_dir: Path, hf_llava, messages: list[dict[str, Any]]) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and their logprobs for a chat of ``messages`` (OpenAI shape)."""
+    import torch
+    import transformers
+
+    from myserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(llava_dir)
+    processor = transformers.AutoImageProcessor.from_pretrained(llava_dir, backend="pil")
+    template_messages, images = [], []
+    for m in messages:
+        if isinstance(m["content"], str):
+            template_messages.append(m)
+            continue
+        parts = []
+        for p in m["content"]:
+            if p["type"] == "text":
+                parts.append(p)
+            else:
+                parts.append({"type": "image"})
+                images.append(base64.b64decode(p["image_url"]["url"].split(",", 1)[1]))
+        template_messages.append({"role": m["role"], "content": parts})
+    ids = tok.encode(tok.render_chat(template_messages), add_special_tokens=False)
+    token = hf_llava.config.image_token_index
+    expanded: list[int] = []
+    for t in ids:
+        expanded += [token] * 25 if t == token else [t]
+    kwargs: dict[str, Any] = {}
+    if images:
+        from PIL import Image
+
+        pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+        kwargs["pixel_values"] = torch.tensor(processor(images=pil, return_tensors="np")["pixel_values"])
+    with torch.no_grad():
+        out = hf_llava.generate(
+            torch.tensor([expanded]),
+            attention_mask=torch.ones(1, len(expanded), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            eos_token_id=None,
+            **kwargs,
+        )
+    new = out.sequences[0, len(expanded) :].tolist()
+    logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, new, strict=True)]
+    return new, logprobs
+
+
+def chat(url: str, messages: list[dict[str, Any]], **extra: Any) -> httpx.Response:
+    body = {
+        "model": "llava",
+        "messages": messages,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 1,
+        "return_tokens_as_token_ids": True,
+        **extra,
+    }
+    return httpx.post(f"{url}/v1/chat/completions", json=body)
+
+
+def served(response: httpx.Response) -> tuple[list[int], list[float]]:
+    assert response.status_code == 200, response.text
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    return [int(e["token"].split(":")[1]) for e in content], [e["logprob"] for e in content]
+
+
+def messages_with(*images: str, text: str = "What is in the picture?") -> list[dict[str, Any]]:
+    parts = [image_part(data_url(IMAGES[name])) for name in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+@pytest.mark.parametrize("images", [(), ("a",), ("a", "b")], ids=["no-image", "one-image", "two-images"])
+def test_greedy_tokens_and_logprobs_equal_transformers(images, server, llava_dir, hf_llava) -> None:
+    messages = messages_with(*images) if images else [{"role": "user", "content": "Describe a picture."}]
+    want, want_lps = reference(llava_dir, hf_llava, messages)
+    got, got_lps = served(chat(server.url, messages))
+    assert got == want
+    np.testing.assert_allclose(got_lps, want_lps, atol=2e-4)
+
+
+def test_the_images_change_the_answer(server) -> None:
+    """A test of the tests: the tower's embeddings reach the step (other images, other tokens)."""
+    names = ("a", "b", "c")
+    answers = {name: served(chat(server.url, messages_with(name, text="Which?")))[0] for name in names}
+    assert len({tuple(a) for a in answers.values()}) == len(names)
+
+
+def test_the_same_image_again_is_neither_encoded_nor_prefilled(server, llava_service, llava_dir, hf_llava) -> None:
+    messages = messages_with("c", text="And now?")
+    first = chat(server.url, messages)
+    encoded = llava_service.image_encoder.encoded
+    second = chat(server.url, messages)
+    (tokens, lps), (again, again_lps) = served(first), served(second)
+    assert again == tokens
+    np.testing.assert_allclose(again_lps, lps, atol=1e-4)  # (a cached prefix: other shapes, other rounding)
+    assert llava_service.image_encoder.encoded == encoded  # nothing encoded for the second
+    cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 25  # the image's pages came from the prefix cache (page size 8)
+    # The same text with an image never sent before: no page holding an image token is shared
+    # (the image starts inside the first page of 8), and the answer is that image's.
+    other = chat(server.url, messages_with("d", text="And now?"))
+    assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    want, _ = reference(llava_dir, hf_llava, messages_with("d", text="And now?"))
+    assert served(other)[0] == want
+
+
+def test_the_openai_sdk_sends_image_parts(server) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    messages: Any = messages_with("b")
+    reply = client.chat.completions.create(model="llava", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    stream = client.chat.completions.create(
+        model="llava", messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert reply.choices[0].message.content == streamed and reply.usage is not None
+    assert reply.usage.prompt_tokens > 25
+
+
+def truncated_png() -> bytes:
+    data = IMAGES["a"]
+    return data[: len(data) // 2]
+
+
+def huge_png() -> bytes:
+    """A 20000 x 20000 PNG of one colour: small on the wire, 400 M pixels decoded."""
+    import struct
+    import zlib
+
+    width = height = 20000
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit greyscale
+    rows = zlib.compress(b"\x00" * (width + 1) * 64)  # a few rows: the header alone must refuse it
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", rows) + chunk(b"IEND", b"")
+
+
+BAD = {
+    "not-base64": ["data:image/png;base64,@@@not base64@@@"],
+    "truncated-png": [data_url(truncated_png())],
+    "one-pixel": [data_url(png(1, 1, 4))],
+    "huge": [data_url(huge_png())],
+    "too-many": [data_url(IMAGES["a"])] * 5,
+    "forbidden-host": ["https://example.com/cat.png"],
+    "local-file": ["file:///etc/passwd"],
+    "not-an-image": [data_url(b"GIF89a but not really")],
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_images_are_400s_and_the_server_keeps_serving(case: str, server) -> None:
+    messages = [{"role": "user", "content": [*(image_part(u) for u in BAD[case]), {"type": "text", "text": "hi"}]}]
+    response = chat(server.url, messages)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and error["message"]
+    assert chat(server.url, messages_with("a")).status_code == 200
+
+
+def test_an_image_sent_to_a_text_model_is_a_400(tiny_service) -> None:
+    live = LiveServer(create_app(tiny_service, served_model_name="tiny"))
+    try:
+        body = {"model": "tiny", "messages": messages_with("a"), "max_tokens": 2}
+        response = httpx.post(f"{live.url}/v1/chat/completions", json=body)
+        assert response.status_code == 400
+        assert "does not take images" in response.json()["error"]["message"]
+    finally:
+        live.stop()
