@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 from test_server import LiveServer
 
 from myserve.frontend.app import create_app
-from myserve.testing import TINY_ENGINE, start_service
+from myserve.testing import TINY_ENGINE, start_client, start_service
 from myserve.testing.vision_checkpoints import make_tiny_llava
 
 MAX_TOKENS = 8
@@ -177,12 +178,14 @@ def test_the_images_change_the_answer(server) -> None:
 def test_the_same_image_again_is_neither_encoded_nor_prefilled(server, llava_service, llava_dir, hf_llava) -> None:
     messages = messages_with("c", text="And now?")
     first = chat(server.url, messages)
-    encoded = llava_service.image_encoder.encoded
+    encoded = llava_service.stats().images_encoded
     second = chat(server.url, messages)
     (tokens, lps), (again, again_lps) = served(first), served(second)
     assert again == tokens
     np.testing.assert_allclose(again_lps, lps, atol=1e-4)  # (a cached prefix: other shapes, other rounding)
-    assert llava_service.image_encoder.encoded == encoded  # nothing encoded for the second
+    assert llava_service.stats().images_encoded == encoded  # nothing encoded for the second
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert f'myserve:images_encoded_total{{model_name="llava"}} {float(encoded)}' in metrics
     cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= 25  # the image's pages came from the prefix cache (page size 8)
     # The same text with an image never sent before: no page holding an image token is shared
@@ -258,3 +261,62 @@ def test_an_image_sent_to_a_text_model_is_a_400(tiny_service) -> None:
         assert "does not take images" in response.json()["error"]["message"]
     finally:
         live.stop()
+
+
+@pytest.fixture(scope="module")
+def small_pool_server(llava_dir: Path):
+    """A second engine whose pool (24 pages of 8) cannot hold 8 running chats: decodes preempt."""
+    svc = start_service(
+        llava_dir, *TINY_ENGINE, "engine.num_pages=24", "model.max_model_len=192", f"model.tokenizer={llava_dir}"
+    )
+    live = LiveServer(create_app(svc, served_model_name="llava"))
+    yield svc, live
+    live.stop()
+    svc.shutdown()
+
+
+def test_concurrent_text_and_image_chats_with_preemption_equal_each_alone(small_pool_server) -> None:
+    import asyncio
+
+    svc, live = small_pool_server
+    names = [(), ("a",), ("b", "c"), ("d",)]
+    cases = [messages_with(*names[i % 4], text=f"Question {i}: what now?") for i in range(16)]
+
+    def body(messages: list[dict[str, Any]], n: int = 1) -> dict[str, Any]:
+        return {"model": "llava", "messages": messages, "max_tokens": 32, "temperature": 0, "ignore_eos": True, "n": n}
+
+    async def together() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=live.url, timeout=300) as client:
+            calls = [
+                client.post("/v1/chat/completions", json=body(m, n=2 if i == 5 else 1)) for i, m in enumerate(cases)
+            ]
+            return await asyncio.gather(*calls)
+
+    preempted = svc.stats().num_preemptions
+    responses = asyncio.run(together())
+    assert svc.stats().num_preemptions > preempted  # the pool was too small for all of them at once
+    for i, (messages, response) in enumerate(zip(cases, responses, strict=True)):
+        assert response.status_code == 200, response.text
+        alone = httpx.post(f"{live.url}/v1/chat/completions", json=body(messages)).json()
+        want = alone["choices"][0]["message"]["content"]
+        assert [c["message"]["content"] for c in response.json()["choices"]] == [want] * (2 if i == 5 else 1)
+
+
+def test_images_cross_the_wire_to_a_core_process(llava_dir, hf_llava) -> None:
+    """The engine core in its own process: the front end preprocesses, the pixels travel as typed
+    arrays (msgspec), the core encodes them."""
+    client = start_client(llava_dir, *TINY_ENGINE, "engine.num_pages=64", f"model.tokenizer={llava_dir}")
+    live = LiveServer(create_app(client, served_model_name="llava"))
+    try:
+        messages = messages_with("b", "a", text="Compare them.")
+        want, want_lps = reference(llava_dir, hf_llava, messages)
+        got, got_lps = served(chat(live.url, messages))
+        assert got == want
+        np.testing.assert_allclose(got_lps, want_lps, atol=2e-4)
+        deadline = time.monotonic() + 10  # (the core's counters come with its next report)
+        while client.stats().images_encoded < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.stats().images_encoded == 2
+    finally:
+        live.stop()
+        client.shutdown()

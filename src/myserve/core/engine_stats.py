@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import cast
 
+from myserve.core.images import ImageEncoding
 from myserve.core.replica import Replica
 from myserve.core.step_timer import StepTimer
 from myserve.grammar import matchers_alive
@@ -26,6 +27,7 @@ class EngineCounters:
     _compile_counts: Callable[[], tuple[int, int]]
     weight_swaps: int
     weights_info: dict[str, object]
+    image_encoder: ImageEncoding | None
 
     def _num_waiting(self) -> int:
         return sum(len(r.scheduler.waiting) for r in self.replicas)
@@ -67,6 +69,8 @@ class EngineCounters:
             host_tier_pages_used=sum(h.num_used for h in hosts),
             host_tier_pages_total=sum(h.num_slots for h in hosts),
             host_tier_saved_pages=sum(h.saved_pages for h in hosts),
+            images_encoded=self.image_encoder.encoded if self.image_encoder is not None else 0,
+            image_cache_hits=self.image_encoder.cache_hits if self.image_encoder is not None else 0,
             primed=all(r.runner.warmed_up and r.runner.primed for r in self.replicas),
         )
 

@@ -53,6 +53,10 @@ class ImageEncoding(Protocol):
     tokens_per_image: int
     image_shape: tuple[int, ...]
     """The pixels' shape the tower takes (channels, height, width)."""
+    encoded: int
+    """Images run through the tower so far."""
+    cache_hits: int
+    """Images whose embeddings came from the encoder cache."""
 
     def embeddings(self, image: ImageInput) -> np.ndarray:
         """float32 [tokens_per_image, embed] of ``image`` (from the encoder cache, or encoded now)."""

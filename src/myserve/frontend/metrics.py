@@ -174,6 +174,8 @@ class EngineCounters(Collector):
         ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
         ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
         ("myserve:weight_updates", "Versions of the weights switched to by live updates."),
+        ("myserve:images_encoded", "Images run through the vision tower."),
+        ("myserve:image_cache_hits", "Images whose embeddings came from the encoder cache."),
     )
     PER_POSITION = ("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.")
     WEIGHTS = (
@@ -208,6 +210,8 @@ class EngineCounters(Collector):
                 s.spec_draft_tokens,
                 s.spec_accepted_tokens,
                 s.weight_swaps,
+                s.images_encoded,
+                s.image_cache_hits,
             )
             for family, value in zip(totals, values, strict=True):
                 assert isinstance(family, CounterMetricFamily)

@@ -136,6 +136,10 @@ class EngineStats:
     """Pages it can hold (0: no host tier)."""
     host_tier_saved_pages: int = 0
     """Pages copied to it so far (evicted from the device)."""
+    images_encoded: int = 0
+    """Images run through the vision tower since start (a vision-language model's)."""
+    image_cache_hits: int = 0
+    """Images whose embeddings came from the encoder cache instead."""
     primed: bool = False
     """Whether every step executable has run once (``ModelRunner.primed``); until then the idle engine
     runs them one at a time, and a request that arrives waits for the one in progress."""
