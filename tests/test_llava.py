@@ -210,6 +210,23 @@ def test_the_openai_sdk_sends_image_parts(server) -> None:
     assert reply.usage.prompt_tokens > 25
 
 
+def test_the_responses_api_takes_input_image(server) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    content: Any = [
+        {"type": "input_image", "image_url": data_url(IMAGES["b"])},
+        {"type": "input_text", "text": "What is in the picture?"},
+    ]
+    reply = client.responses.create(
+        model="llava", input=[{"role": "user", "content": content}], max_output_tokens=MAX_TOKENS, temperature=0
+    )
+    body = {"model": "llava", "messages": messages_with("b"), "max_tokens": MAX_TOKENS, "temperature": 0}
+    chat_reply = httpx.post(f"{server.url}/v1/chat/completions", json=body).json()
+    assert reply.output_text == chat_reply["choices"][0]["message"]["content"]
+    assert reply.usage is not None and reply.usage.input_tokens > 25
+
+
 def truncated_png() -> bytes:
     data = IMAGES["a"]
     return data[: len(data) // 2]

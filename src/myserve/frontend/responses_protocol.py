@@ -35,16 +35,45 @@ class InputText(_Request):
     text: str
 
 
+class InputImage(_Request):
+    """An image part of an input message (a vision-language model's): a URL, as chat's ``image_url``."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    """Files are not stored here: refused (send ``image_url``)."""
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+type InputPart = Annotated[InputText | InputImage, Field(discriminator="type")]
+
+
 class MessageItem(_Request):
     """An input message; ``type`` may be left out (OpenAI's "easy input message")."""
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText]
+    content: str | list[InputPart]
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content if isinstance(p, InputText))
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The content as a chat message's: its text, or (with images) its parts as chat's."""
+        if isinstance(self.content, str) or not any(isinstance(p, InputImage) for p in self.content):
+            return self.text()
+        parts: list[dict[str, Any]] = []
+        for p in self.content:
+            if isinstance(p, InputText):
+                parts.append({"type": "text", "text": p.text})
+            elif p.image_url is None:
+                raise APIError(400, "input_image needs image_url (file ids are not supported)", param="input")
+            else:
+                parts.append({"type": "image_url", "image_url": {"url": p.image_url}})
+        return parts
 
 
 class FunctionCallItem(_Request):
@@ -175,7 +204,7 @@ def _add_items(messages: list[dict[str, Any]], items: Sequence[InputItem]) -> li
     for item in items:
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": item.text()})
+            messages.append({"role": role, "content": item.chat_content()})
         elif isinstance(item, FunctionCallItem):
             function = {"name": item.name, "arguments": item.arguments}
             call = {"id": item.call_id, "type": "function", "function": function}

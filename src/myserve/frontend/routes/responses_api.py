@@ -34,7 +34,7 @@ from myserve.frontend.responses_protocol import (
     responses_param,
 )
 from myserve.frontend.responses_store import ResponseStore, StoredResponse
-from myserve.frontend.routes.chat import prepare_chat
+from myserve.frontend.routes.chat import chat_images, prepare_chat
 from myserve.frontend.served_models import Models
 
 router = APIRouter()
@@ -53,7 +53,8 @@ async def create_response(req: ResponsesRequest, request: Request, models: Model
     echo = _echo(req, stored)
     try:
         chat = chat_request(req, history)
-        response, param = prepare_chat(context, chat, expires, kind="responses")
+        pixels = await chat_images(context, chat)
+        response, param = prepare_chat(context, chat, expires, kind="responses", pixels=pixels)
         conversation = input_messages(req, history)
         if req.background:
             return _start_background(context, request, response, param, echo, conversation)
