@@ -28,6 +28,7 @@ from myserve.runtime.image_encoder import ImageEncoder
 from myserve.runtime.lora_files import LoraAdapter, empty_adapter, read_adapter
 from myserve.runtime.multihost import BroadcastingDevice, stop_followers
 from myserve.runtime.weight_update import WeightUpdater
+from myserve.wire.images import ImageModel
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,16 @@ def core_arguments(
         sleeper=_sleeper(dep, executors),
         image_encoder=_image_encoder(dep),
         max_images=dep.config.model.images_per_prompt,
+        image_model=_image_model(dep),
     )
+
+
+def _image_model(dep: Deployment) -> ImageModel | None:
+    """What the front end needs to prepare a vision-language model's images (None: text only)."""
+    if dep.vision is None or dep.checkpoint_dir is None:
+        return None
+    spec = dep.vision[0]
+    return ImageModel(str(dep.checkpoint_dir), spec.image_token_id, spec.tokens_per_image)
 
 
 def _image_encoder(dep: Deployment) -> ImageEncoder | None:

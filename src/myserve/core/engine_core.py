@@ -25,19 +25,19 @@ from myserve.core.engine_admin import EngineAdmin
 from myserve.core.engine_sleep import EngineSleep, Sleeper
 from myserve.core.engine_stats import EngineCounters
 from myserve.core.engine_weights import EngineWeights, WeightLoader
-from myserve.core.images import ImageEncoding, ImageSpan, check_images
+from myserve.core.images import ImageEncoding, check_images
 from myserve.core.pooling import finished_embeddings
 from myserve.core.replica import Replica, Request
+from myserve.core.request_admission import RequestAdmission
 from myserve.core.request_endings import RequestEndings
 from myserve.core.runner import PlannedStep, Sample, StepResults
 from myserve.core.sequence import Sequence as Seq
 from myserve.core.step_timer import StepTimer
-from myserve.core.token_masks import TokenFilter
 from myserve.core.warmup import warm_up
 from myserve.grammar import LazyGrammars
 from myserve.tokenizer import Tokenizer
 from myserve.validation import validate_request
-from myserve.wire.images import ImageInput
+from myserve.wire.images import ImageInput, ImageModel
 from myserve.wire.outputs import EngineDead, Overloaded, RequestOutput
 from myserve.wire.params import SamplingParams
 from myserve.wire.pooling import Pooler
@@ -53,7 +53,7 @@ Sink = Callable[[list[RequestOutput]], None]
 """Where an engine iteration's token deltas go (called on the engine thread)."""
 
 
-class EngineCore(EngineCounters, EngineAdmin, EngineWeights, EngineSleep, RequestEndings):
+class EngineCore(EngineCounters, EngineAdmin, EngineWeights, EngineSleep, RequestEndings, RequestAdmission):
     """Continuous batching over the paged KV cache, driven by one background thread.
 
     The device work is done by one ``Replica`` per data-parallel row of the mesh (usually one).
@@ -80,12 +80,15 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, EngineSleep, Reques
         sleeper: Sleeper | None = None,
         image_encoder: ImageEncoding | None = None,
         max_images: int | None = None,
+        image_model: ImageModel | None = None,
     ):
         """``image_encoder``: a vision-language model's vision tower (None: prompts take no images);
-        ``max_images``: images per prompt at most (None: no bound here)."""
+        ``max_images``: images per prompt at most (None: no bound here); ``image_model``: what the
+        front end needs to prepare images for it."""
         self.replicas = list(replicas)
         self.image_encoder = image_encoder
         self.max_images = max_images
+        self.image_model = image_model
         self._init_weights(weight_loader)
         self._init_sleep(sleeper)
         self.memory_utilization = memory_utilization
@@ -336,44 +339,6 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, EngineSleep, Reques
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-
-    def _encode_images(self, req: Request) -> tuple[ImageSpan, ...]:
-        """The request's images with their token embeddings: from the encoder cache, or through the
-        vision tower now (on the engine thread, once per distinct image)."""
-        if not req.images:
-            return ()
-        assert self.image_encoder is not None, "add() refuses images without an encoder"
-        encoder = self.image_encoder
-        return tuple(ImageSpan(i.key, i.offset, i.length, encoder.embeddings(i)) for i in req.images)
-
-    def _admit(self, req: Request) -> None:
-        with self._pending_lock:
-            self._pending -= 1
-        max_len = min(self.max_model_len, len(req.prompt_ids) + (req.params.max_tokens or self.max_model_len))
-        if req.params.pooling is not None:  # one past the prompt: its last token alone is still scheduled
-            max_len = len(req.prompt_ids) + 1
-        self._requests[req.request_id] = req
-        # All choices of a request on one replica: they share its prompt pages.
-        req.replica = min(self.replicas, key=lambda r: r.load)
-        token_filter = TokenFilter(req.params, self.vocab_size) if req.params.masks_tokens else None
-        images = self._encode_images(req)
-        for choice in range(req.params.n):
-            parent = req.seqs[0] if req.seqs else None
-            seed = self._seeds.getrandbits(32) if req.params.seed is None else None
-            seq = Seq(req.request_id, choice, req.prompt_ids, req.params, max_len, parent=parent, seed=seed)
-            seq.pool_type = self.pooler.type if req.params.pooling and self.pooler else None
-            req.seqs.append(seq)
-            seq.token_filter = token_filter
-            seq.images = images
-            seq.hash_root = self._version_root(self.adapters.hash_root(req.params.adapter) if self.adapters else None)
-            seq.weights = self.weights_slot
-            if req.params.grammar is not None:
-                matcher = self.grammars().matcher(req.params.grammar)
-                if req.params.grammar_after:
-                    seq.pending_matcher = matcher
-                else:
-                    seq.matcher = matcher
-            req.replica.scheduler.add(seq)
 
     def _step(self) -> None:
         """One loop iteration: schedule and dispatch every replica's next step, then read the steps

@@ -12,13 +12,35 @@ image tokens is found again only for the same image at the same place.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+import msgspec
 import numpy as np
 
+from myserve.runtime.step_layout import Span
+from myserve.runtime.step_ops import StepCall
 from myserve.wire.images import ImageInput
 from myserve.wire.params import InvalidParams
+
+
+class _WithImages(Protocol):
+    images: tuple[ImageSpan, ...]
+
+
+class _Chunk(Protocol):
+    """What ``images_in`` reads of a ``ScheduledChunk`` (not imported: the scheduler imports this module)."""
+
+    @property
+    def seq(self) -> _WithImages: ...
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
 
 _POSITION_BITS = 20
 """Bits of an image's hash values that number its positions (images of up to ~1M tokens)."""
@@ -58,8 +80,9 @@ class ImageEncoding(Protocol):
     cache_hits: int
     """Images whose embeddings came from the encoder cache."""
 
-    def embeddings(self, image: ImageInput) -> np.ndarray:
-        """float32 [tokens_per_image, embed] of ``image`` (from the encoder cache, or encoded now)."""
+    def embeddings(self, key: str, pixels: np.ndarray) -> np.ndarray:
+        """float32 [tokens_per_image, embed] of the image of content ``key`` and ``pixels`` (from the
+        encoder cache, or encoded now)."""
         ...
 
 
@@ -106,12 +129,33 @@ def hash_tokens(tokens: list[int], start: int, images: Iterable[ImageSpan]) -> l
     return out
 
 
-def step_images(
-    placed: Iterable[tuple[Sequence[ImageSpan], int, int, int]], tokens: int
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """A step's image embeddings [tokens, embed] and mask [tokens] from its chunks, each given as
-    (its sequence's images, its first position, its length, its first flat index); None when no
-    chunk computes an image token."""
+type PlacedImages = list[tuple[Sequence[ImageSpan], int, int, int]]
+"""A step's chunks that compute image tokens: (the sequence's images, the chunk's first position,
+its length, its first flat index in the step)."""
+
+
+def images_in(chunks: Sequence[_Chunk], spans: Sequence[Span]) -> PlacedImages:
+    """The chunks of a step (laid out as ``spans``) that compute image tokens: prompt chunks only
+    (a decode comes after every image)."""
+    offsets = itertools.accumulate((len(span.token_ids) for span in spans), initial=0)
+    return [
+        (c.seq.images, c.start, c.num_tokens, at)
+        for c, at in zip(chunks, offsets, strict=False)
+        if c.seq.images and c.start < c.seq.images[-1].stop
+    ]
+
+
+def with_step_images(call: StepCall, placed: PlacedImages) -> StepCall:
+    """``call`` with the image embeddings its step's flat tokens take (as it is without any)."""
+    images = step_images(placed, call.shape.tokens) if placed else None
+    if images is None:
+        return call
+    return msgspec.structs.replace(call, images=images[0], image_mask=images[1])
+
+
+def step_images(placed: PlacedImages, tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """A step's image embeddings [tokens, embed] and mask [tokens] from its chunks (``images_in``);
+    None when no chunk computes an image token."""
     out: tuple[np.ndarray, np.ndarray] | None = None
     for images, start, n, at in placed:
         for image in images:

@@ -100,6 +100,7 @@ def run_core(config: Config, links: Sequence[CoreLink]) -> None:
             core.pooler,
             core.generation_defaults,
             core.adapter_paths,
+            core.image_model,
         )
     )
     last_stats = 0.0

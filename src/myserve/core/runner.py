@@ -18,12 +18,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from myserve.core.decode_pacing import DecodePacer
 from myserve.core.host_tier import host_tier_ops
-from myserve.core.images import step_images
+from myserve.core.images import images_in, with_step_images
 from myserve.core.scheduler import ScheduledBatch, ScheduledChunk
 from myserve.core.sequence import Sequence as Seq
 from myserve.grammar import allocate_bitmask, fill_bitmask
@@ -237,14 +236,7 @@ class ModelRunner:
         chunks = [*batch.decodes, *batch.prefills]
         spans = [span_of(c, self._inflight_rows) for c in chunks]
         several = max((c.steps for c in chunks), default=1) > 1
-        offsets = np.cumsum([0, *(len(span.token_ids) for span in spans)])
-        # Chunks computing image tokens (only prompt chunks hold any): the step takes their embeddings.
-        with_images = [
-            (c.seq.images, c.start, c.num_tokens, int(at))
-            for c, at in zip(chunks, offsets, strict=False)
-            if c.seq.images and c.start < c.seq.images[-1].stop  # (decodes come after every image)
-        ]
-        assert not (with_images and several), "several-token decodes are planned only in steps without prefills"
+        with_images = images_in(chunks, spans)  # prefill chunks: never in a step of several-token decodes
         shape: StepShape | None = None
         if not with_images and (several or (self.decode_steps == 1 and self._decodes_only(batch))):
             # One call for the step: one-token rows only, each decoding its own count of tokens
@@ -253,18 +245,12 @@ class ModelRunner:
             # iterations of the whole model.
             shape = self.buckets.fit_decode(spans, self._loop_built)
             assert shape is not None or not several, "the scheduler sizes several-token decodes to fit a call"
-        steps = 0 if shape is None else self.decode_steps
-        if shape is None:
-            shape = self.buckets.fit(spans, self._built)
+        steps, shape = (0, self.buckets.fit(spans, self._built)) if shape is None else (self.decode_steps, shape)
         host = layout(spans, shape, self.page_size)
         # This step's sampling rows: the next step's spans feed on them while this one is in flight.
         self._inflight_rows = {c.seq: row for c, row in zip(chunks, host.sample_rows, strict=True) if row is not None}
         sampling = [c for c in chunks if c.samples]
-        call = self._step_call(host, shape, sampling, steps, batch.weights)
-        images = step_images(with_images, shape.tokens) if with_images else None
-        if images is not None:
-            call = msgspec.structs.replace(call, images=images[0], image_mask=images[1])
-        ops.append(call)
+        ops.append(with_step_images(self._step_call(host, shape, sampling, steps, batch.weights), with_images))
         offsets = np.cumsum([0, *(c.num_tokens for c in chunks)])
         placed = [(c, int(at), row) for c, at, row in zip(chunks, offsets, host.sample_rows, strict=False)]
         tops = any(bool(c.seq.params.logprobs) for c in sampling)

@@ -64,6 +64,9 @@ _FLAGS = {
     "download_dir": "model.download_dir",
     "generation_config": "model.generation_config",
     "override_generation_config": "model.override_generation_config",
+    "limit_mm_per_prompt": "model.limit_mm_per_prompt",
+    "allowed_media_domains": "model.allowed_media_domains",
+    "allowed_local_media_path": "model.allowed_local_media_path",
     "gpu_memory_utilization": "engine.gpu_memory_utilization",
     "kv_cache_memory_bytes": "engine.kv_cache_memory_bytes",
     "kv_cache_dtype": "engine.kv_cache_dtype",
@@ -264,6 +267,9 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--override-generation-config", help="request defaults over those, as JSON: '{\"temperature\": 0.5}'"
     )
+    p.add_argument("--limit-mm-per-prompt", help="images per prompt, as JSON: '{\"image\": 2}' (default 4)")
+    p.add_argument("--allowed-media-domains", nargs="+", metavar="HOST", help="hosts of http(s) image URLs")
+    p.add_argument("--allowed-local-media-path", help="a directory whose files may be sent as file:// image URLs")
     p.add_argument("--runner", choices=["auto", "generate", "pooling"], help="pooling: serve embeddings")
     p.add_argument("--convert", choices=["auto", "none", "embed"], help="embed: serve embeddings")
     p.add_argument("--task", choices=["auto", "generate", "embed", "embedding"], help="vLLM's older --runner")

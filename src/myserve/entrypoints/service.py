@@ -43,7 +43,7 @@ class GenerationService(EngineCore):
     def from_deployment(cls, dep: Deployment, executors: Sequence[Executor] | None = None) -> Self:
         """A service (not yet started) for a loaded deployment, with its model's image input."""
         service = super().from_deployment(dep, executors)
-        service.images = ImageSupport.load(dep.checkpoint_dir, dep.config.model)
+        service.images = ImageSupport.load(service.image_model, dep.config.model)
         return service
 
     def shutdown(self) -> None:

@@ -76,6 +76,15 @@ SAME = [
         "JSON object",
         '{"temperature": 0.5}',
     ),
+    Flag(
+        "--limit-mm-per-prompt",
+        "same",
+        "model.limit_mm_per_prompt",
+        "JSON object; images only (LLaVA checkpoints)",
+        '{"image": 2}',
+    ),
+    Flag("--allowed-media-domains", "same", "model.allowed_media_domains", "hosts of http(s) image URLs", "a.example"),
+    Flag("--allowed-local-media-path", "same", "model.allowed_local_media_path", "file:// images under it", "/data"),
     Flag("--runner", "same", "model.task", "generate; pooling serves /v1/embeddings", "pooling"),
     Flag("--convert", "same", "model.task", "embed as --runner pooling", "embed"),
     Flag("--task", "same", "model.task", "vLLM's older spelling: generate, embed", "embed"),
@@ -214,7 +223,6 @@ OTHERS = [
     Flag("--disable-uvicorn-access-log", "not yet", note="--log-level warning quiets it", takes_value=False),
     Flag("--disable-fastapi-docs", "not yet", note="/docs and /openapi.json are always served", takes_value=False),
     Flag("--middleware", "not yet", note="no user middleware"),
-    Flag("--limit-mm-per-prompt", "not yet", note="text models only"),
     Flag(
         "--enable-prompt-tokens-details",
         "ignored",

@@ -24,7 +24,6 @@ import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -39,7 +38,7 @@ from myserve.grammar import LazyGrammars
 from myserve.tokenizer import Tokenizer
 from myserve.validation import validate_request
 from myserve.wire import messages as msg
-from myserve.wire.images import ImageInput
+from myserve.wire.images import ImageInput, ImageModel
 from myserve.wire.link import CoreLink
 from myserve.wire.outputs import EngineDead, EngineSleeping, EngineStats, Overloaded, RequestOutput, Usage
 from myserve.wire.params import SamplingParams
@@ -128,8 +127,8 @@ class EngineClient(CoreAdmin):
         self._started = threading.Event()
         self._startup_error: BaseException | None = None
         self._tokenizer: Tokenizer | None = None
-        self.images: ImageSupport | None = None
-        """A vision-language model's image input (set with the tokenizer: ``wait_loaded``)."""
+        self.images: ImageSupport | None = None  # a vision-language model's image input (wait_loaded)
+        self._image_model: ImageModel | None = None  # what the core's Loaded said of it
         self._tokenizer_error: BaseException | None = None
 
         def load() -> None:
@@ -196,7 +195,7 @@ class EngineClient(CoreAdmin):
         self._tokenizer_thread.join()
         if self._tokenizer_error is not None:
             raise self._tokenizer_error
-        self.images = ImageSupport.load(_checkpoint_dir(self.config), self.config.model)
+        self.images = ImageSupport.load(self._image_model, self.config.model)
         self.processor = OutputProcessor(self.tokenizer, abort_choice=self.abort)
         # Validation only: the core compiles each grammar again for its matchers.
         self.grammars = LazyGrammars(self.tokenizer.hf, self.vocab_size, self.tokenizer.eos_token_ids)
@@ -246,8 +245,7 @@ class EngineClient(CoreAdmin):
         request_id: str | None = None,
         images: Sequence[ImageInput] = (),
     ) -> RequestStream:
-        """Queue a request (with its prompt's images, if any); returns the stream of its deltas.
-        Raises on invalid or excess requests (the core checks the images)."""
+        """Queue a request (and its prompt's images); its stream of deltas. Raises on invalid or excess requests."""
         if self.dead is not None:
             raise EngineDead(f"engine stopped: {self.dead}")
         if self.sleep_state.get("is_sleeping"):
@@ -287,9 +285,7 @@ class EngineClient(CoreAdmin):
 
     def stats(self) -> EngineStats:
         """The core's counters as of its last report (at most ``STATS_INTERVAL_S`` old)."""
-        if self._stats is None:
-            return EngineStats(0, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, {}, 0.0)
-        return self._stats
+        return self._stats if self._stats is not None else EngineStats(0, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0)
 
     def _send(self, message: msg.ToCore) -> None:
         data = msg.encoder.encode(message)
@@ -393,6 +389,7 @@ class EngineClient(CoreAdmin):
             self.pooler = message.pooler
             self.generation_defaults = message.generation_defaults
             self._adapters = dict(message.adapters)
+            self._image_model = message.images
             self._loaded.set()
         elif isinstance(message, msg.AdaptersChanged | msg.WeightsChanged | msg.SleepChanged):
             answer: object = message.error
@@ -450,11 +447,3 @@ class EngineClient(CoreAdmin):
         """Remove the ipc socket files, if any (the front end that started the core owns them all)."""
         if self._owner and self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def _checkpoint_dir(config: Config) -> Path | None:
-    """The served checkpoint's directory (None for a single file: a GGUF), found without JAX."""
-    from myserve.models.checkpoint import resolve_checkpoint
-
-    path = resolve_checkpoint(config.model.checkpoint).path
-    return path if path.is_dir() else None

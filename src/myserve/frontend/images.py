@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from myserve.frontend.errors import APIError
-from myserve.models.vision_spec import VisionSpec, vision_spec_of
-from myserve.wire.images import ImageInput
+from myserve.wire.images import ImageInput, ImageModel
 
 if TYPE_CHECKING:
     from myserve.config.schema import ModelConfig
@@ -57,14 +56,14 @@ class ImageSupport:
 
     def __init__(
         self,
-        spec: VisionSpec,
+        model: ImageModel,
         processor: Any,
         *,
         limit: int,
         allowed_domains: Sequence[str] = (),
         local_path: Path | None = None,
     ):
-        self.spec = spec
+        self.model = model
         self.processor = processor
         self.limit = limit
         """Images per prompt at most (``model.limit_mm_per_prompt``)."""
@@ -72,19 +71,17 @@ class ImageSupport:
         self.local_path = None if local_path is None else local_path.resolve()
 
     @staticmethod
-    def load(directory: Path | None, model: ModelConfig) -> ImageSupport | None:
-        """The image input of the checkpoint in ``directory`` (None: a text-only model, or a single file)."""
-        if directory is None:
-            return None
-        spec = vision_spec_of(directory)
-        if spec is None:
+    def load(image_model: ImageModel | None, model: ModelConfig) -> ImageSupport | None:
+        """The image input the engine said its model has (None: a text-only model), with
+        ``model``'s limits; the processor comes from the checkpoint directory."""
+        if image_model is None:
             return None
         from transformers import AutoImageProcessor
 
-        processor = AutoImageProcessor.from_pretrained(str(directory), backend="pil")
+        processor = AutoImageProcessor.from_pretrained(image_model.directory, backend="pil")
         local = model.allowed_local_media_path
         return ImageSupport(
-            spec,
+            image_model,
             processor,
             limit=model.images_per_prompt,
             allowed_domains=model.allowed_media_domains,
@@ -142,7 +139,7 @@ class ImageSupport:
     def expand(self, ids: list[int], pixels: Sequence[np.ndarray]) -> tuple[list[int], list[ImageInput]]:
         """The prompt with each image's one placeholder token (what the chat template wrote)
         repeated for every token of its embedding, and the images placed there."""
-        token, n = self.spec.image_token_id, self.spec.tokens_per_image
+        token, n = self.model.image_token_id, self.model.tokens_per_image
         at = [i for i, t in enumerate(ids) if t == token]
         if len(at) != len(pixels):
             raise bad_image(

@@ -294,15 +294,9 @@ class Executor:
         self.ran.add((kind, op.shape))
         self.calls[kind, op.shape] += 1
         packed = pack_step(op.batch, op.ints, op.floats)  # the step's one transfer
-        if op.images is None:
-            fwd, self.kv_cache = forward(outer, layers, self.kv_cache, self.fed, packed)
-        else:
-            assert op.image_mask is not None
-            images = (
-                jax.device_put(op.images.astype(self.hidden_dtype), self.replicated),
-                jax.device_put(op.image_mask, self.replicated),
-            )
-            fwd, self.kv_cache = forward(outer, layers, self.kv_cache, self.fed, packed, images)
+        # A step holding image tokens takes their embeddings ([T, embed], and which tokens: [T]).
+        images = () if op.images is None else ((op.images.astype(self.hidden_dtype), op.image_mask),)
+        fwd, self.kv_cache = forward(outer, layers, self.kv_cache, self.fed, packed, *images)
         if self.sampler:
             self.ran.add(("head", n1, op.mode))
             self.calls["head", n1, op.mode] += 1

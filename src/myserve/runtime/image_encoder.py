@@ -22,7 +22,6 @@ from jax.sharding import Mesh
 from myserve.models.vision import Tower, encode_images
 from myserve.models.vision_spec import VisionSpec
 from myserve.runtime.mesh import replicated
-from myserve.wire.images import ImageInput
 
 logger = logging.getLogger(__name__)
 
@@ -54,20 +53,21 @@ class ImageEncoder:
         self.cache_hits = 0
         """Images whose embeddings came from the cache."""
 
-    def embeddings(self, image: ImageInput) -> np.ndarray:
-        """float32 [tokens_per_image, text hidden] of ``image``: cached, or encoded now."""
-        cached = self._cache.get(image.key)
+    def embeddings(self, key: str, pixels: np.ndarray) -> np.ndarray:
+        """float32 [tokens_per_image, text hidden] of the image of content ``key`` (``pixels``
+        [3, S, S]): cached, or encoded now."""
+        cached = self._cache.get(key)
         if cached is not None:
-            self._cache.move_to_end(image.key)
+            self._cache.move_to_end(key)
             self.cache_hits += 1
             return cached
         t0 = time.perf_counter()
-        pixels = jax.device_put(image.array()[None], self._sharding)
-        out = np.asarray(_encode(self.spec, self._tower, pixels)[0], np.float32)
+        placed = jax.device_put(pixels[None], self._sharding)
+        out = np.asarray(_encode(self.spec, self._tower, placed)[0], np.float32)
         out.flags.writeable = False  # shared by every sequence of the image
         self.encoded += 1
-        logger.debug("encoded an image %s in %.1f ms", image.shape, 1e3 * (time.perf_counter() - t0))
-        self._cache[image.key] = out
+        logger.debug("encoded an image %s in %.1f ms", pixels.shape, 1e3 * (time.perf_counter() - t0))
+        self._cache[key] = out
         self._held += out.nbytes
         while self._held > self._cache_bytes and len(self._cache) > 1:
             _, old = self._cache.popitem(last=False)

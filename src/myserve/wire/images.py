@@ -35,3 +35,13 @@ class ImageInput(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fi
     def array(self) -> np.ndarray:
         """The pixels as a float32 array of ``shape`` (read-only, over the message's bytes)."""
         return np.frombuffer(self.pixels, dtype="<f4").reshape(self.shape)
+
+
+class ImageModel(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """What the front end needs of a vision-language model to prepare its images: where its image
+    processor's config is, the placeholder token and how many of them stand for one image."""
+
+    directory: str
+    """The checkpoint directory (its ``preprocessor_config.json``)."""
+    image_token_id: int
+    tokens_per_image: int

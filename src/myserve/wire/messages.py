@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
-from myserve.wire.images import ImageInput
+from myserve.wire.images import ImageInput, ImageModel
 from myserve.wire.outputs import EngineStats, RequestOutput
 from myserve.wire.params import SamplingParams
 from myserve.wire.pooling import Pooler
@@ -86,6 +86,8 @@ class Loaded(msgspec.Struct, tag="loaded", array_like=True):
     """Request defaults from the model's generation config (temperature, top_p, max_new_tokens...)."""
     adapters: dict[str, str] = msgspec.field(default_factory=dict)
     """The LoRA adapters served (name -> path)."""
+    images: ImageModel | None = None
+    """A vision-language model's image input (None: the model takes no images)."""
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
