@@ -40,6 +40,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from myserve.bench.images import IMAGE_MODES, with_images
 from myserve.bench.launch import LaunchedServer
 from myserve.bench.loadgen import RequestRecord, Target, first_model_id, make_client, run_level
 from myserve.bench.metrics import LevelSummary, format_table, summarize
@@ -65,6 +66,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--request-rate", type=_rate, default=math.inf, help="Poisson arrivals per s; inf = all at once")
     p.add_argument("--dataset", default="builtin", help='"builtin" or a JSONL file of {"prompt"} / {"messages"}')
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument(
+        "--images",
+        choices=IMAGE_MODES,
+        default="none",
+        help="chat: one image per prompt, distinct per request (each encoded) or the same for all (cached)",
+    )
+    p.add_argument("--image-size", type=int, default=336, help="pixels per side of --images' images")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (vLLM, llama-server, myserve)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument(
@@ -84,6 +92,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--launch-args", default="", help='serve arguments as one string, e.g. "--max-num-seqs 16"')
     p.add_argument("--launch-timeout", type=float, default=600.0, help="seconds to wait for the server's /health")
     args = p.parse_args(argv)
+    if args.images != "none" and args.endpoint != "chat":
+        p.error("--images needs --endpoint chat")
     if args.max_tokens < 1 or args.warmup < 0 or (args.num_prompts is not None and args.num_prompts < 1):
         p.error("--max-tokens and --num-prompts must be positive, --warmup not negative")
     return args
@@ -215,6 +225,7 @@ def run_benchmark(args: argparse.Namespace, serve_args: list[str], argv: Sequenc
         model = args.model or first_model_id(base_url, headers)
         total = args.warmup + sum(requests_per_level(args.num_prompts, c) for c in args.concurrency)
         bodies = [request_body(p, args, model) for p in load_prompts(args.dataset, total, args.endpoint)]
+        bodies = with_images(bodies, args.images, args.image_size)
         target = Target(base_url + _PATHS[args.endpoint], headers, args.timeout)
         summaries = asyncio.run(sweep(args, target, bodies))
 
