@@ -167,6 +167,24 @@ def test_prompts_builtin_and_jsonl(tmp_path: Path) -> None:
         load_prompts(str(bad), 1, "chat")
 
 
+def test_image_requests_distinct_or_shared() -> None:
+    from myserve.bench.__main__ import parse_args
+    from myserve.bench.images import with_images
+
+    bodies = [{"model": "m", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(3)]
+    distinct, same = with_images(bodies, "distinct", 32), with_images(bodies, "same", 32)
+    assert with_images(bodies, "none", 32) == bodies
+    for body in (*distinct, *same):
+        image, text = body["messages"][0]["content"]
+        assert image["type"] == "image_url" and image["image_url"]["url"].startswith("data:image/png;base64,")
+        assert text == {"type": "text", "text": body["messages"][0]["content"][1]["text"]}
+    urls = [[b["messages"][0]["content"][0]["image_url"]["url"] for b in bs] for bs in (distinct, same)]
+    assert len(set(urls[0])) == 3 and len(set(urls[1])) == 1
+    assert bodies[0]["messages"][0]["content"] == "q0"  # the originals are left as they were
+    with pytest.raises(SystemExit):
+        parse_args(["--images", "same", "--endpoint", "completions"])
+
+
 def test_command_line_hides_the_api_key() -> None:
     assert redacted(["x", "--api-key", "sk-1", "--api-key=sk-2", "--model", "m"]) == [
         "x", "--api-key", "***", "--api-key=***", "--model", "m",
