@@ -90,7 +90,8 @@ def test_sync_chat_and_completions_streamed_and_not(live: str) -> None:
         assert full.choices[0].finish_reason == "length"
         assert full.usage is not None and full.usage.completion_tokens == 12 and full.usage.prompt_tokens > 5
         chunks = list(client.chat_stream("Name three colors.", **kw))
-        assert len(chunks) > 3 and "".join(c.text for c in chunks) == full.text
+        # (A reader that falls behind gets deltas coalesced: fewer chunks, the same text.)
+        assert len(chunks) >= 2 and "".join(c.text for c in chunks) == full.text
         assert [c.finish_reason for c in chunks if c.finish_reason] == ["length"]
         assert chunks[-1].choices == () and chunks[-1].usage == full.usage
 

@@ -111,9 +111,10 @@ def test_vllm_names_types_labels_and_counters_that_move(live) -> None:
     assert moved("vllm:request_success_total", finished_reason="stop") == 0
     assert moved("vllm:e2e_request_latency_seconds_count") == 2
     assert moved("vllm:time_to_first_token_seconds_count") == 2
-    # One gap per delta after the first, as vLLM's per-iteration outputs: the stream's 3 tokens came
-    # in 3 deltas (one per step: 2 gaps) or 2 (a decode call's 2 tokens at once: 1 gap).
-    assert moved("vllm:inter_token_latency_seconds_count") in (1, 2)
+    # One gap per delta after the first: the stream's 3 tokens came in 3 deltas (one per step: 2
+    # gaps), 2 (a decode call's 2 tokens at once, or deltas coalesced for a reader that fell behind:
+    # 1 gap) or, coalesced, 1 (no gap).
+    assert moved("vllm:inter_token_latency_seconds_count") in (0, 1, 2)
     assert moved("vllm:prefix_cache_queries_total") >= 2 * len(PROMPT) - 2  # looked up for each request
     assert moved("vllm:prefix_cache_hits_total") >= 32  # at least the 4 full pages before the last token
     assert value(after, "vllm:kv_cache_usage_perc") == pytest.approx(

@@ -1,11 +1,12 @@
-"""Reading a request's engine streams: several prompts' outputs merged as they come, waits bounded
-by the request's deadline, and their usage summed."""
+"""Reading a request's engine streams: several prompts' outputs merged as they come (a backlog
+coalesced, as a single stream's is), waits bounded by the request's deadline, and their usage summed."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
+from myserve.frontend.coalesce import coalesce_tagged
 from myserve.frontend.stream import RequestStream
 from myserve.wire.outputs import RequestOutput, Usage
 
@@ -39,22 +40,29 @@ async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, R
         finally:
             streams[0].close()
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
 
     async def pump(i: int, stream: RequestStream) -> None:
         async for out in stream:
             await queue.put((i, out))
-        await queue.put((i, None))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        remaining = len(streams)
+        remaining = len(streams)  # streams whose final output has not come (a stream ends with it)
+        pending: list[tuple[int, RequestOutput]] = []  # taken from the queue, coalesced, not yet yielded
         while remaining:
-            i, out = await queue.get()
-            if out is None:
+            if not pending:
+                pending.append(await queue.get())
+            # The pumps read their streams at once, so a consumer that fell behind finds the backlog
+            # here, not in the streams: it is coalesced here too, per stream and choice.
+            if not queue.empty():
+                while not queue.empty():
+                    pending.append(queue.get_nowait())
+                pending = coalesce_tagged(pending)
+            i, out = pending.pop(0)
+            if out.final:
                 remaining -= 1
-            else:
-                yield i, out
+            yield i, out
     finally:
         for t in tasks:
             t.cancel()

@@ -6,6 +6,7 @@ import asyncio
 import queue
 from collections.abc import AsyncIterator, Callable, Iterator
 
+from myserve.frontend.coalesce import coalesce
 from myserve.wire.outputs import RequestOutput
 
 
@@ -14,6 +15,10 @@ class RequestStream:
 
     Created inside a running event loop it is fed with ``loop.call_soon_threadsafe`` into an
     ``asyncio.Queue``; created outside one it is a blocking queue for synchronous callers.
+
+    Either way, a consumer that finds more than one output waiting gets them coalesced
+    (``coalesce.py``): each choice's waiting deltas as one, so a slow reader gets fewer, larger
+    deltas (SSE chunks) with the same tokens and text, instead of falling further behind.
     """
 
     def __init__(self, request_id: str, on_close: Callable[[str], None] | None = None):
@@ -82,14 +87,30 @@ class RequestStream:
     async def _aiter(self) -> AsyncIterator[RequestOutput]:
         if self._async_queue is None:
             raise RuntimeError("this stream was created outside an event loop; iterate it with a plain for")
+        q = self._async_queue
+        pending: list[RequestOutput] = []  # taken from the queue, coalesced, not yet yielded
         while not self.finished:
-            yield self._seen(await self._async_queue.get())
+            if not pending:
+                pending.append(await q.get())
+            if not q.empty():  # the consumer fell behind: what piled up goes out as fewer deltas
+                while not q.empty():
+                    pending.append(q.get_nowait())
+                pending = coalesce(pending)
+            yield self._seen(pending.pop(0))
 
     def __iter__(self) -> Iterator[RequestOutput]:
         if self._async_queue is not None:
             raise RuntimeError("this stream belongs to an event loop; iterate it with async for")
+        q = self._queue
+        pending: list[RequestOutput] = []  # as in _aiter
         while not self.finished:
-            yield self._seen(self._queue.get())
+            if not pending:
+                pending.append(q.get())
+            if not q.empty():
+                while not q.empty():
+                    pending.append(q.get_nowait())
+                pending = coalesce(pending)
+            yield self._seen(pending.pop(0))
 
 
 def _put_all(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
