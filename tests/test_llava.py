@@ -17,6 +17,7 @@ from test_server import LiveServer
 
 from myserve.frontend.app import create_app
 from myserve.testing import TINY_ENGINE, start_client, start_service
+from myserve.testing.services import wait_primed
 from myserve.testing.vision_checkpoints import make_tiny_llava
 
 MAX_TOKENS = 8
@@ -51,7 +52,7 @@ def image_part(url: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-SIZES = {"a": (40, 50, 1), "b": (64, 32, 2), "c": (33, 33, 3), "d": (48, 48, 5)}
+SIZES = {"a": (40, 50, 1), "b": (64, 32, 2), "c": (33, 33, 3), "d": (48, 48, 5), "e": (52, 44, 6)}
 """Width, height and colour seed of each image the tests draw (each resized differently)."""
 IMAGES = {name: png(w, h, seed) for name, (w, h, seed) in SIZES.items()}
 
@@ -168,6 +169,16 @@ def test_greedy_tokens_and_logprobs_equal_transformers(images, server, llava_dir
     np.testing.assert_allclose(got_lps, want_lps, atol=2e-4)
 
 
+def test_serving_images_after_warmup_compiles_nothing(server, llava_service) -> None:
+    """The tower and the image forwards are built before ready: a primed server compiles nothing
+    for image requests of any token bucket."""
+    wait_primed(llava_service)
+    before = llava_service.stats().compile_count
+    for images in (("c",), ("a", "b"), ("d", "c", "b")):  # 1 to 3 images: every token bucket
+        assert chat(server.url, messages_with(*images, text="Again?")).status_code == 200
+    assert llava_service.stats().compile_count == before
+
+
 def test_the_images_change_the_answer(server) -> None:
     """A test of the tests: the tower's embeddings reach the step (other images, other tokens)."""
     names = ("a", "b", "c")
@@ -190,9 +201,9 @@ def test_the_same_image_again_is_neither_encoded_nor_prefilled(server, llava_ser
     assert cached >= 25  # the image's pages came from the prefix cache (page size 8)
     # The same text with an image never sent before: no page holding an image token is shared
     # (the image starts inside the first page of 8), and the answer is that image's.
-    other = chat(server.url, messages_with("d", text="And now?"))
+    other = chat(server.url, messages_with("e", text="And now?"))  # ("e": sent by no other test)
     assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    want, _ = reference(llava_dir, hf_llava, messages_with("d", text="And now?"))
+    want, _ = reference(llava_dir, hf_llava, messages_with("e", text="And now?"))
     assert served(other)[0] == want
 
 

@@ -83,7 +83,7 @@ def core_arguments(
         pairs = zip(dep.draft.models, dep.meshes, strict=True)
         drafts = [executor_for(dep.config, model, mesh, dep.draft.mapping, host_tier=False) for model, mesh in pairs]
     replicas = [
-        make_replica(cfg, device, buckets, eos, registry, zeros, draft_device=d, host_pages=_host_pages(e))
+        make_replica(cfg, device, buckets, eos, registry, zeros, d, _host_pages(e), images=dep.vision is not None)
         for device, d, e in zip(devices, drafts, executors, strict=True)
     ]
     return replicas, dict(
@@ -118,8 +118,12 @@ def _image_model(dep: Deployment) -> ImageModel | None:
 
 def _image_encoder(dep: Deployment) -> ImageEncoder | None:
     """A vision-language model's tower on the first replica's devices (its embeddings go to the host:
-    every replica's steps take them from there)."""
-    return None if dep.vision is None else ImageEncoder(*dep.vision, dep.meshes[0])
+    every replica's steps take them from there), its executable built."""
+    if dep.vision is None:
+        return None
+    encoder = ImageEncoder(*dep.vision, dep.meshes[0])
+    encoder.warm_up()
+    return encoder
 
 
 def _host_pages(executor: Executor) -> int:

@@ -23,6 +23,7 @@ import numpy as np
 from myserve.core.decode_pacing import DecodePacer
 from myserve.core.host_tier import host_tier_ops
 from myserve.core.images import images_in, with_step_images
+from myserve.core.prime_order import prime_order, unit_width
 from myserve.core.scheduler import ScheduledBatch, ScheduledChunk
 from myserve.core.sequence import Sequence as Seq
 from myserve.grammar import allocate_bitmask, fill_bitmask
@@ -152,12 +153,15 @@ class ModelRunner:
         decode_steps: int = 1,
         adapter_zeros: tuple[np.ndarray, ...] = (),
         decode_call_budget_s: float = 0.0,
+        images: bool = False,
     ):
         """``decode_steps``: tokens per decode call (K: a decode-only step is one ``decode_loop`` call
         of K iterations once those are built, where ``pacer`` expects it to take at most
         ``decode_call_budget_s``, 0: always);
         ``adapter_zeros``: an empty adapter's arrays (``LoraAdapter.flat()`` shapes) when the model
-        has LoRA slots, written at warmup so the slot writer is built then."""
+        has LoRA slots, written at warmup so the slot writer is built then; ``images``: the model takes
+        images (its forwards with image embeddings are built at warmup)."""
+        self.images = images
         self.adapter_zeros = adapter_zeros
         self.device = device
         self.decode_steps = decode_steps
@@ -245,7 +249,8 @@ class ModelRunner:
             # iterations of the whole model.
             shape = self.buckets.fit_decode(spans, self._loop_built)
             assert shape is not None or not several, "the scheduler sizes several-token decodes to fit a call"
-        steps, shape = (0, self.buckets.fit(spans, self._built)) if shape is None else (self.decode_steps, shape)
+        usable = self._built if not with_images else _widest  # (image forwards: built at the widest only)
+        steps, shape = (0, self.buckets.fit(spans, usable)) if shape is None else (self.decode_steps, shape)
         host = layout(spans, shape, self.page_size)
         # This step's sampling rows: the next step's spans feed on them while this one is in flight.
         self._inflight_rows = {c.seq: row for c, row in zip(chunks, host.sample_rows, strict=True) if row is not None}
@@ -378,7 +383,7 @@ class ModelRunner:
     # -- warmup -------------------------------------------------------------------------------
     def compile_ops(self) -> tuple[CompileSteps, CompileSteps]:
         """The step builds before serving, and those made in the background (``Buckets.compile_ops``)."""
-        return self.buckets.compile_ops(self.decode_steps)
+        return self.buckets.compile_ops(self.decode_steps, self.images)
 
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Build the executable of every step shape (``CompileSteps``: compiled, or loaded from the
@@ -393,7 +398,7 @@ class ModelRunner:
             self.device.run([WriteAdapter(0, self.adapter_zeros)])
         if later.count:  # wider context buckets, several-token calls: built while serving
             self.device.run([later])
-        self._to_prime = [prime_order(now), sorted(PrimeSteps(later).units(), key=_unit_width)]
+        self._to_prime = [prime_order(now), sorted(PrimeSteps(later).units(), key=unit_width)]
         self.warmed_up = True
 
     @property
@@ -430,20 +435,6 @@ class ModelRunner:
         return self.device.loop_ready(shape, k)
 
 
-def prime_order(now: CompileSteps) -> list[PrimeSteps]:
-    """The executables built before ready, one ``PrimeSteps`` each, in the order the idle engine
-    primes them: the small ones first (the heads, then the forwards from the fewest tokens up),
-    so that a request arriving meanwhile waits behind a short prime; the prompt scorers, which
-    few requests use, last."""
-    units = PrimeSteps(now).units()
-    return [
-        *(u for u in units if u.steps.heads),
-        *(u for u in units if u.steps.shapes),
-        *(u for u in units if u.steps.scores),
-    ]
-
-
-def _unit_width(unit: PrimeSteps) -> int:
-    """The context bucket of a background build's ``PrimeSteps`` (its one forward or decode call)."""
-    steps = unit.steps
-    return steps.shapes[0].width if steps.shapes else steps.loops[0][0].width
+def _widest(_: StepShape) -> bool:
+    """``Buckets.fit``'s predicate that takes no narrower context bucket than the widest."""
+    return False

@@ -185,7 +185,7 @@ class Buckets:
         """Every token bucket at the first context bucket (``first_width``)."""
         return [self.shape(t, self.first_width) for t in self.tokens]
 
-    def compile_ops(self, decode_steps: int | None = None) -> tuple[CompileSteps, CompileSteps]:
+    def compile_ops(self, decode_steps: int | None = None, images: bool = False) -> tuple[CompileSteps, CompileSteps]:
         """Warmup's two builds. Before serving: the forward of every token bucket at the widest
         context bucket (every step fits it), every sampler mode for each bucket's sampling rows,
         and the prompt scorer of each token bucket. Then in the background, context bucket by
@@ -194,12 +194,14 @@ class Buckets:
         of K tokens at it (``decode_loop``: every row count and sampler mode), which make a
         decode-only step one call (``fit_decode``). Narrowest first because short contexts are the
         common case and a narrow bucket serves them fastest: a new server's first chats get their
-        fast path first. Start-up so pays for one context bucket."""
+        fast path first. Start-up so pays for one context bucket. ``images``: a vision-language
+        model's forwards with image embeddings too, before serving, at the widest context bucket
+        only (a step holding image tokens runs there: ``ModelRunner.plan``)."""
         rows = self.decode_rows()
         heads = tuple((r, mode) for r in rows for mode in HEAD_MODES)
         widest = self._widths()[-1]
         first = tuple(self.shape(t, widest) for t in self.tokens)
-        now = CompileSteps(first, heads, tuple(self.tokens))
+        now = CompileSteps(first, heads, tuple(self.tokens), images=first if images else ())
         shapes: list[StepShape] = []
         loops: list[tuple[StepShape, int, str]] = []
         for w in self._widths():

@@ -59,10 +59,8 @@ def executable_args(
         packed = pack_step(host.pack(), rows.ints, rows.floats)
         if key[0] == "forward":
             return forward_step, static, (ex.outer, ex.layers, kv_cache, fed, packed)
-        images = (
-            jax.ShapeDtypeStruct((shape.tokens, embed), ex.hidden_dtype, sharding=rep),
-            jax.ShapeDtypeStruct((shape.tokens,), np.bool_, sharding=rep),
-        )
+        # (Host arrays, as ``packed``: a prime runs the executable on them, an empty batch's.)
+        images = (np.zeros((shape.tokens, embed), ex.hidden_dtype), np.zeros(shape.tokens, np.bool_))
         return forward_step, static, (ex.outer, ex.layers, kv_cache, fed, packed, images)
     if key[0] == "head":
         _, n_rows, mode = key

@@ -53,6 +53,12 @@ class ImageEncoder:
         self.cache_hits = 0
         """Images whose embeddings came from the cache."""
 
+    def warm_up(self) -> None:
+        """Build the tower's executable (on an image of zeros, nothing cached), so that the first
+        image a request brings is not the one that compiles it."""
+        zeros = np.zeros((1, *self.image_shape), np.float32)
+        jax.block_until_ready(_encode(self.spec, self._tower, jax.device_put(zeros, self._sharding)))
+
     def embeddings(self, key: str, pixels: np.ndarray) -> np.ndarray:
         """float32 [tokens_per_image, text hidden] of the image of content ``key`` (``pixels``
         [3, S, S]): cached, or encoded now."""

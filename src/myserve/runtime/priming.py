@@ -84,7 +84,7 @@ def _run_empty(ex: Executor, key: BuildKey, calls: int) -> Any:
     for _ in range(calls):
         out = step(*args)
         # The donated state comes back from the call: the next call (and the executor) takes it.
-        if key[0] == "forward":  # (outer, layers, cache, fed, packed)
+        if key[0] in ("forward", "forward_images"):  # (outer, layers, cache, fed, packed[, images])
             ex.kv_cache = args[2] = out[1]
         elif key[0] == "head":  # (outer, last, counts, mask, fed, ...): counts and fed donated
             ex.counts = args[2] = out[1]

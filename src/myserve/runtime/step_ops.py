@@ -73,11 +73,13 @@ class CompileSteps(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=
     loops: tuple[tuple[StepShape, int, str], ...] = ()
     """Several-token decode calls: (one-token-rows shape, tokens per call, sampler mode)."""
     background: bool = False
+    images: tuple[StepShape, ...] = ()
+    """Forwards that take image embeddings (a vision-language model's steps holding image tokens)."""
 
     @property
     def count(self) -> int:
         """Executables this op builds."""
-        return len(self.shapes) + len(self.heads) + len(self.scores) + len(self.loops)
+        return len(self.shapes) + len(self.heads) + len(self.scores) + len(self.loops) + len(self.images)
 
 
 class StepCall(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
@@ -135,13 +137,14 @@ class PrimeSteps(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=Tr
     steps: CompileSteps
 
     def units(self) -> list[PrimeSteps]:
-        """One ``PrimeSteps`` per executable, in ``steps``' order (forwards, heads, scorers, loops)."""
+        """One ``PrimeSteps`` per executable, in ``steps``' order (forwards, heads, scorers, loops, image forwards)."""
         s = self.steps
         return [
             *(PrimeSteps(CompileSteps((shape,))) for shape in s.shapes),
             *(PrimeSteps(CompileSteps((), heads=(head,))) for head in s.heads),
             *(PrimeSteps(CompileSteps((), scores=(tokens,))) for tokens in s.scores),
             *(PrimeSteps(CompileSteps((), loops=(loop,))) for loop in s.loops),
+            *(PrimeSteps(CompileSteps((), images=(shape,))) for shape in s.images),
         ]
 
 
