@@ -348,3 +348,21 @@ def test_images_cross_the_wire_to_a_core_process(llava_dir, hf_llava) -> None:
     finally:
         live.stop()
         client.shutdown()
+
+
+def test_images_on_a_tensor_and_data_parallel_mesh(llava_dir: Path) -> None:
+    """4 concurrent image chats give the same greedy tokens on one device, on model=2 (the text
+    model's KV heads split, the tower replicated) and on 2 data-parallel replicas of model=2
+    (4 fake CPU devices, in a subprocess)."""
+    import json
+    import subprocess
+    import sys
+
+    worker = Path(__file__).with_name("vision_mesh_worker.py")
+    proc = subprocess.run(
+        [sys.executable, str(worker), str(llava_dir), "1x1", "1x2", "2x2"], capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(len(tokens) == 8 for tokens in result["1x1"])
+    assert result["1x2"] == result["1x1"] and result["2x2"] == result["1x1"]
