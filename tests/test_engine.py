@@ -42,6 +42,9 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 def test_no_compile_after_warmup(service, prompts) -> None:
     # Executables are cached process-wide: forget them and warm up again, so that a shape warmup
     # misses compiles here whatever ran before (the persistent cache keeps the re-warmup quick).
+    # Not while the engine thread primes (a shared engine another file just started may still):
+    # clearing JAX's caches under a call in flight on another thread broke its arrays.
+    wait_primed(service)
     jax.clear_caches()
     # The engine thread primes while idle, donating the cache and counts this warmup also donates.
     wait_primed(service)

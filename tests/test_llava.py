@@ -281,6 +281,7 @@ def test_bad_images_are_400s_and_the_server_keeps_serving(case: str, server) -> 
 
 
 def test_an_image_sent_to_a_text_model_is_a_400(tiny_service) -> None:
+    wait_primed(tiny_service)  # (a shared engine this may have started: left idle for the next file)
     live = LiveServer(create_app(tiny_service, served_model_name="tiny"))
     try:
         body = {"model": "tiny", "messages": messages_with("a"), "max_tokens": 2}

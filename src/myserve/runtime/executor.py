@@ -322,8 +322,7 @@ class Executor:
 
     def keys(self, op: CompileSteps) -> list[BuildKey]:
         """What a ``CompileSteps`` builds here (an embedding-only deployment has no head nor scorer)."""
-        keys: list[BuildKey] = [("forward", shape) for shape in op.shapes]
-        keys += [("forward_images", shape) for shape in op.images]
+        keys: list[BuildKey] = [*(("forward", s) for s in op.shapes), *(("forward_images", s) for s in op.images)]
         if self.sampler:
             keys += [("head", rows, mode) for rows, mode in op.heads]
             keys += [("score", tokens) for tokens in op.scores]
