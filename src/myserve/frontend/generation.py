@@ -214,8 +214,11 @@ def _submit_all(context: AppContext, response: ResponseContext, grammar_field: s
                 room = context.engine.max_model_len - len(ids)
                 bound = min(int(max_new), room) if params.max_tokens is None else min(int(max_new), params.max_tokens)
                 params = dataclasses.replace(params, max_tokens=max(1, bound))
-            images = response.images if i == 0 else ()  # (a chat has one prompt; it holds them)
-            streams.append(context.engine.submit(ids, params, request_id=f"{response.request_id}-{i}", images=images))
+            request_id = f"{response.request_id}-{i}"
+            if response.images:  # (a chat: one prompt, which holds them)
+                streams.append(context.engine.submit(ids, params, request_id=request_id, images=response.images))
+            else:
+                streams.append(context.engine.submit(ids, params, request_id=request_id))
     except BaseException as e:
         for s in streams:
             s.close()
