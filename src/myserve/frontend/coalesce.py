@@ -9,7 +9,8 @@ loses or reorders nothing merges (``merge``); the final ``choice == -1`` output 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from myserve.wire.outputs import RequestOutput, TokenLogprob
 
@@ -84,3 +85,18 @@ def coalesce(outputs: Sequence[RequestOutput]) -> list[RequestOutput]:
     if len(outputs) < 2:
         return list(outputs)
     return [output for _, output in coalesce_tagged([(0, o) for o in outputs])]
+
+
+class _Backlog[T](Protocol):
+    def empty(self) -> bool: ...
+    def get_nowait(self) -> T: ...
+
+
+def take_backlog[T](queue: _Backlog[T], pending: list[T], merge_all: Callable[[list[T]], list[T]]) -> list[T]:
+    """``pending`` with whatever else ``queue`` holds now, merged by ``merge_all`` (``coalesce`` or
+    ``coalesce_tagged``) when there was any: a consumer that fell behind gets fewer, larger deltas."""
+    if queue.empty():
+        return pending
+    while not queue.empty():
+        pending.append(queue.get_nowait())
+    return merge_all(pending)

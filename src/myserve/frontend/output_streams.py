@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
-from myserve.frontend.coalesce import coalesce_tagged
+from myserve.frontend.coalesce import coalesce_tagged, take_backlog
 from myserve.frontend.stream import RequestStream
 from myserve.wire.outputs import RequestOutput, Usage
 
@@ -55,10 +55,7 @@ async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, R
                 pending.append(await queue.get())
             # The pumps read their streams at once, so a consumer that fell behind finds the backlog
             # here, not in the streams: it is coalesced here too, per stream and choice.
-            if not queue.empty():
-                while not queue.empty():
-                    pending.append(queue.get_nowait())
-                pending = coalesce_tagged(pending)
+            pending = take_backlog(queue, pending, coalesce_tagged)
             i, out = pending.pop(0)
             if out.final:
                 remaining -= 1

@@ -6,7 +6,7 @@ import asyncio
 import queue
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from myserve.frontend.coalesce import coalesce
+from myserve.frontend.coalesce import coalesce, take_backlog
 from myserve.wire.outputs import RequestOutput
 
 
@@ -92,10 +92,7 @@ class RequestStream:
         while not self.finished:
             if not pending:
                 pending.append(await q.get())
-            if not q.empty():  # the consumer fell behind: what piled up goes out as fewer deltas
-                while not q.empty():
-                    pending.append(q.get_nowait())
-                pending = coalesce(pending)
+            pending = take_backlog(q, pending, coalesce)  # (a consumer that fell behind: fewer deltas)
             yield self._seen(pending.pop(0))
 
     def __iter__(self) -> Iterator[RequestOutput]:
@@ -106,10 +103,7 @@ class RequestStream:
         while not self.finished:
             if not pending:
                 pending.append(q.get())
-            if not q.empty():
-                while not q.empty():
-                    pending.append(q.get_nowait())
-                pending = coalesce(pending)
+            pending = take_backlog(q, pending, coalesce)
             yield self._seen(pending.pop(0))
 
 

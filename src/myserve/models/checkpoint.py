@@ -10,6 +10,7 @@ from pathlib import Path
 from myserve.bundled import bundled_gguf_path
 from myserve.errors import CheckpointError
 from myserve.models.spec import ModelSpec, spec_from_hf_config
+from myserve.models.vision_spec import VisionSpec, vision_spec_from_hf_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +60,18 @@ def _from_hub_cache(repo_id: str) -> Path:
 
 def hf_spec(directory: Path) -> ModelSpec:
     """The architecture an HF ``config.json`` in ``directory`` describes."""
+    return spec_from_hf_config(*_read_config(directory))
+
+
+def vision_spec_of(directory: Path) -> VisionSpec | None:
+    """The vision tower an HF checkpoint directory's ``config.json`` describes (None: text only)."""
+    return vision_spec_from_hf_config(*_read_config(directory))
+
+
+def _read_config(directory: Path) -> tuple[dict, str]:
+    """``directory``'s parsed ``config.json``, and its path for error messages."""
     config_path = directory / "config.json"
     try:
-        cfg = json.loads(config_path.read_text())
+        return json.loads(config_path.read_text()), str(config_path)
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{config_path}: cannot read config ({e})") from None
-    return spec_from_hf_config(cfg, str(config_path))

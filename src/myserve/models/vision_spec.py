@@ -4,9 +4,7 @@ read without JAX (the front end needs the placeholder token and the tokens per i
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from myserve.errors import CheckpointError
@@ -99,13 +97,3 @@ def vision_spec_from_hf_config(cfg: Mapping[str, Any], source: str) -> VisionSpe
         )
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{source}: invalid or missing vision config field: {e}") from None
-
-
-def vision_spec_of(directory: Path) -> VisionSpec | None:
-    """The vision tower an HF checkpoint directory's ``config.json`` describes (None: text only)."""
-    path = directory / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read config ({e})") from None
-    return vision_spec_from_hf_config(cfg, str(path))

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from myserve.config import Config, EngineConfig
 from myserve.errors import ConfigError
-from myserve.models.checkpoint import ResolvedCheckpoint, resolve_checkpoint
+from myserve.models.checkpoint import ResolvedCheckpoint, resolve_checkpoint, vision_spec_of
 from myserve.models.gguf import resolve_quantization
 from myserve.models.llama import LlamaModel
 from myserve.models.loading import SafetensorsSource, TensorSource, load_model, open_source
@@ -25,7 +25,7 @@ from myserve.models.quant import MIN_ROWS
 from myserve.models.sharding import MeshAxes, axis_mapping
 from myserve.models.spec import ModelSpec
 from myserve.models.vision import Tower, read_tower
-from myserve.models.vision_spec import VisionSpec, vision_spec_of
+from myserve.models.vision_spec import VisionSpec
 from myserve.ops.attention import resolve_backend
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.compile_counter import compile_counts

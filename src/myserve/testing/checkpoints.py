@@ -143,18 +143,27 @@ def make_tiny_checkpoint(
     config = getattr(transformers, cls_name)(**{**TINY_COMMON, **extra, **sizes, **(overrides or {})})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    # Random init uses std 0.02, which makes every logit ~0; larger weights make parity meaningful.
     # Norms scale by about 1: by w ~ 1, or for Gemma (whose norms scale by 1 + w) by w ~ 0.
-    unit = 0.0 if config.model_type.startswith("gemma") else 1.0
+    scale_random_weights(model, unit=0.0 if config.model_type.startswith("gemma") else 1.0)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(directory)
+    return directory
+
+
+def scale_random_weights(model: Any, *, unit: float = 1.0, embeddings: tuple[str, ...] = ()) -> None:
+    """Random init uses std 0.02, which makes every logit ~0 (and every image alike); larger weights
+    make parity meaningful: norms ``unit`` + N(0, 0.1), parameters named in ``embeddings`` N(0, 0.5),
+    the rest N(0, 0.2)."""
+    import torch
+
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(unit + 0.1 * torch.randn_like(p))
+            elif any(e in name for e in embeddings):
+                p.normal_(0.0, 0.5)
             else:
                 p.normal_(0.0, 0.2)
-    model = model.to(getattr(torch, dtype))
-    model.save_pretrained(directory)
-    return directory
 
 
 def hf_logits(directory: Path, token_ids: list[int]):

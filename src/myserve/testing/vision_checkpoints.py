@@ -5,7 +5,6 @@ renders image parts. Built with transformers and torch, imported lazily: only te
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 IMAGE_TOKEN = "<image>"
 
@@ -30,6 +29,7 @@ def make_tiny_llava(directory: Path, *, seed: int = 0) -> Path:
     import transformers
 
     from myserve.bundled import bundled_gguf_path
+    from myserve.testing.checkpoints import TINY_COMMON, scale_random_weights
     from myserve.tokenizer import Tokenizer
 
     hf_tokenizer = Tokenizer.load(bundled_gguf_path()).hf
@@ -45,20 +45,11 @@ def make_tiny_llava(directory: Path, *, seed: int = 0) -> Path:
         patch_size=6,
         projection_dim=32,
     )
-    text = transformers.LlamaConfig(
-        vocab_size=image_token_id + 8,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-    )
+    text = transformers.LlamaConfig(**{**TINY_COMMON, "vocab_size": image_token_id + 8})
     config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token_id)
     torch.manual_seed(seed)
     model = transformers.LlavaForConditionalGeneration(config)
-    _scale_weights(model, torch)
+    scale_random_weights(model, embeddings=("position_embedding", "class_embedding"))
     model.save_pretrained(directory)
     hf_tokenizer.save_pretrained(directory)
     processor = transformers.CLIPImageProcessorPil(
@@ -66,16 +57,3 @@ def make_tiny_llava(directory: Path, *, seed: int = 0) -> Path:
     )
     processor.save_pretrained(directory)
     return directory
-
-
-def _scale_weights(model: Any, torch: Any) -> None:
-    """Random init uses std 0.02 (every logit ~0, every image alike); larger weights make parity
-    meaningful. Norms scale by about 1."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif "position_embedding" in name or "class_embedding" in name:
-                p.normal_(0.0, 0.5)
-            else:
-                p.normal_(0.0, 0.2)
