@@ -115,12 +115,17 @@ def test_sliding_window_is_served_past_the_window(tiny_copy: Path) -> None:
     assert {k.window for k in spec.layer_kinds()} == {128}
 
 
-def test_multimodal_gemma3_refused_naming_the_text_model(tiny_copy: Path) -> None:
-    cfg = json.loads((tiny_copy / "config.json").read_text())
-    cfg.update(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"])
-    (tiny_copy / "config.json").write_text(json.dumps(cfg))
-    msg = load_error(tiny_copy)
-    assert msg.startswith(str(tiny_copy / "config.json")) and "gemma3_text" in msg and "multimodal" in msg
+def test_vision_towers_other_than_the_familys_are_refused(tiny_copy: Path) -> None:
+    """Gemma 3 takes a SigLIP tower, LLaVA a CLIP one: another is a one-line error naming it."""
+    from myserve.models.checkpoint import vision_spec_of
+
+    text = json.loads((tiny_copy / "config.json").read_text())
+    for family, tower in (("gemma3", "clip_vision_model"), ("llava", "siglip_vision_model")):
+        cfg = {"model_type": family, "text_config": text, "vision_config": {"model_type": tower}}
+        (tiny_copy / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(CheckpointError) as info:
+            vision_spec_of(tiny_copy)
+        assert str(info.value).startswith(str(tiny_copy / "config.json")) and repr(tower) in str(info.value)
 
 
 @pytest.mark.parametrize("case", ["no_config", "gguf_arch"])

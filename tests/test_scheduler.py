@@ -176,3 +176,33 @@ def test_abort_at_every_stage_releases_everything(stage: str) -> None:
     assert all(s.finish_reason == "length" for s in others if s in e.done and s.finish_reason != "abort")
     assert e.scheduler.allocator.num_used == 0 and e.scheduler.slots.num_free == e.scheduler.slots.num_slots
     assert_consistent(e.scheduler, e.live)
+
+
+def test_an_image_attending_both_ways_is_computed_in_one_step() -> None:
+    """Gemma 3's images (``ImageSpan.whole``): a chunk stops before an image it would cut, and one
+    that starts inside an image takes it whole or waits, admitting no one before it, until the
+    budget holds it (here: two decodes leave 8 of 10 tokens for a 9-token image)."""
+    import numpy as np
+
+    from myserve.core.images import ImageSpan
+
+    e = engine(budget=10, max_num_seqs=4)
+    (a,) = e.submit(prompt(3), GREEDY)
+    e.step()
+    (b,) = e.submit(prompt(20, 40), GREEDY)
+    b.images = (ImageSpan("ab" * 16, 4, 9, np.zeros((9, 4), np.float32), whole=True),)
+    (c,) = e.submit(prompt(3, 80), GREEDY)
+    chunks: list[tuple[int, int]] = []
+    late = None
+    while e.live:
+        batch = e.step()
+        if batch is None:
+            continue
+        chunks += [(ch.start, ch.num_tokens) for ch in batch.prefills if ch.seq is b]
+        if late is None and len(chunks) == 1 and c.output_ids:  # b waits inside its image: no admission
+            (late,) = e.submit(prompt(3, 120), GREEDY)
+            assert e.step() is not None and late.status is SeqStatus.WAITING and len(chunks) == 1
+    assert chunks[0] == (0, 4)  # stopped before the image
+    assert chunks[1][0] == 4 and chunks[1][1] >= 9  # the image whole, once the decodes left room
+    assert all(s.finish_reason == "length" for s in (a, b, c, late))
+    assert_consistent(e.scheduler, e.live)

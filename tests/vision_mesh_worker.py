@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import io
 import json
 import sys
@@ -50,8 +51,8 @@ def main(checkpoint: str, meshes: list[str]) -> None:
                 urls = chats[i]
                 parts = [{"type": "image"} for _ in urls] + [{"type": "text", "text": f"Picture {i}?"}]
                 text = svc.tokenizer.render_chat([{"role": "user", "content": parts}])
-                ids = svc.tokenizer.encode(text, add_special_tokens=False)
-                prompt, inputs = svc.images.expand(ids, asyncio.run(svc.images.pixels(urls)))
+                encode = functools.partial(svc.tokenizer.encode, add_special_tokens=False)
+                prompt, inputs = svc.images.expand(text, asyncio.run(svc.images.pixels(urls)), encode)
                 params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
                 streams.append(svc.submit(prompt, params, images=inputs))
             result[mesh] = [collect(s)[0] for s in streams]

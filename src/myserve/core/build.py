@@ -113,7 +113,9 @@ def _image_model(dep: Deployment) -> ImageModel | None:
     if dep.vision is None or dep.checkpoint_dir is None:
         return None
     spec = dep.vision[0]
-    return ImageModel(str(dep.checkpoint_dir), spec.image_token_id, spec.tokens_per_image)
+    hf = dep.tokenizer.hf
+    placeholder, replacement = spec.prompt_text(lambda token: str(hf.convert_ids_to_tokens(token)))
+    return ImageModel(str(dep.checkpoint_dir), spec.image_token_id, spec.tokens_per_image, placeholder, replacement)
 
 
 def _image_encoder(dep: Deployment) -> ImageEncoder | None:

@@ -55,6 +55,8 @@ class ImageSpan:
     offset: int
     length: int
     embeddings: np.ndarray
+    whole: bool = False
+    """Its tokens attend to each other both ways (Gemma 3): a step computes them all or none of them."""
 
     @property
     def stop(self) -> int:
@@ -73,6 +75,8 @@ class ImageEncoding(Protocol):
 
     image_token_id: int
     tokens_per_image: int
+    whole_images: bool
+    """An image's tokens attend to each other both ways, so a step computes them all or none."""
     image_shape: tuple[int, ...]
     """The pixels' shape the tower takes (channels, height, width)."""
     encoded: int
@@ -129,6 +133,21 @@ def hash_tokens(tokens: list[int], start: int, images: Iterable[ImageSpan]) -> l
     return out
 
 
+def chunk_bounds(images: Iterable[ImageSpan], start: int, n: int) -> tuple[int, int]:
+    """For a prompt chunk of ``n`` tokens from position ``start``: (the fewest tokens it may take:
+    the rest of a ``whole`` image it starts inside, else 1; ``n`` cut back so that it ends before a
+    ``whole`` image it would split). A chunk shorter than the first cannot run this step."""
+    least = 1
+    for image in images:
+        if not image.whole:
+            continue
+        if image.offset <= start < image.stop:
+            least = image.stop - start
+        elif start < image.offset < start + n < image.stop:
+            n = image.offset - start
+    return least, n
+
+
 type PlacedImages = list[tuple[Sequence[ImageSpan], int, int, int]]
 """A step's chunks that compute image tokens: (the sequence's images, the chunk's first position,
 its length, its first flat index in the step)."""
@@ -150,12 +169,12 @@ def with_step_images(call: StepCall, placed: PlacedImages) -> StepCall:
     images = step_images(placed, call.shape.tokens) if placed else None
     if images is None:
         return call
-    return msgspec.structs.replace(call, images=images[0], image_mask=images[1])
+    return msgspec.structs.replace(call, images=images[0], image_ends=images[1])
 
 
 def step_images(placed: PlacedImages, tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """A step's image embeddings [tokens, embed] and mask [tokens] from its chunks (``images_in``);
-    None when no chunk computes an image token."""
+    """A step's image embeddings [tokens, embed] and image ends [tokens] (``StepCall.image_ends``)
+    from its chunks (``images_in``); None when no chunk computes an image token."""
     out: tuple[np.ndarray, np.ndarray] | None = None
     for images, start, n, at in placed:
         for image in images:
@@ -163,8 +182,8 @@ def step_images(placed: PlacedImages, tokens: int) -> tuple[np.ndarray, np.ndarr
             if lo >= hi:
                 continue
             if out is None:
-                out = np.zeros((tokens, image.embeddings.shape[1]), np.float32), np.zeros(tokens, bool)
+                out = np.zeros((tokens, image.embeddings.shape[1]), np.float32), np.zeros(tokens, np.int32)
             rows = slice(at + lo - start, at + hi - start)
             out[0][rows] = image.embeddings[lo - image.offset : hi - image.offset]
-            out[1][rows] = True
+            out[1][rows] = image.stop
     return out

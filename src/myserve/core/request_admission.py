@@ -45,7 +45,10 @@ class RequestAdmission:
             return ()
         assert self.image_encoder is not None, "add() refuses images without an encoder"
         encoder = self.image_encoder
-        return tuple(ImageSpan(i.key, i.offset, i.length, encoder.embeddings(i.key, i.array())) for i in req.images)
+        return tuple(
+            ImageSpan(i.key, i.offset, i.length, encoder.embeddings(i.key, i.array()), encoder.whole_images)
+            for i in req.images
+        )
 
     def _admit(self, req: Request) -> None:
         with self._pending_lock:

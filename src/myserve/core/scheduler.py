@@ -27,6 +27,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Protocol
 
 from myserve.core.adapters import AdapterSlots
+from myserve.core.images import chunk_bounds
 from myserve.core.pages import PageAllocator, chain_hashes
 from myserve.core.sequence import SeqStatus, Sequence
 from myserve.core.slots import SlotPool
@@ -232,12 +233,16 @@ class Scheduler:
                 budget -= 1
         # Then the next chunk of running sequences still prefilling; a chunk shrinks to the free
         # pages rather than preempting, unless not even one token fits.
+        waits = False  # a running prompt's whole image did not fit the budget: admit no one before it
         for seq in by_age:
             if budget == 0 or seq.status is not SeqStatus.RUNNING or seq.num_pending <= 1 or multi >= cap:
                 continue
             fits = (len(seq.pages) + self.allocator.num_free) * self.page_size - seq.num_computed
-            n = min(seq.num_pending, budget, self.max_prefill_chunk, max(fits, 1))
-            if grow(seq, n):
+            least = chunk_bounds(seq.images, seq.num_computed, 0)[0]  # (an image attending both ways: whole)
+            want = min(seq.num_pending, budget, self.max_prefill_chunk, max(fits, least))
+            n = chunk_bounds(seq.images, seq.num_computed, want)[1]
+            waits |= n < least
+            if n >= least and grow(seq, n):
                 chunks[seq] = ScheduledChunk(seq, seq.num_computed, n)
                 budget -= n
                 multi += n > 1
@@ -246,7 +251,7 @@ class Scheduler:
         # wait (without blocking the queue) until the first choice has computed the prompt.
         copies: list[tuple[int, int]] = []
         fill_slots: list[Sequence] = []
-        for seq in list(self.waiting) if not preempted else []:
+        for seq in list(self.waiting) if not preempted and not waits else []:
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
             if seq.weights != weights:
@@ -399,9 +404,10 @@ class Scheduler:
         hosted = [] if scored else self.allocator.match_host(hashes, len(cached), seq.num_tokens)
         known = len(cached) + len(hosted)  # pages whose K/V exist: on the device, or in host memory
         computed = known * self.page_size
-        first = min(seq.num_tokens - computed, budget, self.max_prefill_chunk)
+        want = min(seq.num_tokens - computed, budget, self.max_prefill_chunk)
+        least, first = chunk_bounds(seq.images, computed, want)  # (an image attending both ways: whole)
         need = -(-(computed + first) // self.page_size) - len(cached)
-        if not self.allocator.can_allocate(need):
+        if first < least or not self.allocator.can_allocate(need):
             self.allocator.release(cached)
             self.allocator.unpin_host(hosted)
             return 0

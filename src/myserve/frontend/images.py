@@ -22,7 +22,7 @@ import ipaddress
 import logging
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -136,26 +136,25 @@ class ImageSupport:
         except OSError:
             raise bad_image(f"image {index}: cannot read the file") from None
 
-    def expand(self, ids: list[int], pixels: Sequence[np.ndarray]) -> tuple[list[int], list[ImageInput]]:
-        """The prompt with each image's one placeholder token (what the chat template wrote)
-        repeated for every token of its embedding, and the images placed there."""
-        token, n = self.model.image_token_id, self.model.tokens_per_image
-        at = [i for i, t in enumerate(ids) if t == token]
-        if len(at) != len(pixels):
+    def expand(
+        self, text: str, pixels: Sequence[np.ndarray], encode: Callable[[str], list[int]]
+    ) -> tuple[list[int], list[ImageInput]]:
+        """The rendered chat ``text``'s tokens with each image's mark (what the chat template wrote)
+        expanded as the model's processor does it (in the text, before tokenizing, so the tokens
+        around an image are the processor's too), and the images placed at their tokens' runs."""
+        model = self.model
+        marks = text.count(model.placeholder)
+        if marks != len(pixels):
             raise bad_image(
-                f"the prompt has {len(at)} image placeholders for {len(pixels)} images "
-                "(does the text contain the model's image token?)"
+                f"the prompt has {marks} image placeholders for {len(pixels)} images "
+                f"(does the text contain the model's image mark {model.placeholder!r}?)"
             )
-        out: list[int] = []
-        images: list[ImageInput] = []
-        last = 0
-        for pos, image in zip(at, pixels, strict=True):
-            out += ids[last:pos]
-            images.append(ImageInput.of(image, len(out), n))
-            out += [token] * n
-            last = pos + 1
-        out += ids[last:]
-        return out, images
+        ids = encode(text.replace(model.placeholder, model.replacement))
+        token, n = model.image_token_id, model.tokens_per_image
+        starts = [i for i, t in enumerate(ids) if t == token and (i == 0 or ids[i - 1] != token)]
+        if len(starts) != len(pixels) or ids.count(token) != n * len(pixels):
+            raise bad_image("the prompt's text holds the model's image token itself")
+        return ids, [ImageInput.of(image, at, n) for at, image in zip(starts, pixels, strict=True)]
 
 
 def _data_url(url: str, index: int) -> bytes:

@@ -130,6 +130,9 @@ class ModelSpec:
     """Renormalise the top-k routing weights to sum to 1 (Mixtral always; Qwen as configured)."""
     shared_expert_intermediate_size: int = 0
     """Width of the always-on shared expert, gated by a sigmoid of one projection (Qwen2-MoE); 0 = none."""
+    bidirectional_images: bool = False
+    """An image's tokens attend to each other both ways, the rest causally (Gemma 3's language model
+    under its vision tower): a step holding image tokens masks by each token's last visible position."""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -278,12 +281,9 @@ def spec_from_hf_config(cfg: Mapping[str, Any], source: str) -> ModelSpec:
     model_type = cfg.get("model_type")
     if model_type in VISION_MODEL_TYPES:  # a vision-language checkpoint: the decoder is its text model
         text = dict(cfg.get("text_config") or {})
-        return spec_from_hf_config({**text, "model_type": text.get("model_type", "llama")}, source)
-    if model_type == "gemma3":
-        raise CheckpointError(
-            f"{source}: multimodal Gemma 3 (model_type 'gemma3') is not supported; serve a text-only "
-            f"Gemma 3 checkpoint (model_type 'gemma3_text', e.g. gemma-3-1b-it)"
-        )
+        default = "gemma3_text" if model_type == "gemma3" else "llama"
+        spec = spec_from_hf_config({**text, "model_type": text.get("model_type", default)}, source)
+        return dataclasses.replace(spec, bidirectional_images=model_type == "gemma3")
     if model_type not in SUPPORTED_MODEL_TYPES:
         archs = cfg.get("architectures") or [model_type]
         raise CheckpointError(

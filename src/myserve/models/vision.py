@@ -7,6 +7,11 @@ positions, pre-norm encoder layers with ``quick_gelu`` MLPs), whose hidden state
 without the class token (``vision_feature_select_strategy: default``; ``full`` keeps it), then a
 two-layer MLP projector (``linear_1``, GELU, ``linear_2``) into the text model's width.
 
+Gemma 3 (``model_type: gemma3``): a SigLIP vision transformer (patch embedding with a bias, learned
+positions, no class token, the same pre-norm layers with tanh-GELU MLPs, a final LayerNorm), its
+patch grid average-pooled to ``mm_tokens_per_image`` tokens, then Gemma's RMSNorm (``1 + w``, in
+float32) and one projection (``mm_input_projection_weight``, already [in, out]).
+
 The tower is small beside the language model and runs once per distinct image (the engine caches
 its output by the image's content hash: ``runtime/image_encoder.py``), so its weights are plain
 arrays replicated on the mesh, not haliax-named and sharded like the decoder's.
@@ -38,6 +43,7 @@ _TOWER_PREFIXES = (
     "model.vision_tower.",
 )
 _PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
+_PROJECTOR_PROBES = {"llava": "linear_1.weight", "gemma3": "mm_input_projection_weight"}
 
 Tower = dict[str, Any]
 """The tower's weights as a pytree of arrays: ``embed``, ``layers`` (a list) and ``projector``."""
@@ -47,7 +53,7 @@ def read_tower(source: _Source, spec: VisionSpec, dtype: Any) -> Tower:
     """The tower's and projector's weights from a checkpoint (either of transformers' namings), as
     host arrays of ``dtype`` with each projection transposed to [in, out]."""
     tower = _prefix(source, _TOWER_PREFIXES, "embeddings.patch_embedding.weight")
-    projector = _prefix(source, _PROJECTOR_PREFIXES, "linear_1.weight")
+    projector = _prefix(source, _PROJECTOR_PREFIXES, _PROJECTOR_PROBES[spec.family])
 
     def get(name: str) -> np.ndarray:
         return np.asarray(source.read(name), np.float32).astype(dtype)
@@ -77,19 +83,25 @@ def read_tower(source: _Source, spec: VisionSpec, dtype: Any) -> Tower:
                 "fc2": linear(p + "mlp.fc2"),
             }
         )
-    return {
-        "embed": {
-            "patch": patch.reshape(patch.shape[0], -1).T,  # [3 * p * p, hidden], (channel, row, column) order
-            "cls": get(f"{tower}embeddings.class_embedding"),
-            "pos": get(f"{tower}embeddings.position_embedding.weight"),
-            "pre_norm": norm(f"{tower}pre_layrnorm"),
-        },
-        "layers": layers,
-        "projector": {
+    embed: dict[str, Any] = {
+        "patch": patch.reshape(patch.shape[0], -1).T,  # [3 * p * p, hidden], (channel, row, column) order
+        "pos": get(f"{tower}embeddings.position_embedding.weight"),
+    }
+    if spec.family == "gemma3":  # SigLIP: a patch bias and a final norm; Gemma's projector
+        embed["patch_bias"] = get(f"{tower}embeddings.patch_embedding.bias")
+        embed["post_norm"] = norm(f"{tower}post_layernorm")
+        projection: Tower = {
+            "norm": np.asarray(source.read(f"{projector}mm_soft_emb_norm.weight"), np.float32) + 1.0,
+            "w": get(f"{projector}mm_input_projection_weight"),
+        }
+    else:  # CLIP: a class token and a norm before the layers; LLaVA's MLP
+        embed["cls"] = get(f"{tower}embeddings.class_embedding")
+        embed["pre_norm"] = norm(f"{tower}pre_layrnorm")
+        projection = {
             "linear_1": linear(f"{projector}linear_1", spec.projector_bias),
             "linear_2": linear(f"{projector}linear_2", spec.projector_bias),
-        },
-    }
+        }
+    return {"embed": embed, "layers": layers, "projector": projection}
 
 
 def _prefix(source: _Source, prefixes: tuple[str, ...], probe: str) -> str:
@@ -108,16 +120,34 @@ def encode_images(spec: VisionSpec, tower: Tower, pixels: jax.Array) -> jax.Arra
     dtype = tower["embed"]["patch"].dtype
     # Non-overlapping patches: the stride-p convolution as one matmul over (channel, row, column).
     patches = pixels.astype(dtype).reshape(n, c, g, p, g, p).transpose(0, 2, 4, 1, 3, 5).reshape(n, g * g, c * p * p)
-    x = patches @ tower["embed"]["patch"]
-    cls = jnp.broadcast_to(tower["embed"]["cls"], (n, 1, x.shape[-1]))
-    x = jnp.concatenate([cls, x], axis=1) + tower["embed"]["pos"][None]
-    x = _layer_norm(x, tower["embed"]["pre_norm"], spec.layer_norm_eps)
+    embed = tower["embed"]
+    x = patches @ embed["patch"]
+    if spec.family == "gemma3":
+        x = x + embed["patch_bias"] + embed["pos"][None]
+    else:
+        cls = jnp.broadcast_to(embed["cls"], (n, 1, x.shape[-1]))
+        x = jnp.concatenate([cls, x], axis=1) + embed["pos"][None]
+        x = _layer_norm(x, embed["pre_norm"], spec.layer_norm_eps)
     for layer in tower["layers"]:
         x = _encoder_layer(spec, layer, x)
-    features = x if spec.keep_class_token else x[:, 1:]
     proj = tower["projector"]
+    if spec.family == "gemma3":
+        return _gemma3_projector(spec, proj, _layer_norm(x, embed["post_norm"], spec.layer_norm_eps), g)
+    features = x if spec.keep_class_token else x[:, 1:]
     h = _activation(_linear(features, proj["linear_1"]), spec.projector_act)
     return _linear(h, proj["linear_2"])
+
+
+def _gemma3_projector(spec: VisionSpec, proj: Tower, x: jax.Array, grid: int) -> jax.Array:
+    """Gemma 3's: patches [N, grid * grid, D] (row-major) average-pooled in squares to
+    ``pooled_tokens``, RMS-normalized (float32, ``1 + w`` already added at load), projected."""
+    n, _, d = x.shape
+    side = math.isqrt(spec.pooled_tokens)
+    k = grid // side
+    pooled = x.astype(jnp.float32).reshape(n, side, k, side, k, d).mean(axis=(2, 4)).reshape(n, side * side, d)
+    normed = pooled * jax.lax.rsqrt(jnp.mean(pooled * pooled, axis=-1, keepdims=True) + spec.layer_norm_eps)
+    normed = (normed * proj["norm"]).astype(x.dtype)
+    return normed @ proj["w"]
 
 
 def _encoder_layer(spec: VisionSpec, layer: Tower, x: jax.Array) -> jax.Array:

@@ -17,7 +17,9 @@ are computed together, so a chunk costs the same for every row of a view; paddin
 ``kv_lens == 0``.
 
 Causality is by absolute position: a query at position ``p`` sees cache slots ``<= p`` of its row
-(the cache already holds this step's keys), and ``< kv_lens``.
+(the cache already holds this step's keys), and ``< kv_lens``; where the batch names a later last
+visible position (``RaggedBatch.visible``: an image token of Gemma 3 sees its whole image, whose
+tokens the scheduler keeps in one step), slots up to that one.
 
 Sliding windows (a layer's static ``window``): a query at position ``p`` sees only positions
 ``k > p - window``, as transformers masks them. Each row then reads only the chunks its own window
@@ -131,8 +133,10 @@ def _view_attention(
     heads_sharded: bool,
     window: int | None = None,
     soft_cap: float | None = None,
+    visible: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of one view's rows. q: [T + 1, heads, D] (last row zeros) -> [N, Q, heads, D] float32.
+    ``visible`` [T + 1]: each flat token's last visible position (None: its own).
 
     The loop reads ``width / chunk_pages`` chunks of each row's page table (static). With a
     ``window``, each row starts at the chunk holding the oldest position its first query still
@@ -148,10 +152,11 @@ def _view_attention(
     # values product's left operand as XLA:CPU's dot takes it, with no transposed copy between.
     qm = q[view.idx].reshape(n, qn, kvh, g, d).transpose(2, 0, 1, 3, 4).reshape(kvh, n, m_rows, d)
     q_pos = jnp.repeat(view.positions, g, axis=1)  # [N, Q * g]
+    q_last = q_pos if visible is None else jnp.repeat(visible[view.idx], g, axis=1)
     span = chunk_pages * cache.page_size
     num_chunks = view.pages.shape[1] // chunk_pages
     steps, first = num_chunks, jnp.zeros((n,), jnp.int32)
-    if window is not None:
+    if window is not None and visible is None:  # (a row's image may reach past its queries: read every chunk)
         # A row's queries see positions positions[:, 0] - window + 1 .. positions[:, 0] + qn - 1.
         steps = min(num_chunks, (window + qn - 2) // span + 2)
         oldest = jnp.maximum(view.positions[:, 0] - (window - 1), 0)
@@ -160,7 +165,7 @@ def _view_attention(
     def scores(i: int | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """Chunk ``i``'s masked scores [KVH, N, M, span], values [KVH, N, span, D] and, quantized,
         the values' scales [KVH, N, 1, span]."""
-        if window is None:  # every row reads chunk i
+        if steps == num_chunks:  # every row reads chunk i
             pages = lax.dynamic_slice_in_dim(view.pages, i * chunk_pages, chunk_pages, axis=1)
             kv_pos = jnp.broadcast_to(i * span + jnp.arange(span), (n, span))
         else:  # each row its own chunk
@@ -171,7 +176,7 @@ def _view_attention(
             _gather_pages(x, layer, pages, heads_sharded).reshape(kvh, n, span, d).astype(qm.dtype)
             for x in (cache.k, cache.v)
         )  # (a quantized cache's codes widened chunk by chunk; the scales apply to scores and weights)
-        mask = (kv_pos[:, None, :] <= q_pos[:, :, None]) & (kv_pos[:, None, :] < view.kv_lens[:, None, None])
+        mask = (kv_pos[:, None, :] <= q_last[:, :, None]) & (kv_pos[:, None, :] < view.kv_lens[:, None, None])
         if window is not None:
             mask &= kv_pos[:, None, :] > q_pos[:, :, None] - window
         s = jnp.einsum("knmd,knsd->knms", qm, keys, preferred_element_type=jnp.float32) * sm_scale
@@ -266,6 +271,7 @@ def ragged_attention(
     padded = jnp.concatenate([q, jnp.zeros((1, h, d), q.dtype)])
     views = [view for view in (batch.single, batch.blocks) if view.idx.shape[0]]
     outputs = []
+    visible = None if batch.visible is None else jnp.concatenate([batch.visible[0], jnp.zeros(1, jnp.int32)])
     for view in views:
         if batch.ragged_kernel:
             rows = gpu_ragged_attention.view_attention(
@@ -291,7 +297,7 @@ def ragged_attention(
         rows = _view_attention(
             padded, cache, layer, view,
             chunk_pages=chunk, sm_scale=sm_scale, heads_sharded=heads_sharded,
-            window=window, soft_cap=soft_cap,
+            window=window, soft_cap=soft_cap, visible=visible,
         )  # fmt: skip
         outputs.append(rows.reshape(-1, h, d))
     # Each token's row, gathered (a scatter of rows into the tokens is an op of its own and a

@@ -77,6 +77,10 @@ class RaggedBatch(eqx.Module):
     adapters: jax.Array | None = None
     """[1, T] the LoRA slot of each token's sequence (-1: the base model; ``models/lora.py``);
     None: no adapter applies."""
+    visible: jax.Array | None = None
+    """[1, T] the last position each token attends to, where it is not its own: an image token of
+    a model whose images attend both ways (Gemma 3) sees its whole image. None: causal throughout.
+    Only the reference attention reads it (a step holding such tokens runs there)."""
 
     def with_kernel(self, kernel: KernelMeta) -> RaggedBatch:
         """This batch with the TPU kernel's metadata attached."""
@@ -90,6 +94,13 @@ class RaggedBatch(eqx.Module):
         """This batch with both views marked for the GPU ragged kernel."""
         return self._with(self.kernel, False, True)
 
+    def with_visible(self, visible: jax.Array) -> RaggedBatch:
+        """This batch with each token's last visible position (``visible``), on the reference attention."""
+        return RaggedBatch(
+            self.positions, self.q_lens, self.write_pages, self.single, self.blocks, self.chunk_pages,
+            adapters=self.adapters, visible=visible,
+        )  # fmt: skip
+
     def _with(self, kernel: KernelMeta | None, decode_kernel: bool, ragged_kernel: bool) -> RaggedBatch:
         return RaggedBatch(
             self.positions,
@@ -102,6 +113,7 @@ class RaggedBatch(eqx.Module):
             decode_kernel,
             ragged_kernel,
             self.adapters,
+            self.visible,
         )
 
 

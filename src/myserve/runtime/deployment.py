@@ -170,7 +170,7 @@ class Deployment:
             )
             tokenizer = tokenizer_future.result()
         draft = load_drafts(config, mesh, dtype, spec)
-        vision = _load_vision(config, resolved, source, dtype)
+        vision = _load_vision(config, resolved, source, dtype, backend)
         logger.info(
             "loaded %s (%s, %d layers) as %s%s on mesh %s, attention=%s, in %.1fs",
             resolved.path,
@@ -189,10 +189,12 @@ class Deployment:
 
 
 def _load_vision(
-    config: Config, resolved: ResolvedCheckpoint, source: TensorSource, dtype: jnp.dtype
+    config: Config, resolved: ResolvedCheckpoint, source: TensorSource, dtype: jnp.dtype, backend: str
 ) -> tuple[VisionSpec, Tower] | None:
     """The vision tower of a vision-language checkpoint (None for a text-only one), refused where
-    images cannot be served yet: speculative decoding, several processes."""
+    images cannot be served yet: speculative decoding, several processes; and for images attending
+    both ways (Gemma 3), the TPU kernel's cache layout (the reference attention masks them) and a
+    token budget smaller than one image (a step computes an image's tokens together)."""
     if not resolved.path.is_dir():
         return None
     spec = vision_spec_of(resolved.path)
@@ -204,6 +206,14 @@ def _load_vision(
         raise ConfigError("a vision-language model is served by one process (mesh.num_processes 1)")
     if not isinstance(source, SafetensorsSource):
         raise ConfigError("a vision-language model's weights are read from its safetensors files")
+    if spec.bidirectional:
+        if backend == "pallas":
+            raise ConfigError(f"{spec.family} images attend both ways, which the TPU attention kernel does not "
+                              "mask: set engine.attention_backend reference")  # fmt: skip
+        budget = config.engine.token_budget(jax.default_backend())
+        if budget < spec.tokens_per_image:
+            raise ConfigError(f"engine.max_num_batched_tokens ({budget}) must hold one image's "
+                              f"{spec.tokens_per_image} tokens: a step computes an image whole")  # fmt: skip
     return spec, read_tower(source, spec, np.dtype(dtype))
 
 

@@ -294,8 +294,8 @@ class Executor:
         self.ran.add((kind, op.shape))
         self.calls[kind, op.shape] += 1
         packed = pack_step(op.batch, op.ints, op.floats)  # the step's one transfer
-        # A step holding image tokens takes their embeddings ([T, embed], and which tokens: [T]).
-        images = () if op.images is None else ((op.images.astype(self.hidden_dtype), op.image_mask),)
+        # A step holding image tokens takes their embeddings ([T, embed], and where each token's image ends: [T]).
+        images = () if op.images is None else ((op.images.astype(self.hidden_dtype), op.image_ends),)
         fwd, self.kv_cache = forward(outer, layers, self.kv_cache, self.fed, packed, *images)
         if self.sampler:
             self.ran.add(("head", n1, op.mode))

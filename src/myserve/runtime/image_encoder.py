@@ -42,6 +42,7 @@ class ImageEncoder:
         self.spec = spec
         self.image_token_id = spec.image_token_id
         self.tokens_per_image = spec.tokens_per_image
+        self.whole_images = spec.bidirectional
         self.image_shape = (3, spec.image_size, spec.image_size)
         self._tower: Any = jax.device_put(tower, replicated(mesh))
         self._sharding = replicated(mesh)

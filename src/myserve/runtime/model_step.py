@@ -134,7 +134,8 @@ def forward_step(
     from it. ``pool`` (static): the deployment embeds, so the pooled sums are computed (a
     ``segment_sum``: cheap beside the layers, so no step decides it on the device). ``images``: a
     step holding image tokens (its own executable, ``("forward_images", shape)``): (embeddings
-    [T, embed], mask [T]) replacing the token embeddings of the flat tokens the mask marks."""
+    [T, embed], ends [T]) replacing the token embeddings of the flat tokens whose end is not 0
+    (``StepCall.image_ends``)."""
     if replicated is not None:
         packed = jax.lax.with_sharding_constraint(packed, replicated)
     flat, ints, floats = split_step(packed, shape)
@@ -336,8 +337,11 @@ def _forward(
         batch = batch.with_ragged_kernel()
     x = outer.embed_tokens(tokens[None])  # one row of T tokens: [1, T, embed]
     if images is not None:  # image tokens take the vision tower's embeddings (after any embedding scale)
-        embeds, mask = images
+        embeds, ends = images
+        mask = ends > 0
         x = hax.named(jnp.where(mask[None, :, None], embeds[None].astype(x.dtype), x.array), x.axes)
+        if outer.spec.bidirectional_images:  # each image token sees its image's last token (on the reference)
+            batch = batch.with_visible(jnp.where(mask, ends - 1, batch.positions[0])[None].astype(jnp.int32))
     kinds = outer.spec.layer_kinds()
     for i, leaves in enumerate(layers):
         x, cache = _layer(outer.spec, kinds[i], treedef, leaves, x, batch, cache, cache_sharding, jnp.int32(i))

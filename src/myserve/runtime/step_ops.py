@@ -114,8 +114,9 @@ class StepCall(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True
     images: np.ndarray | None = None
     """float32 [T, embed]: the vision tower's embeddings of the step's image tokens, at their flat
     positions (zeros elsewhere); None when the step holds none (``("forward_images", shape)`` runs it)."""
-    image_mask: np.ndarray | None = None
-    """bool [T]: which flat tokens take their embedding from ``images``."""
+    image_ends: np.ndarray | None = None
+    """int32 [T]: for a flat token taking its embedding from ``images``, the position after its
+    image's last token (what a token of an image attending both ways sees, Gemma 3's); 0 elsewhere."""
 
 
 class WriteAdapter(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):

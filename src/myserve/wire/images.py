@@ -39,9 +39,14 @@ class ImageInput(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fi
 
 class ImageModel(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """What the front end needs of a vision-language model to prepare its images: where its image
-    processor's config is, the placeholder token and how many of them stand for one image."""
+    processor's config is, the image token and how many of them stand for one image, and how the
+    model's processor expands the chat template's mark of an image in the prompt's text."""
 
     directory: str
     """The checkpoint directory (its ``preprocessor_config.json``)."""
     image_token_id: int
     tokens_per_image: int
+    placeholder: str
+    """What the chat template writes for an image (LLaVA: ``<image>``; Gemma 3: ``<start_of_image>``)."""
+    replacement: str
+    """The text that takes its place: the image's tokens, with the family's markers around them."""

@@ -93,13 +93,15 @@ def prepare_chat(
         grammar_after=after if grammar is not None and state != "content" else (),
         skip_special_tokens=False if plan.keeps_special_tokens else None,
     )
-    prompt, images = context.encode_chat(text), list[ImageInput]()
+    images = list[ImageInput]()
     if pixels:
         assert context.engine.images is not None, "chat_images refuses images for a text-only model"
         if req.truncate_prompt_tokens:
             message = "truncate_prompt_tokens cannot cut a prompt holding images"
             raise APIError(400, message, param="truncate_prompt_tokens", code="invalid_value")
-        prompt, images = context.engine.images.expand(prompt, pixels)
+        prompt, images = context.engine.images.expand(text, pixels, context.encode_chat)
+    else:
+        prompt = context.encode_chat(text)
     response = ResponseContext(
         kind=kind,
         model=req.model,  # the name the client used (an alias stays an alias)
