@@ -6,23 +6,31 @@ encoded once and its pages come from the prefix cache."""
 
 from __future__ import annotations
 
-import base64
-import io
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-from test_llava import IMAGES, data_url, image_part, served
+import vision_chats
+from test_llava import IMAGES
 from test_server import LiveServer
+from vision_chats import (
+    check_concurrent_equal_alone,
+    data_url,
+    generate,
+    image_chat,
+    image_part,
+    mesh_tokens,
+    served,
+    template_view,
+)
 
 from myserve.frontend.app import create_app
 from myserve.testing import TINY_ENGINE, start_service
 from myserve.testing.services import wait_primed
 from myserve.testing.vision_checkpoints import GEMMA3_IMAGE_TOKENS, make_tiny_gemma3
 
-MAX_TOKENS = 8
 LONG = "Look closely at the colours and the shapes, then say which one is larger and why you think so. " * 2
 """A text whose tokens push the image past the 64-token budget's first step (the step must stop before it)."""
 
@@ -61,62 +69,21 @@ def reference(
     """transformers' greedy tokens, their logprobs and the prompt's length for a chat of ``messages``
     (OpenAI shape), the prompt made by the checkpoint's processor; ``bidirectional=False`` drops the
     image tokens' types, so transformers masks them causally (what the tests must tell apart)."""
-    import torch
-    from PIL import Image
-
     model, processor = hf_gemma3
-    template_messages, images = [], []
-    for m in messages:
-        if isinstance(m["content"], str):
-            template_messages.append(m)
-            continue
-        parts = []
-        for p in m["content"]:
-            if p["type"] == "text":
-                parts.append(p)
-            else:
-                parts.append({"type": "image"})
-                data = base64.b64decode(p["image_url"]["url"].split(",", 1)[1])
-                images.append(Image.open(io.BytesIO(data)).convert("RGB"))
-        template_messages.append({"role": m["role"], "content": parts})
+    template_messages, images = template_view(messages)
     text = processor.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=text, images=images or None, return_tensors="pt", add_special_tokens=False)
     if not bidirectional:
         inputs.pop("token_type_ids", None)
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-            eos_token_id=None,
-        )
-    length = inputs["input_ids"].shape[1]
-    new = out.sequences[0, length:].tolist()
-    logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, new, strict=True)]
-    return new, logprobs, length
+    return generate(model, dict(inputs))
 
 
 def chat(url: str, messages: list[dict[str, Any]], **extra: Any) -> httpx.Response:
-    body = {
-        "model": "gemma3",
-        "messages": messages,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "logprobs": True,
-        "top_logprobs": 1,
-        "return_tokens_as_token_ids": True,
-        **extra,
-    }
-    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    return vision_chats.chat(url, "gemma3", messages, **extra)
 
 
 def messages_with(*images: str, text: str = "What is in the picture?") -> list[dict[str, Any]]:
-    parts = [image_part(data_url(IMAGES[name])) for name in images]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+    return image_chat(IMAGES, *images, text=text)
 
 
 CASES = {
@@ -188,29 +155,17 @@ def small_pool_server(gemma3_dir: Path):
 
 
 def test_concurrent_text_and_image_chats_with_preemption_equal_each_alone(small_pool_server) -> None:
-    """12 chats at once, image steps cut around whole images by a shared 64-token budget, a pool too
-    small for all of them: each answer equals its chat's alone."""
-    import asyncio
-
+    """16 chats at once (one with n = 2), image steps cut around whole images by a shared 64-token
+    budget, a pool too small for all of them: each answer equals its chat's alone."""
     svc, live = small_pool_server
     names = [(), ("a",), ("b", "c"), ("d",)]
-    cases = [messages_with(*names[i % 4], text=f"Question {i}: what now?" + " Think." * (i % 3)) for i in range(12)]
+    cases = [messages_with(*names[i % 4], text=f"Question {i}: what now?" + " Think." * (i % 3)) for i in range(16)]
+    check_concurrent_equal_alone(svc, live.url, "gemma3", cases)
 
-    def body(messages: list[dict[str, Any]], n: int = 1) -> dict[str, Any]:
-        return {"model": "gemma3", "messages": messages, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "n": n}
 
-    async def together() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=live.url, timeout=300) as client:
-            calls = [
-                client.post("/v1/chat/completions", json=body(m, n=2 if i == 5 else 1)) for i, m in enumerate(cases)
-            ]
-            return await asyncio.gather(*calls)
-
-    preempted = svc.stats().num_preemptions
-    responses = asyncio.run(together())
-    assert svc.stats().num_preemptions > preempted
-    for i, (messages, response) in enumerate(zip(cases, responses, strict=True)):
-        assert response.status_code == 200, response.text
-        alone = httpx.post(f"{live.url}/v1/chat/completions", json=body(messages), timeout=120).json()
-        want = alone["choices"][0]["message"]["content"]
-        assert [c["message"]["content"] for c in response.json()["choices"]] == [want] * (2 if i == 5 else 1)
+def test_images_on_a_tensor_parallel_mesh(gemma3_dir: Path) -> None:
+    """4 concurrent image chats give the same greedy tokens on one device and on model=2 (the text
+    model's KV heads split, the tower replicated; fake CPU devices, in a subprocess)."""
+    result = mesh_tokens(gemma3_dir, "1x1", "1x2")
+    assert all(len(tokens) == 8 for tokens in result["1x1"])
+    assert result["1x2"] == result["1x1"]

@@ -4,8 +4,6 @@ image never shares them; bad images are 400s and the server keeps serving."""
 
 from __future__ import annotations
 
-import base64
-import io
 import time
 from pathlib import Path
 from typing import Any
@@ -13,44 +11,14 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import vision_chats
 from test_server import LiveServer
+from vision_chats import MAX_TOKENS, data_url, generate, image_part, png, served, template_view
 
 from myserve.frontend.app import create_app
 from myserve.testing import TINY_ENGINE, start_client, start_service
 from myserve.testing.services import wait_primed
 from myserve.testing.vision_checkpoints import make_tiny_llava
-
-MAX_TOKENS = 8
-
-
-def png(width: int, height: int, seed: int) -> bytes:
-    """A PNG the test draws: a background, a rectangle and an ellipse in colours from ``seed``."""
-    from PIL import Image, ImageDraw
-
-    rng = np.random.default_rng(seed)
-    colours = [tuple(int(c) for c in rng.integers(0, 256, 3)) for _ in range(3)]
-    image = Image.new("RGB", (width, height), colours[0])
-    if min(width, height) < 8:  # too small to draw on
-        return _saved(image)
-    draw = ImageDraw.Draw(image)
-    draw.rectangle((width // 8, height // 6, width // 2, height // 2), fill=colours[1])
-    draw.ellipse((width // 3, height // 3, width - 2, height - 2), fill=colours[2])
-    return _saved(image)
-
-
-def _saved(image: Any) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
-
-
-def data_url(data: bytes, kind: str = "png") -> str:
-    return f"data:image/{kind};base64,{base64.b64encode(data).decode()}"
-
-
-def image_part(url: str) -> dict[str, Any]:
-    return {"type": "image_url", "image_url": {"url": url}}
-
 
 SIZES = {"a": (40, 50, 1), "b": (64, 32, 2), "c": (33, 33, 3), "d": (48, 48, 5), "e": (52, 44, 6)}
 """Width, height and colour seed of each image the tests draw (each resized differently)."""
@@ -93,66 +61,24 @@ def reference(llava_dir: Path, hf_llava, messages: list[dict[str, Any]]) -> tupl
 
     tok = Tokenizer.load(llava_dir)
     processor = transformers.AutoImageProcessor.from_pretrained(llava_dir, backend="pil")
-    template_messages, images = [], []
-    for m in messages:
-        if isinstance(m["content"], str):
-            template_messages.append(m)
-            continue
-        parts = []
-        for p in m["content"]:
-            if p["type"] == "text":
-                parts.append(p)
-            else:
-                parts.append({"type": "image"})
-                images.append(base64.b64decode(p["image_url"]["url"].split(",", 1)[1]))
-        template_messages.append({"role": m["role"], "content": parts})
+    template_messages, images = template_view(messages)
     ids = tok.encode(tok.render_chat(template_messages), add_special_tokens=False)
     token = hf_llava.config.image_token_index
     expanded: list[int] = []
     for t in ids:
         expanded += [token] * 25 if t == token else [t]
-    kwargs: dict[str, Any] = {}
+    inputs: dict[str, Any] = {
+        "input_ids": torch.tensor([expanded]),
+        "attention_mask": torch.ones(1, len(expanded), dtype=torch.long),
+    }
     if images:
-        from PIL import Image
-
-        pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-        kwargs["pixel_values"] = torch.tensor(processor(images=pil, return_tensors="np")["pixel_values"])
-    with torch.no_grad():
-        out = hf_llava.generate(
-            torch.tensor([expanded]),
-            attention_mask=torch.ones(1, len(expanded), dtype=torch.long),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-            eos_token_id=None,
-            **kwargs,
-        )
-    new = out.sequences[0, len(expanded) :].tolist()
-    logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, new, strict=True)]
+        inputs["pixel_values"] = torch.tensor(processor(images=images, return_tensors="np")["pixel_values"])
+    new, logprobs, _ = generate(hf_llava, inputs)
     return new, logprobs
 
 
 def chat(url: str, messages: list[dict[str, Any]], **extra: Any) -> httpx.Response:
-    body = {
-        "model": "llava",
-        "messages": messages,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "logprobs": True,
-        "top_logprobs": 1,
-        "return_tokens_as_token_ids": True,
-        **extra,
-    }
-    return httpx.post(f"{url}/v1/chat/completions", json=body)
-
-
-def served(response: httpx.Response) -> tuple[list[int], list[float]]:
-    assert response.status_code == 200, response.text
-    content = response.json()["choices"][0]["logprobs"]["content"]
-    return [int(e["token"].split(":")[1]) for e in content], [e["logprob"] for e in content]
+    return vision_chats.chat(url, "llava", messages, **extra)
 
 
 def messages_with(*images: str, text: str = "What is in the picture?") -> list[dict[str, Any]]:

@@ -114,8 +114,8 @@ def _image_model(dep: Deployment) -> ImageModel | None:
         return None
     spec = dep.vision[0]
     hf = dep.tokenizer.hf
-    placeholder, replacement = spec.prompt_text(lambda token: str(hf.convert_ids_to_tokens(token)))
-    return ImageModel(str(dep.checkpoint_dir), spec.image_token_id, spec.tokens_per_image, placeholder, replacement)
+    text = spec.prompt_text(lambda token: str(hf.convert_ids_to_tokens(token)))
+    return ImageModel(str(dep.checkpoint_dir), spec.image_token_id, spec.tokens_per_image, *text, spec.merge_size)
 
 
 def _image_encoder(dep: Deployment) -> ImageEncoder | None:

@@ -57,11 +57,19 @@ class ImageSpan:
     embeddings: np.ndarray
     whole: bool = False
     """Its tokens attend to each other both ways (Gemma 3): a step computes them all or none of them."""
+    grid: tuple[int, ...] = ()
+    """M-RoPE (Qwen2.5-VL): its tokens as (rows, columns), placed in 2D; empty: in a row, as text."""
 
     @property
     def stop(self) -> int:
         """The position after its last token."""
         return self.offset + self.length
+
+    @property
+    def rope_shift(self) -> int:
+        """How much earlier than their positions (M-RoPE) the tokens after it sit: transformers
+        advances the rotary position by ``max(rows, columns)`` over an image, not by its tokens."""
+        return self.length - max(self.grid) if self.grid else 0
 
     def hash_values(self) -> np.ndarray:
         """int64 [length]: what page hashes see at its positions instead of the image token. Negative,
@@ -74,20 +82,28 @@ class ImageEncoding(Protocol):
     """What the engine core needs of a vision tower (``runtime/image_encoder.py``)."""
 
     image_token_id: int
-    tokens_per_image: int
     whole_images: bool
     """An image's tokens attend to each other both ways, so a step computes them all or none."""
-    image_shape: tuple[int, ...]
-    """The pixels' shape the tower takes (channels, height, width)."""
     encoded: int
     """Images run through the tower so far."""
     cache_hits: int
     """Images whose embeddings came from the encoder cache."""
 
-    def embeddings(self, key: str, pixels: np.ndarray) -> np.ndarray:
-        """float32 [tokens_per_image, embed] of the image of content ``key`` and ``pixels`` (from the
-        encoder cache, or encoded now)."""
+    def layout(self, grid: tuple[int, ...]) -> tuple[tuple[int, ...], int, tuple[int, ...]] | None:
+        """For an image of patch ``grid`` (``ImageInput.grid``; empty for a fixed-size tower): the
+        pixels' shape the tower takes, the tokens the image stands for and their M-RoPE (rows,
+        columns) or ``()``; None for a grid the tower cannot take."""
         ...
+
+    def embeddings(self, key: str, pixels: np.ndarray, grid: tuple[int, ...]) -> np.ndarray:
+        """float32 [tokens, embed] of the image of content ``key`` (from the encoder cache, or its
+        ``pixels`` of patch ``grid`` encoded now)."""
+        ...
+
+
+def rope_offset(images: Iterable[ImageSpan], position: int) -> int:
+    """What M-RoPE adds to ``position`` for its rotary position: the shifts of the images before it."""
+    return -sum(image.rope_shift for image in images if image.stop <= position)
 
 
 def check_images(
@@ -106,10 +122,14 @@ def check_images(
     expected = np.zeros(len(prompt), bool)
     end = 0
     for image in images:
-        if tuple(image.shape) != encoder.image_shape or len(image.pixels) != 4 * int(np.prod(image.shape)):
-            raise InvalidParams("messages", f"an image's pixels must be float32 of shape {encoder.image_shape}")
-        if image.length != encoder.tokens_per_image:
-            raise InvalidParams("messages", f"an image takes {encoder.tokens_per_image} tokens, not {image.length}")
+        layout = encoder.layout(tuple(image.grid))
+        if layout is None:
+            raise InvalidParams("messages", f"the vision tower cannot take an image of grid {list(image.grid)}")
+        shape, tokens, _ = layout
+        if tuple(image.shape) != shape or len(image.pixels) != 4 * int(np.prod(image.shape)):
+            raise InvalidParams("messages", f"an image's pixels must be float32 of shape {shape}")
+        if image.length != tokens:
+            raise InvalidParams("messages", f"an image takes {tokens} tokens, not {image.length}")
         # (Not the prompt's last token either: a one-token chunk of it could be planned as a decode.)
         if image.offset < end or image.offset + image.length >= len(prompt):
             raise InvalidParams("messages", "image placeholders out of order, outside the prompt, or at its end")
@@ -169,21 +189,30 @@ def with_step_images(call: StepCall, placed: PlacedImages) -> StepCall:
     images = step_images(placed, call.shape.tokens) if placed else None
     if images is None:
         return call
-    return msgspec.structs.replace(call, images=images[0], image_ends=images[1])
+    return msgspec.structs.replace(call, images=images[0], image_ends=images[1], image_rope=images[2])
 
 
-def step_images(placed: PlacedImages, tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """A step's image embeddings [tokens, embed] and image ends [tokens] (``StepCall.image_ends``)
-    from its chunks (``images_in``); None when no chunk computes an image token."""
-    out: tuple[np.ndarray, np.ndarray] | None = None
+def step_images(placed: PlacedImages, tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """A step's image embeddings [tokens, embed], image ends [tokens] (``StepCall.image_ends``) and
+    M-RoPE streams [3, tokens] (``StepCall.image_rope``) from its chunks (``images_in``); None when
+    no chunk computes an image token."""
+    out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     for images, start, n, at in placed:
+        chunk_offset = rope_offset(images, start)  # what the chunk's span adds to every position
         for image in images:
             lo, hi = max(start, image.offset), min(start + n, image.stop)
             if lo >= hi:
                 continue
             if out is None:
-                out = np.zeros((tokens, image.embeddings.shape[1]), np.float32), np.zeros(tokens, np.int32)
+                embed = image.embeddings.shape[1]
+                out = np.zeros((tokens, embed), np.float32), np.zeros(tokens, np.int32), np.zeros((3, tokens), np.int32)
             rows = slice(at + lo - start, at + hi - start)
             out[0][rows] = image.embeddings[lo - image.offset : hi - image.offset]
             out[1][rows] = image.stop
+            if image.grid:  # token j at (row, column) of the grid: (start, start + row, start + column)
+                j = np.arange(lo - image.offset, hi - image.offset)
+                base = rope_offset(images, image.offset) - chunk_offset - j
+                out[2][:, rows] = np.stack([base, base + j // image.grid[1], base + j % image.grid[1]])
+                if image.stop < start + n:  # the chunk's tokens after it sit earlier
+                    out[2][:, at + image.stop - start : at + n] -= image.rope_shift
     return out

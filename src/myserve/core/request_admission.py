@@ -45,10 +45,13 @@ class RequestAdmission:
             return ()
         assert self.image_encoder is not None, "add() refuses images without an encoder"
         encoder = self.image_encoder
-        return tuple(
-            ImageSpan(i.key, i.offset, i.length, encoder.embeddings(i.key, i.array()), encoder.whole_images)
-            for i in req.images
-        )
+        spans = []
+        for i in req.images:
+            layout = encoder.layout(tuple(i.grid))
+            assert layout is not None, "check_images refused it"
+            embeddings = encoder.embeddings(i.key, i.array(), tuple(i.grid))
+            spans.append(ImageSpan(i.key, i.offset, i.length, embeddings, encoder.whole_images, layout[2]))
+        return tuple(spans)
 
     def _admit(self, req: Request) -> None:
         with self._pending_lock:

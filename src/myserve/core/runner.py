@@ -22,7 +22,7 @@ import numpy as np
 
 from myserve.core.decode_pacing import DecodePacer
 from myserve.core.host_tier import host_tier_ops
-from myserve.core.images import images_in, with_step_images
+from myserve.core.images import images_in, rope_offset, with_step_images
 from myserve.core.prime_order import prime_order, unit_width
 from myserve.core.scheduler import ScheduledBatch, ScheduledChunk
 from myserve.core.sequence import Sequence as Seq
@@ -137,7 +137,8 @@ def span_of(chunk: ScheduledChunk, inflight_rows: dict[Seq, int]) -> Span:
         tokens, feed = [*tokens, 0], inflight_rows[seq]
     following = seq.tokens(start + 1, start + n + 1) if seq.scores_prompt(start) else None
     pool = seq.pool_range(start, n) if seq.pool_type is not None else None
-    return Span(tokens, start, seq.pages, chunk.samples, following, feed, pool, adapter)
+    rope = rope_offset(seq.images, start) if seq.images else 0
+    return Span(tokens, start, seq.pages, chunk.samples, following, feed, pool, adapter, rope_offset=rope)
 
 
 class ModelRunner:

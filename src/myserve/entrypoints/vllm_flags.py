@@ -80,7 +80,7 @@ SAME = [
         "--limit-mm-per-prompt",
         "same",
         "model.limit_mm_per_prompt",
-        "JSON object; images only (LLaVA and Gemma 3 checkpoints)",
+        "JSON object; images only (LLaVA, Gemma 3 and Qwen2.5-VL checkpoints)",
         '{"image": 2}',
     ),
     Flag("--allowed-media-domains", "same", "model.allowed_media_domains", "hosts of http(s) image URLs", "a.example"),

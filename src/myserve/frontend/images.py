@@ -8,8 +8,9 @@ Where an image may come from: a ``data:`` URL (base64) always; ``http(s)://`` on
 the header before any pixel is decoded.
 
 The processor is transformers' (``AutoImageProcessor``, its PIL backend: no torch), loaded from the
-checkpoint directory; its output (float32 [3, S, S]) travels to the engine core as an ``ImageInput``
-(``wire/images.py``), where the vision tower runs.
+checkpoint directory; its output (float32 [3, S, S], or a variable-size tower's patches and their
+grid) travels to the engine core as an ``ImageInput`` (``wire/images.py``), where the vision tower
+runs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -44,6 +45,15 @@ of a small PNG is refused without allocating it)."""
 MAX_FETCH_BYTES = 20 * 1024 * 1024
 """Bytes an image fetched from a URL or file may have."""
 FETCH_TIMEOUT_S = 10.0
+
+
+class Processed(NamedTuple):
+    """An image as the checkpoint's processor left it: float32 pixels [3, S, S], or (a tower of
+    variable sizes, Qwen2.5-VL) its patches [rows * columns, patch values] and their ``grid``
+    (frames, rows, columns)."""
+
+    pixels: np.ndarray
+    grid: tuple[int, ...]
 
 
 def bad_image(message: str, code: str = "invalid_image") -> APIError:
@@ -88,18 +98,21 @@ class ImageSupport:
             local_path=None if local is None else Path(local).expanduser(),
         )
 
-    async def pixels(self, urls: Sequence[str]) -> list[np.ndarray]:
-        """Each image's preprocessed pixels, float32 [3, S, S], in order (read and decoded on a worker
-        thread: the event loop keeps serving)."""
+    async def pixels(self, urls: Sequence[str]) -> list[Processed]:
+        """Each image preprocessed, in order (read and decoded on a worker thread: the event loop
+        keeps serving)."""
         if len(urls) > self.limit:
             raise bad_image(f"at most {self.limit} images per prompt (--limit-mm-per-prompt), got {len(urls)}")
         return [await asyncio.to_thread(self._one, url, i) for i, url in enumerate(urls)]
 
-    def _one(self, url: str, index: int) -> np.ndarray:
+    def _one(self, url: str, index: int) -> Processed:
         data = self._read(url, index)
         image = _decode(data, index)
-        out = self.processor(images=[image], return_tensors="np")["pixel_values"]
-        return np.asarray(out, np.float32)[0]
+        out = self.processor(images=[image], return_tensors="np")
+        pixels = np.asarray(out["pixel_values"], np.float32)
+        if "image_grid_thw" in out:  # a tower of variable sizes: the image's patches and their grid
+            return Processed(pixels, tuple(int(d) for d in np.asarray(out["image_grid_thw"])[0]))
+        return Processed(pixels[0], ())
 
     def _read(self, url: str, index: int) -> bytes:
         """The bytes of image ``index``'s URL, where the deployment allows reading it."""
@@ -137,24 +150,29 @@ class ImageSupport:
             raise bad_image(f"image {index}: cannot read the file") from None
 
     def expand(
-        self, text: str, pixels: Sequence[np.ndarray], encode: Callable[[str], list[int]]
+        self, text: str, images: Sequence[Processed], encode: Callable[[str], list[int]]
     ) -> tuple[list[int], list[ImageInput]]:
         """The rendered chat ``text``'s tokens with each image's mark (what the chat template wrote)
         expanded as the model's processor does it (in the text, before tokenizing, so the tokens
         around an image are the processor's too), and the images placed at their tokens' runs."""
         model = self.model
-        marks = text.count(model.placeholder)
-        if marks != len(pixels):
+        pieces = text.split(model.placeholder)
+        if len(pieces) - 1 != len(images):
             raise bad_image(
-                f"the prompt has {marks} image placeholders for {len(pixels)} images "
+                f"the prompt has {len(pieces) - 1} image placeholders for {len(images)} images "
                 f"(does the text contain the model's image mark {model.placeholder!r}?)"
             )
-        ids = encode(text.replace(model.placeholder, model.replacement))
-        token, n = model.image_token_id, model.tokens_per_image
+        counts = [model.tokens(image.grid) for image in images]
+        out = [pieces[0]]
+        for piece, n in zip(pieces[1:], counts, strict=True):
+            out += [model.before, model.image_token * n, model.after, piece]
+        ids = encode("".join(out))
+        token = model.image_token_id
         starts = [i for i, t in enumerate(ids) if t == token and (i == 0 or ids[i - 1] != token)]
-        if len(starts) != len(pixels) or ids.count(token) != n * len(pixels):
+        if len(starts) != len(images) or ids.count(token) != sum(counts):
             raise bad_image("the prompt's text holds the model's image token itself")
-        return ids, [ImageInput.of(image, at, n) for at, image in zip(starts, pixels, strict=True)]
+        placed = zip(starts, counts, images, strict=True)
+        return ids, [ImageInput.of(image.pixels, at, n, image.grid) for at, n, image in placed]
 
 
 def _data_url(url: str, index: int) -> bytes:

@@ -195,7 +195,8 @@ def decoder_block(
         k = _rms_norm_raw(k, layer.k_norm.array, eps, f32)
     inv_freq = inverse_frequencies(d, kind)
     # The paged op works on raw arrays in a fixed layout, like the kernels it can dispatch to.
-    q, k = apply_rope(q, batch.positions, inv_freq), apply_rope(k, batch.positions, inv_freq)
+    rope = batch.rope_positions(bool(spec.mrope_section))
+    q, k = apply_rope(q, rope, inv_freq, spec.mrope_section), apply_rope(k, rope, inv_freq, spec.mrope_section)
     out, cache = paged_attention(
         q[0], k, v, cache, layer_idx, batch,
         sm_scale=spec.sm_scale, window=kind.window, soft_cap=spec.attn_softcap, cache_sharding=cache_sharding,

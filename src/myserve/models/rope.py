@@ -36,9 +36,18 @@ def inverse_frequencies(head_dim: int, kind: LayerKind) -> np.ndarray:
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate ``x`` [B, T, heads, head_dim] by its token positions [B, T]."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
+def apply_rope(
+    x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, mrope_section: tuple[int, ...] = ()
+) -> jax.Array:
+    """Rotate ``x`` [B, T, heads, head_dim] by its token positions [B, T]; with ``mrope_section``
+    (M-RoPE), by three position streams [3, B, T] (temporal, height, width), the frequencies read
+    them section by section in turn, as transformers' Qwen2.5-VL."""
+    if mrope_section:
+        stream = np.repeat(np.arange(len(mrope_section)) % 3, mrope_section)  # [D/2]: each frequency's stream
+        picked = jnp.moveaxis(positions.astype(jnp.float32)[stream], 0, -1)  # [B, T, D/2]
+        angles = picked * jnp.asarray(inv_freq)
+    else:
+        angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
     xf = x.astype(jnp.float32)

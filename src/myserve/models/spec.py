@@ -133,6 +133,9 @@ class ModelSpec:
     bidirectional_images: bool = False
     """An image's tokens attend to each other both ways, the rest causally (Gemma 3's language model
     under its vision tower): a step holding image tokens masks by each token's last visible position."""
+    mrope_section: tuple[int, ...] = ()
+    """M-RoPE (Qwen2.5-VL): the rotary frequencies split in sections read the temporal, height and
+    width position streams in turn; empty: one position per token (``RaggedBatch.rope_positions``)."""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -179,7 +182,7 @@ def _parse_rope(params: Mapping[str, Any], default_theta: float, source: str) ->
     of transformers >= 5, or the older ``rope_scaling`` merged with ``rope_theta``)."""
     theta = float(params.get("rope_theta", default_theta))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
+    if rope_type in ("default", "mrope"):  # (M-RoPE's sections: ModelSpec.mrope_section)
         return theta, None
     if rope_type == "linear":
         return theta, LinearRopeScaling(float(params["factor"]))
@@ -281,8 +284,18 @@ def spec_from_hf_config(cfg: Mapping[str, Any], source: str) -> ModelSpec:
     model_type = cfg.get("model_type")
     if model_type in VISION_MODEL_TYPES:  # a vision-language checkpoint: the decoder is its text model
         text = dict(cfg.get("text_config") or {})
-        default = "gemma3_text" if model_type == "gemma3" else "llama"
-        spec = spec_from_hf_config({**text, "model_type": text.get("model_type", default)}, source)
+        default = {"gemma3": "gemma3_text", "qwen2_5_vl": "qwen2_5_vl_text"}.get(model_type, "llama")
+        text_type = text.get("model_type", default)
+        if text_type == "qwen2_5_vl_text":  # Qwen2's decoder, positioned by M-RoPE
+            rope = {**(text.get("rope_scaling") or {}), **(text.get("rope_parameters") or {})}
+            section = tuple(int(s) for s in rope.get("mrope_section", ()))
+            spec = spec_from_hf_config({**text, "model_type": "qwen2"}, source)
+            if sum(section) * 2 != spec.head_dim:
+                raise CheckpointError(
+                    f"{source}: mrope_section {list(section)} does not cover head_dim {spec.head_dim}"
+                )
+            return dataclasses.replace(spec, model_type="qwen2_5_vl_text", mrope_section=section)
+        spec = spec_from_hf_config({**text, "model_type": text_type}, source)
         return dataclasses.replace(spec, bidirectional_images=model_type == "gemma3")
     if model_type not in SUPPORTED_MODEL_TYPES:
         archs = cfg.get("architectures") or [model_type]

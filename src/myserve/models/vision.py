@@ -30,7 +30,9 @@ from myserve.errors import CheckpointError
 from myserve.models.vision_spec import VisionSpec
 
 
-class _Source(Protocol):
+class TowerSource(Protocol):
+    """What the towers read a checkpoint's tensors through (``models/loading.py::SafetensorsSource``)."""
+
     def has(self, hf_name: str) -> bool: ...
 
     def read(self, hf_name: str) -> np.ndarray: ...
@@ -46,10 +48,11 @@ _PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
 _PROJECTOR_PROBES = {"llava": "linear_1.weight", "gemma3": "mm_input_projection_weight"}
 
 Tower = dict[str, Any]
-"""The tower's weights as a pytree of arrays: ``embed``, ``layers`` (a list) and ``projector``."""
+"""A tower's weights as a pytree of arrays (here ``embed``, ``layers``, ``projector``; Qwen2.5-VL's:
+``patch``, ``layers``, ``merger``, ``models/vision_qwen.py``)."""
 
 
-def read_tower(source: _Source, spec: VisionSpec, dtype: Any) -> Tower:
+def read_tower(source: TowerSource, spec: VisionSpec, dtype: Any) -> Tower:
     """The tower's and projector's weights from a checkpoint (either of transformers' namings), as
     host arrays of ``dtype`` with each projection transposed to [in, out]."""
     tower = _prefix(source, _TOWER_PREFIXES, "embeddings.patch_embedding.weight")
@@ -104,7 +107,7 @@ def read_tower(source: _Source, spec: VisionSpec, dtype: Any) -> Tower:
     return {"embed": embed, "layers": layers, "projector": projection}
 
 
-def _prefix(source: _Source, prefixes: tuple[str, ...], probe: str) -> str:
+def _prefix(source: TowerSource, prefixes: tuple[str, ...], probe: str) -> str:
     for prefix in prefixes:
         if source.has(prefix + probe):
             return prefix

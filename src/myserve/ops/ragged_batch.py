@@ -20,6 +20,7 @@ host packs the same arrays for every backend.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import equinox as eqx
@@ -81,6 +82,20 @@ class RaggedBatch(eqx.Module):
     """[1, T] the last position each token attends to, where it is not its own: an image token of
     a model whose images attend both ways (Gemma 3) sees its whole image. None: causal throughout.
     Only the reference attention reads it (a step holding such tokens runs there)."""
+    rope_offsets: jax.Array | None = None
+    """[1, T] added to each token's position for its rotary position (M-RoPE, Qwen2.5-VL: a token
+    after an image sits ``max(rows, columns) - tokens`` of it earlier); None: a model without M-RoPE."""
+    image_rope: jax.Array | None = None
+    """[3, T] added to ``positions + rope_offsets`` for the temporal, height and width streams of an
+    image token (its row and column in the image's grid); None: a step without image tokens."""
+
+    def rope_positions(self, mrope: bool) -> jax.Array:
+        """The rotary positions: ``positions`` [1, T], or with ``mrope`` the three streams [3, 1, T]."""
+        if not mrope:
+            return self.positions
+        base = self.positions if self.rope_offsets is None else self.positions + self.rope_offsets
+        streams = jnp.broadcast_to(base[None], (3, *base.shape))
+        return streams if self.image_rope is None else streams + self.image_rope[:, None, :]
 
     def with_kernel(self, kernel: KernelMeta) -> RaggedBatch:
         """This batch with the TPU kernel's metadata attached."""
@@ -96,25 +111,14 @@ class RaggedBatch(eqx.Module):
 
     def with_visible(self, visible: jax.Array) -> RaggedBatch:
         """This batch with each token's last visible position (``visible``), on the reference attention."""
-        return RaggedBatch(
-            self.positions, self.q_lens, self.write_pages, self.single, self.blocks, self.chunk_pages,
-            adapters=self.adapters, visible=visible,
-        )  # fmt: skip
+        return dataclasses.replace(self, kernel=None, decode_kernel=False, ragged_kernel=False, visible=visible)
+
+    def with_image_rope(self, image_rope: jax.Array) -> RaggedBatch:
+        """This batch with its image tokens' M-RoPE streams (``image_rope``)."""
+        return dataclasses.replace(self, image_rope=image_rope)
 
     def _with(self, kernel: KernelMeta | None, decode_kernel: bool, ragged_kernel: bool) -> RaggedBatch:
-        return RaggedBatch(
-            self.positions,
-            self.q_lens,
-            self.write_pages,
-            self.single,
-            self.blocks,
-            self.chunk_pages,
-            kernel,
-            decode_kernel,
-            ragged_kernel,
-            self.adapters,
-            self.visible,
-        )
+        return dataclasses.replace(self, kernel=kernel, decode_kernel=decode_kernel, ragged_kernel=ragged_kernel)
 
 
 def kernel_meta(batch: RaggedBatch, num_tokens: int) -> KernelMeta:

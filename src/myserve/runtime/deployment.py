@@ -25,6 +25,7 @@ from myserve.models.quant import MIN_ROWS
 from myserve.models.sharding import MeshAxes, axis_mapping
 from myserve.models.spec import ModelSpec
 from myserve.models.vision import Tower, read_tower
+from myserve.models.vision_qwen import read_qwen_tower
 from myserve.models.vision_spec import VisionSpec
 from myserve.ops.attention import resolve_backend
 from myserve.runtime.buckets import Buckets
@@ -214,7 +215,8 @@ def _load_vision(
         if budget < spec.tokens_per_image:
             raise ConfigError(f"engine.max_num_batched_tokens ({budget}) must hold one image's "
                               f"{spec.tokens_per_image} tokens: a step computes an image whole")  # fmt: skip
-    return spec, read_tower(source, spec, np.dtype(dtype))
+    read = read_qwen_tower if spec.variable_size else read_tower
+    return spec, read(source, spec, np.dtype(dtype))
 
 
 def _resolve_engine(config: Config, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, max_len: int) -> Config:

@@ -60,7 +60,8 @@ def executable_args(
         if key[0] == "forward":
             return forward_step, static, (ex.outer, ex.layers, kv_cache, fed, packed)
         # (Host arrays, as ``packed``: a prime runs the executable on them, an empty batch's.)
-        images = (np.zeros((shape.tokens, embed), ex.hidden_dtype), np.zeros(shape.tokens, np.int32))
+        t = shape.tokens
+        images = (np.zeros((t, embed), ex.hidden_dtype), np.zeros(t, np.int32), np.zeros((3, t), np.int32))
         return forward_step, static, (ex.outer, ex.layers, kv_cache, fed, packed, images)
     if key[0] == "head":
         _, n_rows, mode = key

@@ -295,7 +295,7 @@ class Executor:
         self.calls[kind, op.shape] += 1
         packed = pack_step(op.batch, op.ints, op.floats)  # the step's one transfer
         # A step holding image tokens takes their embeddings ([T, embed], and where each token's image ends: [T]).
-        images = () if op.images is None else ((op.images.astype(self.hidden_dtype), op.image_ends),)
+        images = () if op.images is None else ((op.images.astype(self.hidden_dtype), op.image_ends, op.image_rope),)
         fwd, self.kv_cache = forward(outer, layers, self.kv_cache, self.fed, packed, *images)
         if self.sampler:
             self.ran.add(("head", n1, op.mode))

@@ -124,7 +124,7 @@ def forward_step(
     cache: Cache,
     fed: jax.Array,
     packed: jax.Array,
-    images: tuple[jax.Array, jax.Array] | None = None,
+    images: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> tuple[ForwardOutput, Cache]:
     """The model over one step. ``outer`` is the model without its layers, ``layers`` each layer's
     leaves (flattened once by the executor: a tuple of arrays flattens in C++, equinox modules in
@@ -134,8 +134,8 @@ def forward_step(
     from it. ``pool`` (static): the deployment embeds, so the pooled sums are computed (a
     ``segment_sum``: cheap beside the layers, so no step decides it on the device). ``images``: a
     step holding image tokens (its own executable, ``("forward_images", shape)``): (embeddings
-    [T, embed], ends [T]) replacing the token embeddings of the flat tokens whose end is not 0
-    (``StepCall.image_ends``)."""
+    [T, embed], ends [T], M-RoPE streams [3, T]) replacing the token embeddings of the flat tokens
+    whose end is not 0 (``StepCall.image_ends``, ``image_rope``)."""
     if replicated is not None:
         packed = jax.lax.with_sharding_constraint(packed, replicated)
     flat, ints, floats = split_step(packed, shape)
@@ -238,6 +238,7 @@ def decode_loop(
             batch.blocks,
             chunk_pages=shape.chunk_pages,
             adapters=batch.adapters,
+            rope_offsets=batch.rope_offsets,
         )
         x, cache = _forward(shape, treedef, cache_sharding, outer, layers, cache, tokens, step_batch)
         hidden = x.rearrange((BATCH, POS, "embed")).array[0]
@@ -325,7 +326,7 @@ def _forward(
     cache: Cache,
     tokens: jax.Array,
     batch: RaggedBatch,
-    images: tuple[jax.Array, jax.Array] | None = None,
+    images: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> tuple[hax.NamedArray, Cache]:
     """Inside the jit: the hidden states [1, T, embed] of the flat ``tokens`` [T] after every decoder
     layer, and the cache with their K/V written; ``images`` as ``forward_step``'s."""
@@ -337,8 +338,10 @@ def _forward(
         batch = batch.with_ragged_kernel()
     x = outer.embed_tokens(tokens[None])  # one row of T tokens: [1, T, embed]
     if images is not None:  # image tokens take the vision tower's embeddings (after any embedding scale)
-        embeds, ends = images
+        embeds, ends, rope = images
         mask = ends > 0
+        if outer.spec.mrope_section:  # image tokens at their rows and columns (M-RoPE)
+            batch = batch.with_image_rope(rope)
         x = hax.named(jnp.where(mask[None, :, None], embeds[None].astype(x.dtype), x.array), x.axes)
         if outer.spec.bidirectional_images:  # each image token sees its image's last token (on the reference)
             batch = batch.with_visible(jnp.where(mask, ends - 1, batch.positions[0])[None].astype(jnp.int32))

@@ -44,7 +44,7 @@ def unpack_step(
         size = math.prod(dims)
         parts.append(flat[at : at + size].reshape(dims))
         at += size
-    tokens, positions, q_lens, write_pages, *views, sample_idx, following, feed, pool_rows, adapters = parts
+    tokens, positions, q_lens, write_pages, *views, sample_idx, following, feed, pool_rows, adapters, rope = parts
     batch = RaggedBatch(
         positions,
         q_lens,
@@ -53,6 +53,7 @@ def unpack_step(
         AttentionView(*views[4:]),
         chunk_pages=shape.chunk_pages,
         adapters=adapters,
+        rope_offsets=rope,
     )
     return tokens, batch, sample_idx, following, feed, pool_rows
 

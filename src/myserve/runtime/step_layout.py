@@ -79,6 +79,7 @@ class StepShape:
             (t,),  # feed (the previous step's sampling row whose token this token is, -1 elsewhere)
             (t,),  # pool_rows (the pooling row a token's hidden state is summed into, -1 elsewhere)
             (1, t),  # adapters (the LoRA slot of each token's sequence, -1: the base model)
+            (1, t),  # rope offsets (M-RoPE: added to a token's position for its rotary one)
         )  # fmt: skip
 
 
@@ -100,6 +101,8 @@ class Span:
     states are summed into its pooling row (the span's index in the step)."""
     adapter: int = -1
     """The LoRA slot its tokens go through (-1: the base model)."""
+    rope_offset: int = 0
+    """Added to its tokens' positions for their rotary positions (M-RoPE after an image)."""
     sample_count: int = 1
     """Sampling rows of a span that samples: its last token's, or (a speculating decode) one per
     position of its draft as well, its last ``sample_count`` tokens'."""
@@ -160,6 +163,7 @@ def layout(spans: Sequence[Span], shape: StepShape, page_size: int) -> HostStep:
     feed = np.full(t, -1, np.int32)
     pool_rows = np.full(t, -1, np.int32)
     adapters = np.full(t, -1, np.int32)
+    rope = np.zeros(t, np.int32)
     lengths = [len(span.token_ids) for span in spans]
     ends = list(itertools.accumulate(lengths))  # flat index after each span
     singles = [i for i, n in enumerate(lengths) if n == 1]
@@ -187,6 +191,8 @@ def layout(spans: Sequence[Span], shape: StepShape, page_size: int) -> HostStep:
             feed[end - 1] = span.feed
         if span.adapter >= 0:
             adapters[at:end] = span.adapter
+        if span.rope_offset:
+            rope[at:end] = span.rope_offset
         if span.following is not None:
             following[at : at + len(span.following)] = span.following
             scored = True
@@ -207,7 +213,7 @@ def layout(spans: Sequence[Span], shape: StepShape, page_size: int) -> HostStep:
     arrays = [
         tokens, positions[None], np.array([ends[-1] if ends else 0], np.int32), write_pages[None],
         s_idx, s_pos, s_kv, s_pages, b_idx, b_pos, b_kv, b_pages, sample_idx, following, feed, pool_rows,
-        adapters[None],
+        adapters[None], rope[None],
     ]  # fmt: skip
     return HostStep(arrays, sample_rows, scored, pooled)
 

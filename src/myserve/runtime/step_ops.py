@@ -117,6 +117,9 @@ class StepCall(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True
     image_ends: np.ndarray | None = None
     """int32 [T]: for a flat token taking its embedding from ``images``, the position after its
     image's last token (what a token of an image attending both ways sees, Gemma 3's); 0 elsewhere."""
+    image_rope: np.ndarray | None = None
+    """int32 [3, T]: added to the M-RoPE streams of the step's image chunks' tokens (an image
+    token's row and column; the tokens after an image within its chunk); zeros elsewhere."""
 
 
 class WriteAdapter(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):

@@ -5,6 +5,7 @@ renders image parts. Built with transformers and torch, imported lazily: only te
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 IMAGE_TOKEN = "<image>"
 
@@ -17,6 +18,22 @@ LLAVA_TEMPLATE = (
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
 """LLaVA-1.5's conversation shape: ``USER: <image>\\n...`` turns, then ``ASSISTANT:``."""
+
+
+def tokenizer_with(tokens: dict[str, str], template: str) -> tuple[Any, dict[str, int]]:
+    """SmolLM2's tokenizer (transformers') with a model's special ``tokens`` (attribute name ->
+    text, e.g. ``image_token``) added, set as the attributes its processor reads, and ``template``
+    as its chat template; and the tokens' ids by attribute name."""
+    from myserve.bundled import bundled_gguf_path
+    from myserve.tokenizer import Tokenizer
+
+    hf_tokenizer = Tokenizer.load(bundled_gguf_path()).hf
+    hf_tokenizer.add_special_tokens({"additional_special_tokens": list(tokens.values())})
+    hf_tokenizer._set_model_specific_special_tokens(special_tokens=dict(tokens))
+    ids = {key: int(hf_tokenizer.convert_tokens_to_ids(token)) for key, token in tokens.items()}  # type: ignore[arg-type]
+    hf_tokenizer.chat_template = template
+    return hf_tokenizer, ids
+
 
 IMAGE_SIZE = 30
 """Pixels per side of the tiny towers' input (5 x 5 patches of 6)."""
@@ -84,16 +101,10 @@ def make_tiny_gemma3(directory: Path, *, seed: int = 0) -> Path:
     import torch
     import transformers
 
-    from myserve.bundled import bundled_gguf_path
     from myserve.testing.checkpoints import TINY_ARCHES, TINY_COMMON, scale_random_weights
-    from myserve.tokenizer import Tokenizer
 
-    hf_tokenizer = Tokenizer.load(bundled_gguf_path()).hf
     names = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
-    hf_tokenizer.add_special_tokens({"additional_special_tokens": list(names.values())})
-    hf_tokenizer._set_model_specific_special_tokens(special_tokens=dict(names))  # boi_token etc., as Gemma's
-    ids = {key: int(hf_tokenizer.convert_tokens_to_ids(token)) for key, token in names.items()}  # type: ignore[arg-type]
-    hf_tokenizer.chat_template = GEMMA3_TEMPLATE
+    hf_tokenizer, ids = tokenizer_with(names, GEMMA3_TEMPLATE)
     vision = transformers.SiglipVisionConfig(
         hidden_size=32,
         intermediate_size=64,

@@ -23,14 +23,18 @@ class ImageInput(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fi
     length: int
     shape: tuple[int, ...]
     pixels: bytes
+    grid: tuple[int, ...] = ()
+    """A tower of variable image sizes (Qwen2.5-VL): the image's patch grid (frames, rows, columns),
+    its pixels being the processor's patches [rows * columns, patch values]; empty otherwise."""
 
     @staticmethod
-    def of(pixels: np.ndarray, offset: int, length: int) -> ImageInput:
-        """The image of float32 ``pixels`` [C, H, W] whose placeholders start at ``offset``."""
+    def of(pixels: np.ndarray, offset: int, length: int, grid: tuple[int, ...] = ()) -> ImageInput:
+        """The image of float32 ``pixels`` ([C, H, W], or patches of ``grid``) whose placeholders
+        start at ``offset``."""
         data = np.ascontiguousarray(pixels, dtype="<f4")
         shape = tuple(int(d) for d in data.shape)
-        key = hashlib.blake2b(repr(shape).encode() + data.tobytes(), digest_size=16).hexdigest()
-        return ImageInput(key, offset, length, shape, data.tobytes())
+        key = hashlib.blake2b(repr((shape, grid)).encode() + data.tobytes(), digest_size=16).hexdigest()
+        return ImageInput(key, offset, length, shape, data.tobytes(), grid)
 
     def array(self) -> np.ndarray:
         """The pixels as a float32 array of ``shape`` (read-only, over the message's bytes)."""
@@ -46,7 +50,22 @@ class ImageModel(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fi
     """The checkpoint directory (its ``preprocessor_config.json``)."""
     image_token_id: int
     tokens_per_image: int
+    """0: each image has its own, its patch grid's cells over ``merge_size`` squared (Qwen2.5-VL)."""
     placeholder: str
     """What the chat template writes for an image (LLaVA: ``<image>``; Gemma 3: ``<start_of_image>``)."""
-    replacement: str
-    """The text that takes its place: the image's tokens, with the family's markers around them."""
+    before: str
+    """The text the processor puts before an image's tokens in the placeholder's place."""
+    image_token: str
+    """The image token's text, repeated once per token of the image."""
+    after: str
+    """The text after the image's tokens."""
+    merge_size: int = 1
+
+    def tokens(self, grid: tuple[int, ...]) -> int:
+        """Tokens of an image of patch ``grid`` (empty: a fixed-size tower's)."""
+        if self.tokens_per_image:
+            return self.tokens_per_image
+        cells = 1
+        for d in grid:
+            cells *= d
+        return cells // (self.merge_size * self.merge_size)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -12,6 +11,7 @@ from myserve.frontend.app_context import AppContext
 from myserve.frontend.chat_output import ChoiceParser
 from myserve.frontend.errors import APIError
 from myserve.frontend.generation import admit, grammar_param, max_tokens_of, respond, sampling_params
+from myserve.frontend.images import Processed
 from myserve.frontend.protocol import ChatCompletionRequest
 from myserve.frontend.reasoning import ReasoningParser, State
 from myserve.frontend.responses import ResponseContext
@@ -34,7 +34,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, models:
     return await respond(context, request, response, req.stream, param)
 
 
-async def chat_images(context: AppContext, req: ChatCompletionRequest) -> list[np.ndarray]:
+async def chat_images(context: AppContext, req: ChatCompletionRequest) -> list[Processed]:
     """The preprocessed pixels of the messages' image parts, in order (``frontend/images.py``); a
     400 for images sent to a model that takes none."""
     urls = [url for m in req.messages for url in m.image_urls()]
@@ -51,7 +51,7 @@ def prepare_chat(
     req: ChatCompletionRequest,
     expires: float | None,
     kind: str = "chat",
-    pixels: Sequence[np.ndarray] = (),
+    pixels: Sequence[Processed] = (),
 ) -> tuple[ResponseContext, str]:
     """A chat request made ready to submit: checked (400 naming the field), its constraint and tool
     plan made, its messages rendered with the chat template, its sampling parameters set. Returns the
