@@ -111,9 +111,13 @@ def test_grid_arrays_equal_transformers_helpers(name: str, processed, tower) -> 
     np.testing.assert_array_equal(arrays["unperm"], torch.argsort(window_index).numpy())
     pos = get_vision_position_ids(grid, spec.merge_size).numpy()
     np.testing.assert_array_equal(arrays["pos"], pos[arrays["perm"]])
-    starts = np.flatnonzero(np.diff(arrays["segment"], prepend=-1))
-    np.testing.assert_array_equal(np.append(starts, len(arrays["segment"])), cu_window.numpy())
+    n = len(arrays["perm"])
+    windows, starts = arrays["windows"], arrays["windows"][:, 0]
+    np.testing.assert_array_equal(np.append(starts, n), cu_window.numpy())  # consecutive runs, in order
     assert len(starts) > 1  # several windows per image
+    flat = windows.reshape(-1)
+    np.testing.assert_array_equal(flat[arrays["slots"]], np.arange(n))  # each patch's slot holds it
+    assert np.all(np.sort(flat[flat < n]) == np.arange(n))  # every patch in one window, padding past N
 
 
 def test_tower_from_the_checkpoint_matches_the_processor(qwen_dir: Path, processed, tower) -> None:

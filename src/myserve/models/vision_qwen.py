@@ -14,7 +14,9 @@ tokens so that each window of ``window_size`` pixels a side is contiguous, runs 
 order, and undoes the permutation after the merger. The order matters only to the float sums, and
 matching it keeps the results identical; which patches attend to which is set by window segment
 ids. All that depends on the grid alone is computed on the host (``grid_arrays``), so a jitted
-encoder is compiled once per grid shape.
+encoder is compiled once per grid shape. The windowed layers gather each window's patches (padded
+to the largest window) and attend within it, so their cost is linear in the image's patches; only
+the few full layers are quadratic.
 
 The tower is small beside the language model and runs once per distinct image, so its weights are
 plain arrays replicated on the mesh, as ``vision.py``'s are.
@@ -77,7 +79,9 @@ def grid_arrays(spec: VisionSpec, grid_h: int, grid_w: int) -> dict[str, np.ndar
       ``pixel_values`` row ``perm[i]``;
     - ``unperm`` [N / merge_size**2]: the merged tokens back in the processor's (row-major) order;
     - ``pos`` [N, 2]: each permuted patch's (row, column) in the patch grid, for the 2D rotary;
-    - ``segment`` [N]: each permuted patch's window, for the windowed layers' mask.
+    - ``windows`` [W, S]: each window's patches (indices of the permuted sequence, consecutive),
+      padded with N to the largest window's S patches: the windowed layers attend per window;
+    - ``slots`` [N]: where each permuted patch sits in ``windows`` flattened (``w * S + j``).
     """
     m = spec.merge_size
     if grid_h % m or grid_w % m:
@@ -96,11 +100,18 @@ def grid_arrays(spec: VisionSpec, grid_h: int, grid_w: int) -> dict[str, np.ndar
     block_rows, block_cols = rows.repeat(unit), cols.repeat(unit)
     inner_rows, inner_cols = np.divmod(np.tile(np.arange(unit), len(rows)), m)
     pos = np.stack([block_rows * m + inner_rows, block_cols * m + inner_cols], axis=-1)
+    segment = window[window_index].repeat(unit)  # each permuted patch's window (consecutive runs)
+    _, starts, sizes = np.unique(segment, return_index=True, return_counts=True)
+    most = int(sizes.max())
+    offsets = np.arange(most)
+    windows = np.where(offsets < sizes[:, None], starts[:, None] + offsets, len(segment))
+    slots = np.arange(len(segment)) - starts.repeat(sizes) + np.arange(len(starts)).repeat(sizes) * most
     return {
         "perm": perm.astype(np.int32),
         "unperm": np.argsort(window_index).astype(np.int32),
         "pos": pos[perm].astype(np.int32),
-        "segment": window[window_index].repeat(unit).astype(np.int32),
+        "windows": windows.astype(np.int32),
+        "slots": slots.astype(np.int32),
     }
 
 
@@ -109,15 +120,13 @@ def encode_qwen_image(spec: VisionSpec, tower: Tower, patches: jax.Array, arrays
     float32) to its token embeddings [N / merge_size**2, text_hidden_size] in the tower's dtype
     (inside a jit; ``arrays`` is ``grid_arrays`` of the image's grid).
 
-    Attention is dense: [N, N] scores per head, the windowed layers masked to the patch's own
-    window, so time and memory grow as N**2 (a real checkpoint's 1000-odd patches per image are
-    fine; packing windows would make the windowed layers linear in N)."""
+    The windowed layers attend window by window ([W, S, S] scores: linear in N); the full layers
+    attend over the whole image ([N, N] scores per head: a few layers of the tower)."""
     dtype = tower["patch"].dtype
     x = patches.astype(dtype)[arrays["perm"]] @ tower["patch"]  # the Conv3d: kernel = stride = the patch
     cos, sin = _rotary(spec, arrays["pos"])
-    same_window = arrays["segment"][:, None] == arrays["segment"][None, :]
     for i, layer in enumerate(tower["layers"]):
-        x = _block(spec, layer, x, cos, sin, None if i in spec.full_layers else same_window)
+        x = _block(spec, layer, x, cos, sin, None if i in spec.full_layers else arrays)
     merger = tower["merger"]
     h = _rms_norm(x, merger["norm"], spec.layer_norm_eps)
     h = h.reshape(-1, spec.merge_size**2 * h.shape[-1])  # each merged token's patches, concatenated
@@ -136,22 +145,35 @@ def _rotary(spec: VisionSpec, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _block(
-    spec: VisionSpec, layer: Tower, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None
+    spec: VisionSpec, layer: Tower, x: jax.Array, cos: jax.Array, sin: jax.Array, windows: dict[str, jax.Array] | None
 ) -> jax.Array:
-    """One pre-norm block: attention (within ``mask``, the patch's window; None: the whole image),
-    then the SwiGLU MLP."""
+    """One pre-norm block: attention (within each window of ``windows``, ``grid_arrays``'; None:
+    over the whole image), then the SwiGLU MLP."""
     n, d = x.shape
     heads, hd = spec.num_heads, d // spec.num_heads
     h = _rms_norm(x, layer["norm1"], spec.layer_norm_eps)
     q, k, v = jnp.moveaxis(_linear(h, layer["qkv"]).reshape(n, 3, heads, hd), 1, 0)
     q, k = (_rotate(t, cos, sin) for t in (q, k))
-    scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * hd**-0.5
-    if mask is not None:
-        scores = jnp.where(mask[None], scores, -jnp.inf)  # a patch always sees itself: no empty row
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    x = x + _linear(jnp.einsum("hqk,khd->qhd", weights, v).reshape(n, d), layer["proj"])
+    if windows is None:
+        out = _attention(q, k, v, None)
+    else:  # each window's patches gathered ([W, S, heads, hd], padding rows past N), then scattered back
+        rows = windows["windows"]
+        q, k, v = (jnp.concatenate([t, jnp.zeros((1, heads, hd), t.dtype)])[rows] for t in (q, k, v))
+        out = _attention(q, k, v, rows < n).reshape(-1, heads, hd)[windows["slots"]]
+    x = x + _linear(out.reshape(n, d), layer["proj"])
     h = _rms_norm(x, layer["norm2"], spec.layer_norm_eps)
     return x + _linear(_activation(_linear(h, layer["gate"]), spec.hidden_act) * _linear(h, layer["up"]), layer["down"])
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array | None) -> jax.Array:
+    """Softmax attention (float32 scores) of queries over keys [..., T, heads, hd], keys masked by
+    ``valid`` [..., T] (None: all); every query sees at least itself or a valid key."""
+    hd = q.shape[-1]
+    scores = jnp.einsum("...qhd,...khd->...hqk", q, k, preferred_element_type=jnp.float32) * hd**-0.5
+    if valid is not None:
+        scores = jnp.where(valid[..., None, None, :], scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("...hqk,...khd->...qhd", weights, v)
 
 
 def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
