@@ -15,7 +15,7 @@ import pytest
 
 from myserve.models.checkpoint import vision_spec_of
 from myserve.models.loading import SafetensorsSource
-from myserve.models.vision_qwen import encode_qwen_image, grid_arrays, read_qwen_tower
+from myserve.models.vision_qwen import encode_qwen_image, grid_arrays, patch_buckets, read_qwen_tower
 from myserve.models.vision_spec import VisionSpec
 from myserve.testing.qwen_vl_checkpoint import make_tiny_qwen2_5_vl
 
@@ -93,6 +93,14 @@ def test_encode_equals_transformers(name: str, processed, hf_model, tower) -> No
     assert got.dtype == np.float32
     assert float(np.abs(want.numpy()).max()) > 0.1  # not all alike near zero
     np.testing.assert_allclose(got, want.numpy(), atol=1e-4, rtol=0)
+    # Padded to the next buckets (patches of zeros, windows of padding): the same image tokens first.
+    for bucket in (b for b in patch_buckets(spec, 4 * gh * gw) if b >= gh * gw):
+        padded = np.zeros((bucket, pixels.shape[1]), np.float32)
+        padded[: len(pixels)] = pixels
+        arrays = {k: jnp.asarray(v) for k, v in grid_arrays(spec, gh, gw, bucket).items()}
+        out = np.asarray(encode(weights, jnp.asarray(padded), arrays))
+        assert out.shape == (bucket // spec.merge_size**2, spec.text_hidden_size)
+        np.testing.assert_allclose(out[: len(got)], want.numpy(), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("name", list(SIZES))

@@ -118,6 +118,19 @@ def test_greedy_tokens_and_logprobs_equal_transformers(case: str, server, hf_qwe
     np.testing.assert_allclose(got_lps, want_lps, atol=2e-4)
 
 
+def test_images_of_any_size_after_warmup_compile_nothing(server, qwen_service) -> None:
+    """The tower's patch buckets up to the processor's largest image are built at warm-up: images of
+    sizes never seen (each its own grid) compile nothing."""
+    from myserve.testing.services import wait_primed
+
+    wait_primed(qwen_service)
+    before = qwen_service.stats().compile_count
+    for i, (w, h) in enumerate([(20, 90), (77, 41), (48, 48), (100, 100)]):
+        images = {"new": png(w, h, 40 + i)}
+        assert chat(server.url, image_chat(images, "new", text="New?")).status_code == 200
+    assert qwen_service.stats().compile_count == before
+
+
 def test_images_of_other_sizes_take_other_token_counts(server) -> None:
     lengths = {
         name: chat(server.url, messages_with(name, text="Size?")).json()["usage"]["prompt_tokens"] for name in SIZES

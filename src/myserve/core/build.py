@@ -123,7 +123,7 @@ def _image_encoder(dep: Deployment) -> ImageEncoder | None:
     every replica's steps take them from there), its executable built."""
     if dep.vision is None:
         return None
-    encoder = ImageEncoder(*dep.vision, dep.meshes[0])
+    encoder = ImageEncoder(*dep.vision, dep.meshes[0], checkpoint_dir=dep.checkpoint_dir)
     encoder.warm_up()
     return encoder
 

@@ -68,6 +68,18 @@ def vision_spec_of(directory: Path) -> VisionSpec | None:
     return vision_spec_from_hf_config(*_read_config(directory))
 
 
+def max_image_patches(directory: Path, spec: VisionSpec, default: int = 16384) -> int:
+    """The most patches an image of a variable-size tower (Qwen2.5-VL) can have: the checkpoint's
+    image processor's pixel bound (``max_pixels``, or ``size.longest_edge`` as transformers >= 5
+    names it) over a patch's pixels; ``default`` without one."""
+    try:
+        config = json.loads((directory / "preprocessor_config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return default
+    pixels = config.get("max_pixels") or (config.get("size") or {}).get("longest_edge")
+    return int(pixels) // (spec.patch_size * spec.patch_size) if pixels else default
+
+
 def _read_config(directory: Path) -> tuple[dict, str]:
     """``directory``'s parsed ``config.json``, and its path for error messages."""
     config_path = directory / "config.json"

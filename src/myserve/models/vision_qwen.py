@@ -71,25 +71,35 @@ def read_qwen_tower(source: TowerSource, spec: VisionSpec, dtype: Any) -> Tower:
     return {"patch": patch.reshape(patch.shape[0], -1).T, "layers": layers, "merger": merger}
 
 
-def grid_arrays(spec: VisionSpec, grid_h: int, grid_w: int) -> dict[str, np.ndarray]:
-    """What the encoder needs of a ``grid_h x grid_w`` patch grid (one frame), as numpy arrays:
+MAX_ASPECT = 200
+"""The longest side over the shortest a Qwen2-VL image processor lets through (it refuses more)."""
 
-    - ``perm`` [N]: the patches in window order (transformers' ``window_index``, each merged
+
+def grid_arrays(spec: VisionSpec, grid_h: int, grid_w: int, patches: int | None = None) -> dict[str, np.ndarray]:
+    """What the encoder needs of a ``grid_h x grid_w`` patch grid (one frame) of N patches, laid
+    out for ``patches`` >= N (a bucket: the image's patch rows padded with zeros to it; None: N), as
+    numpy arrays:
+
+    - ``perm`` [P]: the patches in window order (transformers' ``window_index``, each merged
       token's ``merge_size**2`` patches kept together): row i of the permuted sequence is
-      ``pixel_values`` row ``perm[i]``;
-    - ``unperm`` [N / merge_size**2]: the merged tokens back in the processor's (row-major) order;
-    - ``pos`` [N, 2]: each permuted patch's (row, column) in the patch grid, for the 2D rotary;
+      ``pixel_values`` row ``perm[i]`` (padding rows after the image's);
+    - ``unperm`` [P / merge_size**2]: the merged tokens back in the processor's (row-major) order,
+      the image's first;
+    - ``pos`` [P, 2]: each permuted patch's (row, column) in the patch grid, for the 2D rotary;
     - ``windows`` [W, S]: each window's patches (indices of the permuted sequence, consecutive),
-      padded with N to the largest window's S patches: the windowed layers attend per window;
-    - ``slots`` [N]: where each permuted patch sits in ``windows`` flattened (``w * S + j``).
+      padded with P to a whole window's S patches, then windows of P alone up to ``window_bound``:
+      the windowed layers attend per window;
+    - ``slots`` [P]: where each permuted patch sits in ``windows`` flattened (``w * S + j``; a
+      padding patch: W * S, past them);
+    - ``count`` []: N, the image's patches (the full layers' keys).
     """
     m = spec.merge_size
     if grid_h % m or grid_w % m:
         raise ValueError(f"a {grid_h}x{grid_w} patch grid is not made of {m}x{m} blocks")
-    side = spec.window_size // m // spec.patch_size  # merged tokens per window side
-    if side < 1:
-        raise ValueError(f"window_size {spec.window_size} is smaller than a merged token")
+    side = _window_side(spec)
     unit = m * m
+    n = grid_h * grid_w
+    total = n if patches is None else patches
     rows, cols = np.divmod(np.arange((grid_h // m) * (grid_w // m)), grid_w // m)  # merged tokens, row-major
     windows_per_row = -(-(grid_w // m) // side)
     window = (rows // side) * windows_per_row + cols // side
@@ -102,17 +112,49 @@ def grid_arrays(spec: VisionSpec, grid_h: int, grid_w: int) -> dict[str, np.ndar
     pos = np.stack([block_rows * m + inner_rows, block_cols * m + inner_cols], axis=-1)
     segment = window[window_index].repeat(unit)  # each permuted patch's window (consecutive runs)
     _, starts, sizes = np.unique(segment, return_index=True, return_counts=True)
-    most = int(sizes.max())
+    most = side * side * unit
+    num_windows = len(starts) if patches is None else window_bound(spec, patches)
+    if total < n or total % unit or num_windows < len(starts):
+        raise ValueError(f"a {grid_h}x{grid_w} patch grid does not fit {total} patches")
+    windows = np.full((num_windows, most), total)
     offsets = np.arange(most)
-    windows = np.where(offsets < sizes[:, None], starts[:, None] + offsets, len(segment))
-    slots = np.arange(len(segment)) - starts.repeat(sizes) + np.arange(len(starts)).repeat(sizes) * most
+    windows[: len(starts)] = np.where(offsets < sizes[:, None], starts[:, None] + offsets, total)
+    slots = np.full(total, num_windows * most)
+    slots[:n] = np.arange(n) - starts.repeat(sizes) + np.arange(len(starts)).repeat(sizes) * most
+    pad = np.arange(n, total)
     return {
-        "perm": perm.astype(np.int32),
-        "unperm": np.argsort(window_index).astype(np.int32),
-        "pos": pos[perm].astype(np.int32),
+        "perm": np.concatenate([perm, pad]).astype(np.int32),
+        "unperm": np.concatenate([np.argsort(window_index), np.arange(n // unit, total // unit)]).astype(np.int32),
+        "pos": np.concatenate([pos[perm], np.zeros((total - n, 2), np.int64)]).astype(np.int32),
         "windows": windows.astype(np.int32),
         "slots": slots.astype(np.int32),
+        "count": np.asarray(n, np.int32),
     }
+
+
+def _window_side(spec: VisionSpec) -> int:
+    side = spec.window_size // spec.merge_size // spec.patch_size  # merged tokens per window side
+    if side < 1:
+        raise ValueError(f"window_size {spec.window_size} is smaller than a merged token")
+    return side
+
+
+def window_bound(spec: VisionSpec, patches: int) -> int:
+    """The most windows a grid of at most ``patches`` patches (and at most ``MAX_ASPECT`` to one) has:
+    an a x b grid of merged tokens has ceil(a / s) * ceil(b / s) <= ab / s**2 + (a + b) / s + 1."""
+    side, tokens = _window_side(spec), patches // spec.merge_size**2
+    perimeter = min(tokens + 1, int(np.sqrt((MAX_ASPECT + 1) * tokens)) + 2)
+    return -(-tokens // (side * side)) + -(-perimeter // side) + 1
+
+
+def patch_buckets(spec: VisionSpec, most: int) -> tuple[int, ...]:
+    """Patch counts an image is padded up to (powers of two from a window's patches), the last
+    holding ``most``: one executable per bucket instead of one per grid."""
+    first = max(_window_side(spec) ** 2 * spec.merge_size**2, spec.merge_size**2)
+    buckets = [1 << max(first - 1, 0).bit_length()]
+    while buckets[-1] < most:
+        buckets.append(buckets[-1] * 2)
+    return tuple(buckets)
 
 
 def encode_qwen_image(spec: VisionSpec, tower: Tower, patches: jax.Array, arrays: dict[str, jax.Array]) -> jax.Array:
@@ -121,12 +163,13 @@ def encode_qwen_image(spec: VisionSpec, tower: Tower, patches: jax.Array, arrays
     (inside a jit; ``arrays`` is ``grid_arrays`` of the image's grid).
 
     The windowed layers attend window by window ([W, S, S] scores: linear in N); the full layers
-    attend over the whole image ([N, N] scores per head: a few layers of the tower)."""
+    attend over the whole image ([N, N] scores per head: a few layers of the tower). Patches padded
+    to a bucket (``grid_arrays``' ``patches``) give as many tokens; the image's are the first."""
     dtype = tower["patch"].dtype
     x = patches.astype(dtype)[arrays["perm"]] @ tower["patch"]  # the Conv3d: kernel = stride = the patch
     cos, sin = _rotary(spec, arrays["pos"])
     for i, layer in enumerate(tower["layers"]):
-        x = _block(spec, layer, x, cos, sin, None if i in spec.full_layers else arrays)
+        x = _block(spec, layer, x, cos, sin, arrays, i not in spec.full_layers)
     merger = tower["merger"]
     h = _rms_norm(x, merger["norm"], spec.layer_norm_eps)
     h = h.reshape(-1, spec.merge_size**2 * h.shape[-1])  # each merged token's patches, concatenated
@@ -145,21 +188,29 @@ def _rotary(spec: VisionSpec, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _block(
-    spec: VisionSpec, layer: Tower, x: jax.Array, cos: jax.Array, sin: jax.Array, windows: dict[str, jax.Array] | None
+    spec: VisionSpec,
+    layer: Tower,
+    x: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    arrays: dict[str, jax.Array],
+    windowed: bool,
 ) -> jax.Array:
-    """One pre-norm block: attention (within each window of ``windows``, ``grid_arrays``'; None:
+    """One pre-norm block: attention (``windowed``: within each window of ``grid_arrays``'; else
     over the whole image), then the SwiGLU MLP."""
     n, d = x.shape
     heads, hd = spec.num_heads, d // spec.num_heads
     h = _rms_norm(x, layer["norm1"], spec.layer_norm_eps)
     q, k, v = jnp.moveaxis(_linear(h, layer["qkv"]).reshape(n, 3, heads, hd), 1, 0)
     q, k = (_rotate(t, cos, sin) for t in (q, k))
-    if windows is None:
-        out = _attention(q, k, v, None)
-    else:  # each window's patches gathered ([W, S, heads, hd], padding rows past N), then scattered back
-        rows = windows["windows"]
+    count = arrays["count"]  # the image's patches (the rest pad it to its bucket)
+    if windowed:  # each window's patches gathered ([W, S, heads, hd], padding slots past them), then put back
+        rows = arrays["windows"]
         q, k, v = (jnp.concatenate([t, jnp.zeros((1, heads, hd), t.dtype)])[rows] for t in (q, k, v))
-        out = _attention(q, k, v, rows < n).reshape(-1, heads, hd)[windows["slots"]]
+        out = _attention(q, k, v, rows < count).reshape(-1, heads, hd)
+        out = jnp.concatenate([out, jnp.zeros((1, heads, hd), out.dtype)])[arrays["slots"]]
+    else:
+        out = _attention(q, k, v, jnp.arange(n) < count)
     x = x + _linear(out.reshape(n, d), layer["proj"])
     h = _rms_norm(x, layer["norm2"], spec.layer_norm_eps)
     return x + _linear(_activation(_linear(h, layer["gate"]), spec.hidden_act) * _linear(h, layer["up"]), layer["down"])
@@ -171,7 +222,8 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array | None
     hd = q.shape[-1]
     scores = jnp.einsum("...qhd,...khd->...hqk", q, k, preferred_element_type=jnp.float32) * hd**-0.5
     if valid is not None:
-        scores = jnp.where(valid[..., None, None, :], scores, -jnp.inf)
+        # (Finite: a window of padding alone, whose rows nothing reads, stays free of NaN.)
+        scores = jnp.where(valid[..., None, None, :], scores, -1e30)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("...hqk,...khd->...qhd", weights, v)
 
