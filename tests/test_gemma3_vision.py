@@ -17,6 +17,7 @@ from test_llava import IMAGES
 from test_server import LiveServer
 from vision_chats import (
     check_concurrent_equal_alone,
+    check_served_as,
     data_url,
     generate,
     image_chat,
@@ -100,15 +101,11 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_tokens_and_logprobs_equal_transformers(case: str, server, hf_gemma3) -> None:
     messages = CASES[case]
-    want, want_lps, length = reference(hf_gemma3, messages)
-    response = chat(server.url, messages)
-    got, got_lps = served(response)
-    assert response.json()["usage"]["prompt_tokens"] == length  # the processor's expansion, token for token
-    assert got == want
-    np.testing.assert_allclose(got_lps, want_lps, atol=2e-4)
+    want = reference(hf_gemma3, messages)
+    check_served_as(chat(server.url, messages), want)
     if case != "no-image":  # a test of the test: causal image tokens would answer otherwise
         _, causal_lps, _ = reference(hf_gemma3, messages, bidirectional=False)
-        assert np.abs(np.asarray(causal_lps) - np.asarray(want_lps)).max() > 1e-2
+        assert np.abs(np.asarray(causal_lps) - np.asarray(want[1])).max() > 1e-2
 
 
 def test_serving_images_after_warmup_compiles_nothing(server, gemma3_service) -> None:
@@ -142,25 +139,12 @@ def test_text_holding_the_image_marks_is_a_400(server) -> None:
     assert chat(server.url, messages_with("a")).status_code == 200
 
 
-@pytest.fixture(scope="module")
-def small_pool_server(gemma3_dir: Path):
-    """A second engine whose pool (20 pages of 8) cannot hold 8 running chats: decodes preempt."""
-    svc = start_service(
-        gemma3_dir, *TINY_ENGINE, "engine.num_pages=20", "model.max_model_len=160", f"model.tokenizer={gemma3_dir}"
-    )
-    live = LiveServer(create_app(svc, served_model_name="gemma3"))
-    yield svc, live
-    live.stop()
-    svc.shutdown()
-
-
-def test_concurrent_text_and_image_chats_with_preemption_equal_each_alone(small_pool_server) -> None:
+def test_concurrent_text_and_image_chats_with_preemption_equal_each_alone(gemma3_dir: Path) -> None:
     """16 chats at once (one with n = 2), image steps cut around whole images by a shared 64-token
-    budget, a pool too small for all of them: each answer equals its chat's alone."""
-    svc, live = small_pool_server
+    budget, a pool (20 pages of 8) too small for all of them: each answer equals its chat's alone."""
     names = [(), ("a",), ("b", "c"), ("d",)]
     cases = [messages_with(*names[i % 4], text=f"Question {i}: what now?" + " Think." * (i % 3)) for i in range(16)]
-    check_concurrent_equal_alone(svc, live.url, "gemma3", cases)
+    check_concurrent_equal_alone(gemma3_dir, "gemma3", cases, num_pages=20, max_model_len=160)
 
 
 def test_images_on_a_tensor_parallel_mesh(gemma3_dir: Path) -> None:

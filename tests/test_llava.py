@@ -13,7 +13,17 @@ import numpy as np
 import pytest
 import vision_chats
 from test_server import LiveServer
-from vision_chats import MAX_TOKENS, data_url, generate, image_part, png, served, template_view
+from vision_chats import (
+    MAX_TOKENS,
+    check_concurrent_equal_alone,
+    data_url,
+    generate,
+    image_part,
+    mesh_tokens,
+    png,
+    served,
+    template_view,
+)
 
 from myserve.frontend.app import create_app
 from myserve.testing import TINY_ENGINE, start_client, start_service
@@ -218,43 +228,12 @@ def test_an_image_sent_to_a_text_model_is_a_400(tiny_service) -> None:
         live.stop()
 
 
-@pytest.fixture(scope="module")
-def small_pool_server(llava_dir: Path):
-    """A second engine whose pool (24 pages of 8) cannot hold 8 running chats: decodes preempt."""
-    svc = start_service(
-        llava_dir, *TINY_ENGINE, "engine.num_pages=24", "model.max_model_len=192", f"model.tokenizer={llava_dir}"
-    )
-    live = LiveServer(create_app(svc, served_model_name="llava"))
-    yield svc, live
-    live.stop()
-    svc.shutdown()
-
-
-def test_concurrent_text_and_image_chats_with_preemption_equal_each_alone(small_pool_server) -> None:
-    import asyncio
-
-    svc, live = small_pool_server
+def test_concurrent_text_and_image_chats_with_preemption_equal_each_alone(llava_dir: Path) -> None:
+    """16 chats at once (one with n = 2) on a pool (24 pages of 8) too small for all of them: each
+    answer equals its chat's alone."""
     names = [(), ("a",), ("b", "c"), ("d",)]
     cases = [messages_with(*names[i % 4], text=f"Question {i}: what now?") for i in range(16)]
-
-    def body(messages: list[dict[str, Any]], n: int = 1) -> dict[str, Any]:
-        return {"model": "llava", "messages": messages, "max_tokens": 32, "temperature": 0, "ignore_eos": True, "n": n}
-
-    async def together() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=live.url, timeout=300) as client:
-            calls = [
-                client.post("/v1/chat/completions", json=body(m, n=2 if i == 5 else 1)) for i, m in enumerate(cases)
-            ]
-            return await asyncio.gather(*calls)
-
-    preempted = svc.stats().num_preemptions
-    responses = asyncio.run(together())
-    assert svc.stats().num_preemptions > preempted  # the pool was too small for all of them at once
-    for i, (messages, response) in enumerate(zip(cases, responses, strict=True)):
-        assert response.status_code == 200, response.text
-        alone = httpx.post(f"{live.url}/v1/chat/completions", json=body(messages)).json()
-        want = alone["choices"][0]["message"]["content"]
-        assert [c["message"]["content"] for c in response.json()["choices"]] == [want] * (2 if i == 5 else 1)
+    check_concurrent_equal_alone(llava_dir, "llava", cases, num_pages=24, max_model_len=192, max_tokens=32)
 
 
 def test_images_cross_the_wire_to_a_core_process(llava_dir, hf_llava) -> None:
@@ -281,15 +260,6 @@ def test_images_on_a_tensor_and_data_parallel_mesh(llava_dir: Path) -> None:
     """4 concurrent image chats give the same greedy tokens on one device, on model=2 (the text
     model's KV heads split, the tower replicated) and on 2 data-parallel replicas of model=2
     (4 fake CPU devices, in a subprocess)."""
-    import json
-    import subprocess
-    import sys
-
-    worker = Path(__file__).with_name("vision_mesh_worker.py")
-    proc = subprocess.run(
-        [sys.executable, str(worker), str(llava_dir), "1x1", "1x2", "2x2"], capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = mesh_tokens(llava_dir, "1x1", "1x2", "2x2")
     assert all(len(tokens) == 8 for tokens in result["1x1"])
     assert result["1x2"] == result["1x1"] and result["2x2"] == result["1x1"]

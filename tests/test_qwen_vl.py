@@ -15,6 +15,7 @@ import vision_chats
 from test_server import LiveServer
 from vision_chats import (
     check_concurrent_equal_alone,
+    check_served_as,
     data_url,
     generate,
     image_chat,
@@ -110,12 +111,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_tokens_and_logprobs_equal_transformers(case: str, server, hf_qwen) -> None:
     messages = CASES[case]
-    want, want_lps, length = reference(hf_qwen, messages)
-    response = chat(server.url, messages)
-    got, got_lps = served(response)
-    assert response.json()["usage"]["prompt_tokens"] == length  # the processor's expansion, token for token
-    assert got == want
-    np.testing.assert_allclose(got_lps, want_lps, atol=2e-4)
+    check_served_as(chat(server.url, messages), reference(hf_qwen, messages))
 
 
 def test_images_of_any_size_after_warmup_compile_nothing(server, qwen_service) -> None:
@@ -153,17 +149,9 @@ def test_the_same_image_again_is_neither_encoded_nor_prefilled(server, qwen_serv
 def test_concurrent_text_and_image_chats_with_preemption_equal_each_alone(qwen_dir: Path) -> None:
     """16 chats at once (one with n = 2) on a pool too small for all of them (decodes preempt):
     each answer equals its chat's alone; M-RoPE's offsets survive recompute."""
-    svc = start_service(
-        qwen_dir, *TINY_ENGINE, "engine.num_pages=20", "model.max_model_len=160", f"model.tokenizer={qwen_dir}"
-    )
-    live = LiveServer(create_app(svc, served_model_name="qwen-vl"))
-    try:
-        names = [(), ("square",), ("wide", "square"), ("tall",)]
-        cases = [messages_with(*names[i % 4], text=f"Question {i}?" + " More." * (i % 3)) for i in range(16)]
-        check_concurrent_equal_alone(svc, live.url, "qwen-vl", cases)
-    finally:
-        live.stop()
-        svc.shutdown()
+    names = [(), ("square",), ("wide", "square"), ("tall",)]
+    cases = [messages_with(*names[i % 4], text=f"Question {i}?" + " More." * (i % 3)) for i in range(16)]
+    check_concurrent_equal_alone(qwen_dir, "qwen-vl", cases, num_pages=20, max_model_len=160)
 
 
 def test_chunked_mrope_positions_equal_transformers_rope_index(hf_qwen) -> None:

@@ -118,12 +118,51 @@ def generate(model: Any, inputs: dict[str, Any]) -> tuple[list[int], list[float]
     return new, logprobs, length
 
 
-def check_concurrent_equal_alone(svc: Any, url: str, model: str, cases: list[list[dict[str, Any]]]) -> None:
-    """``cases`` at once (case 5 with ``n = 2``) on an engine whose pool is too small for them (it
-    must preempt): each answer equals its chat's alone."""
+def check_served_as(response: httpx.Response, want: tuple[list[int], list[float], int]) -> None:
+    """A served chat (``chat``) gave transformers' prompt length, greedy tokens and their logprobs
+    (within 2e-4): ``want`` as ``generate`` returns them."""
+    tokens, logprobs, length = want
+    got, got_lps = served(response)
+    assert response.json()["usage"]["prompt_tokens"] == length  # the processor's expansion, token for token
+    assert got == tokens
+    np.testing.assert_allclose(got_lps, logprobs, atol=2e-4)
 
+
+def check_concurrent_equal_alone(
+    checkpoint: Path,
+    model: str,
+    cases: list[list[dict[str, Any]]],
+    *,
+    num_pages: int,
+    max_model_len: int,
+    max_tokens: int = 24,
+) -> None:
+    """``cases`` at once (case 5 with ``n = 2``) on an engine of its own whose pool (``num_pages``
+    of the tiny engine's 8 tokens) is too small for them (it must preempt): each answer equals its
+    chat's alone."""
+    from test_server import LiveServer
+
+    from myserve.frontend.app import create_app
+    from myserve.testing import TINY_ENGINE, start_service
+
+    settings = (
+        f"engine.num_pages={num_pages}",
+        f"model.max_model_len={max_model_len}",
+        f"model.tokenizer={checkpoint}",
+    )
+    svc = start_service(checkpoint, *TINY_ENGINE, *settings)
+    live = LiveServer(create_app(svc, served_model_name=model))
+    try:
+        _check_concurrent(svc, live.url, model, cases, max_tokens)
+    finally:
+        live.stop()
+        svc.shutdown()
+
+
+def _check_concurrent(svc: Any, url: str, model: str, cases: list[list[dict[str, Any]]], max_tokens: int) -> None:
     def body(messages: list[dict[str, Any]], n: int = 1) -> dict[str, Any]:
-        return {"model": model, "messages": messages, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "n": n}
+        return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "n": n}  # fmt: skip
 
     async def together() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=url, timeout=300) as client:

@@ -45,14 +45,10 @@ def make_tiny_llava(directory: Path, *, seed: int = 0) -> Path:
     import torch
     import transformers
 
-    from myserve.bundled import bundled_gguf_path
     from myserve.testing.checkpoints import TINY_COMMON, scale_random_weights
-    from myserve.tokenizer import Tokenizer
 
-    hf_tokenizer = Tokenizer.load(bundled_gguf_path()).hf
-    hf_tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-    image_token_id = int(hf_tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))  # type: ignore[arg-type]
-    hf_tokenizer.chat_template = LLAVA_TEMPLATE
+    hf_tokenizer, ids = tokenizer_with({"image_token": IMAGE_TOKEN}, LLAVA_TEMPLATE)
+    image_token_id = ids["image_token"]
     vision = transformers.CLIPVisionConfig(
         hidden_size=32,
         intermediate_size=64,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 
 import msgspec
 import numpy as np
@@ -65,7 +66,4 @@ class ImageModel(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fi
         """Tokens of an image of patch ``grid`` (empty: a fixed-size tower's)."""
         if self.tokens_per_image:
             return self.tokens_per_image
-        cells = 1
-        for d in grid:
-            cells *= d
-        return cells // (self.merge_size * self.merge_size)
+        return math.prod(grid) // (self.merge_size * self.merge_size)
