@@ -268,9 +268,13 @@ def test_launch_benchmarks_a_tiny_model_and_stops_it(tiny_checkpoints, tmp_path:
         assert r["usage_missing"] == 0 and r["output_tokens"] == 6 * 8  # ignore_eos: exactly max_tokens each
         assert r["output_tokens_per_s"] > 0 and r["total_tokens_per_s"] > r["output_tokens_per_s"]
         assert r["requests_per_s"] > 0 and r["wall_s"] > 0
-        for name in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_s"):
+        for name in ("ttft_ms", "tpot_ms", "e2e_s"):
             s = r[name]
             assert 0 <= s["p50"] <= s["p95"] <= s["p99"], (name, s)
+        # The server coalesces a stream's tokens while its client lags (and K tokens come per call), so
+        # on a loaded machine every stream's 8 tokens can arrive in one chunk: no gap, no ITL to report.
+        itl = r["itl_ms"]
+        assert itl["p50"] is None or 0 <= itl["p50"] <= itl["p95"] <= itl["p99"], itl
     assert "TTFT p50 ms" in proc.stdout and "tiny-llama" in proc.stdout
     assert png.read_bytes()[:8] == PNG_MAGIC
 

@@ -1,13 +1,14 @@
 """Context buckets (host only, milliseconds): warmup builds every token bucket at the widest
-context bucket before ready and the narrower ones in the background; a step runs in the narrowest
-context bucket that holds its longest row and is built, else in a wider one, never waiting."""
+context bucket before ready (and on CPU the small ones at the narrowest too) and the rest in the
+background; a step runs in the narrowest context bucket that holds its longest row and is built,
+else in a wider one, never waiting."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from myserve.config import EngineConfig, load_config
-from myserve.runtime.buckets import FEW_SINGLES, Buckets, default_context_buckets
+from myserve.runtime.buckets import EARLY_TOKENS, FEW_SINGLES, Buckets, default_context_buckets
 from myserve.runtime.sampling_rows import HEAD_MODES
 from myserve.runtime.step_layout import Span
 
@@ -23,13 +24,20 @@ def decode(pages: int) -> Span:
 
 
 def test_warmup_builds_the_widest_now_and_the_narrower_in_the_background_narrowest_first() -> None:
-    now, later = BUCKETS.compile_ops()
+    wide = dataclasses.replace(BUCKETS, early_tokens=0)  # an accelerator's: nothing narrow before ready
+    now, later = wide.compile_ops()
     assert {s.width for s in now.shapes} == {128} and [s.tokens for s in now.shapes] == [1, 8, 64]
     assert now.heads and now.scores and not now.background
     assert later.background and [(s.width, s.tokens) for s in later.shapes] == [
         (8, 1), (8, 8), (8, 64), (32, 1), (32, 8), (32, 64)
     ]  # fmt: skip
     assert later.loops == ()
+    # On CPU the token buckets up to EARLY_TOKENS come at the narrowest bucket before ready too:
+    # a short chat's first requests run where a primed server's do.
+    assert BUCKETS.early_tokens == EARLY_TOKENS == 64 and ACC.early_tokens == 0
+    now, later = BUCKETS.compile_ops()
+    assert [(s.width, s.tokens) for s in now.shapes] == [(128, 1), (128, 8), (128, 64), (8, 1), (8, 8), (8, 64)]
+    assert [(s.width, s.tokens) for s in later.shapes] == [(32, 1), (32, 8), (32, 64)]
     _, with_loops = BUCKETS.compile_ops(decode_steps=4)
     assert with_loops.shapes == later.shapes and with_loops.loops
     # K = 1 builds decode calls too: a decode-only step is one call whatever K.
@@ -106,10 +114,11 @@ def test_a_step_of_few_sampling_rows_takes_the_bucket_variant_with_few_rows() ->
     assert many.variants(64, 8) == [few, full] and many.variants(8, 8) == [many.shape(8, 8)]
 
     now, later = many.compile_ops()
-    assert [(s.width, s.tokens, s.singles) for s in now.shapes] == [(128, 1, 1), (128, 8, 8), (128, 64, 64)]
+    assert [(s.width, s.tokens, s.singles) for s in now.shapes] == [
+        (128, 1, 1), (128, 8, 8), (128, 64, 64), (8, 1, 1), (8, 8, 8), (8, 64, 8)
+    ]  # fmt: skip
     assert [(s.width, s.tokens, s.singles) for s in later.shapes] == [
-        (8, 1, 1), (8, 8, 8), (8, 64, 8), (8, 64, 64), (32, 1, 1), (32, 8, 8), (32, 64, 8), (32, 64, 64),
-        (128, 64, 8),
+        (8, 64, 64), (32, 1, 1), (32, 8, 8), (32, 64, 8), (32, 64, 64), (128, 64, 8),
     ]  # fmt: skip
 
     one_prompt = [prompt(40, 3)]
@@ -146,6 +155,6 @@ def test_decode_calls_on_cpu_stop_at_512_tokens_and_the_default_deployment_stays
     buckets = Buckets.from_config(config.engine, config.model.max_model_len, platform="cpu")
     now, later = buckets.compile_ops(8)
     assert [w * 16 for w in buckets.decode_widths] == [128, 512]
-    # 8 forwards, 18 heads, 8 scorers before ready; 31 forwards (narrower buckets, few-rows
-    # variants) and 36 decode calls after.
-    assert (now.count, len(later.shapes), len(later.loops)) == (34, 31, 36)
+    # 14 forwards (8 at the widest bucket, 6 at the narrowest), 18 heads, 8 scorers before ready;
+    # 25 forwards (narrower buckets, few-rows variants) and 36 decode calls after.
+    assert (now.count, len(later.shapes), len(later.loops)) == (40, 25, 36)

@@ -17,6 +17,7 @@ import logging
 import queue
 import random
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Self, cast
 
@@ -35,6 +36,7 @@ from myserve.core.sequence import Sequence as Seq
 from myserve.core.step_timer import StepTimer
 from myserve.core.warmup import warm_up
 from myserve.grammar import LazyGrammars
+from myserve.runtime.background_builds import GATE
 from myserve.tokenizer import Tokenizer
 from myserve.validation import validate_request
 from myserve.wire.images import ImageInput, ImageModel
@@ -160,13 +162,8 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, EngineSleep, Reques
         """
         runners = [b for r in self.replicas for b in r.builders if not b.warmed_up]
         if warmup and runners:
-            warm_up(
-                runners,
-                self._compile_counts,
-                since=self.warmup_since,
-                progress=progress,
-                memory_utilization=self.memory_utilization,
-            )
+            limit = self.memory_utilization
+            warm_up(runners, self._compile_counts, since=self.warmup_since, progress=progress, memory_utilization=limit)
         # What the start made (weights, executables, tokenizer: millions of objects) goes to the
         # permanent generation: a full collection, which the requests' garbage triggers now and
         # then, no longer walks it (tens of ms, an outlier step each time). As vLLM does.
@@ -229,11 +226,18 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, EngineSleep, Reques
     def _loop(self) -> None:
         try:
             priming: bool | None = True  # as ``ModelRunner.prime_next``: None once every replica is done
+            busy, idle_at = False, time.monotonic()  # as last told to the build gate; since when idle
             while not self._stop.is_set():
                 idle = not self.has_work()
-                # Idle with executables to prime: look for requests between primes (or, while the
-                # rest still build, every 0.1 s); with none left, wait for a request.
-                self._drain_inbox(block=idle and not priming, timeout=0.1 if idle and priming is False else None)
+                if idle == busy:  # background builds wait while this engine serves
+                    GATE.set_busy(self, busy := not idle)
+                    idle_at = time.monotonic()
+                # Idle with executables to prime: after the idle grace (a client's next request may
+                # be near), look for requests between primes (or, while the rest still build, every
+                # 0.1 s); with none left, wait for a request.
+                grace = max(0.0, GATE.grace_s - (time.monotonic() - idle_at)) if idle and priming else 0.0
+                timeout = grace or (0.1 if idle and priming is False else None)
+                self._drain_inbox(block=idle and not priming, timeout=timeout)
                 self._flush()
                 if self._stop.is_set():
                     break
@@ -242,6 +246,8 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, EngineSleep, Reques
                     self._flush()
                     if priming is None:  # look again once the work is done (see below)
                         priming = True
+                    continue
+                if grace:
                     continue
                 self.timer.idle()  # the next step follows a wait for requests, not a step
                 self._sleep_when_idle()
@@ -267,6 +273,8 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, EngineSleep, Reques
             if self.on_dead is not None:
                 self.on_dead(e)
             return
+        finally:
+            GATE.set_busy(self, False)  # a stopped engine holds no build back
         for req in list(self._requests.values()):
             self._finish_request(req, "abort")
         self._flush()

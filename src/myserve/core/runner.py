@@ -170,6 +170,7 @@ class ModelRunner:
         self._usable: set[StepShape] = set()  # forwards of narrower context buckets seen built
         self._loops_usable: set[StepShape] = set()  # decode calls seen built
         self._loop_pages = 0  # the widest context bucket whose decode calls are all built (0: none)
+        self._all_built = False  # every background build done: no narrower forward left to want
         self._to_prime: list[list[PrimeSteps]] = []
         """Executables to run once while the engine is idle (``prime_next``): those built before
         ready, then those built in the background."""
@@ -252,6 +253,8 @@ class ModelRunner:
             assert shape is not None or not several, "the scheduler sizes several-token decodes to fit a call"
         usable = self._built if not with_images else _widest  # (image forwards: built at the widest only)
         steps, shape = (0, self.buckets.fit(spans, usable)) if shape is None else (self.decode_steps, shape)
+        if steps == 0 and not with_images and not self._all_built:
+            self._want_narrowest(spans, shape)
         host = layout(spans, shape, self.page_size)
         # This step's sampling rows: the next step's spans feed on them while this one is in flight.
         self._inflight_rows = {c.seq: row for c, row in zip(chunks, host.sample_rows, strict=True) if row is not None}
@@ -359,6 +362,15 @@ class ModelRunner:
     def _built(self, shape: StepShape) -> bool:
         return shape_built(self.device, self._usable, shape)
 
+    def _want_narrowest(self, spans: list[Span], shape: StepShape) -> None:
+        """A step ran wider than it fits because its narrowest forward is still a background build:
+        build that one next (the steps to come are likely alike)."""
+        best = self.buckets.fit(spans)
+        if best != shape:
+            self.device.want_step(best)
+        elif self.device.background_builds_done(0):
+            self._all_built = True
+
     def _loop_built(self, shape: StepShape) -> bool:
         return shape_built(self.device, self._loops_usable, shape, self.decode_steps)
 
@@ -374,11 +386,8 @@ class ModelRunner:
                     self._loop_built(self.buckets.decode_shape(r, width)) for r in rows
                 ):
                     self._loop_pages = width
-                    logger.info(
-                        "decode calls built up to %d-token contexts: %d tokens per decode call",
-                        width * self.page_size,
-                        self.decode_steps,
-                    )
+                    what = "decode calls built up to %d-token contexts: %d tokens per decode call"
+                    logger.info(what, width * self.page_size, self.decode_steps)
         return self._loop_pages
 
     # -- warmup -------------------------------------------------------------------------------

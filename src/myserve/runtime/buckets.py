@@ -71,6 +71,13 @@ def _powers(start: int, stop: int) -> tuple[int, ...]:
     return tuple(sorted({*values, stop}))
 
 
+EARLY_TOKENS = 64
+"""On CPU the token buckets up to this many are built before ready at the narrowest context bucket
+too (their few-rows variants): a short chat's first requests after start run where a primed
+server's do. The rest of the narrower buckets come in the background, which on 2 cores competes
+with serving (``background_builds.py``); on an accelerator it runs on the host, beside the device."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Buckets:
     """The step shapes of one engine."""
@@ -89,6 +96,9 @@ class Buckets:
     decode_everywhere: bool = True
     """Decode calls at every context bucket (accelerators), else only up to ``first_width`` (CPU:
     ``decode_widths``)."""
+    early_tokens: int = 0
+    """Token buckets up to this many are built before ready at the narrowest context bucket too
+    (``EARLY_TOKENS`` on CPU; 0: none)."""
 
     @staticmethod
     def from_config(cfg: EngineConfig, max_model_len: int, min_tokens: int = 1, platform: str = "cpu") -> Buckets:
@@ -116,6 +126,7 @@ class Buckets:
             chunk_pages=chunk_pages,
             widths=tuple(sorted(widths | {full})),
             decode_everywhere=platform != "cpu",
+            early_tokens=EARLY_TOKENS if platform == "cpu" else 0,
         )
 
     def _widths(self) -> tuple[int, ...]:
@@ -186,26 +197,28 @@ class Buckets:
         return [self.shape(t, self.first_width) for t in self.tokens]
 
     def compile_ops(self, decode_steps: int | None = None, images: bool = False) -> tuple[CompileSteps, CompileSteps]:
-        """Warmup's two builds. Before serving: the forward of every token bucket at the widest
-        context bucket (every step fits it), every sampler mode for each bucket's sampling rows,
-        and the prompt scorer of each token bucket. Then in the background, context bucket by
-        context bucket, narrowest first: its forwards (the few-rows variants first; a step uses one
-        once it is built, ``fit``), then with ``decode_steps`` (K >= 1; None: none) the decode calls
-        of K tokens at it (``decode_loop``: every row count and sampler mode), which make a
-        decode-only step one call (``fit_decode``). Narrowest first because short contexts are the
-        common case and a narrow bucket serves them fastest: a new server's first chats get their
-        fast path first. Start-up so pays for one context bucket. ``images``: a vision-language
-        model's forwards with image embeddings too, before serving, at the widest context bucket
-        only (a step holding image tokens runs there: ``ModelRunner.plan``)."""
+        """Warmup's two builds. Before serving: the forward of every token bucket at the widest context
+        bucket (every step fits it) and, up to ``early_tokens``, at the narrowest, every sampler mode for
+        each bucket's sampling rows, and the prompt scorer of each token bucket. Then in the background,
+        context bucket by context bucket, narrowest first: its forwards (the few-rows variants first; a step
+        uses one once it is built, ``fit``), then with ``decode_steps`` (K >= 1; None: none) the decode
+        calls of K tokens at it (``decode_loop``: every row count and sampler mode), which make a decode-
+        only step one call (``fit_decode``). Narrowest first because short contexts are the common case and
+        a narrow bucket serves them fastest: a new server's first chats get their fast path first. Start-up
+        so pays for one context bucket. ``images``: a vision-language model's forwards with image embeddings
+        too, before serving, at the widest context bucket only (a step holding image tokens runs there:
+        ``ModelRunner.plan``)."""
         rows = self.decode_rows()
         heads = tuple((r, mode) for r in rows for mode in HEAD_MODES)
-        widest = self._widths()[-1]
-        first = tuple(self.shape(t, widest) for t in self.tokens)
-        now = CompileSteps(first, heads, tuple(self.tokens), images=first if images else ())
+        widths = self._widths()
+        first = tuple(self.shape(t, widths[-1]) for t in self.tokens)
+        early = tuple(self.variants(t, widths[0])[0] for t in self.tokens if t <= self.early_tokens)
+        built = first + tuple(s for s in early if s not in first)
+        now = CompileSteps(built, heads, tuple(self.tokens), images=first if images else ())
         shapes: list[StepShape] = []
         loops: list[tuple[StepShape, int, str]] = []
-        for w in self._widths():
-            shapes += [v for t in self.tokens for v in self.variants(t, w) if v not in first]
+        for w in widths:
+            shapes += [v for t in self.tokens for v in self.variants(t, w) if v not in built]
             if decode_steps is not None and w in self.decode_widths:
                 loops += [(self.decode_shape(r, w), decode_steps, mode) for r in rows for mode in HEAD_MODES]
         return now, CompileSteps(tuple(shapes), loops=tuple(loops), background=True)

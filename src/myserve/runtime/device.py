@@ -76,3 +76,8 @@ class Device(Protocol):
         """Whether the several-token decode executables of ``shape`` and ``steps`` are built for
         every sampler mode, without waiting (they are built in the background after ready)."""
         ...
+
+    def want_step(self, shape: StepShape) -> None:
+        """The forward of ``shape`` is what a step would run in now: if it is a background build
+        not yet started, start it next, whatever the engine is doing."""
+        ...

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 
+from myserve.runtime.background_builds import BackgroundBuilds
 from myserve.runtime.compile_counter import count_loaded, thread_cache_hits
 from myserve.runtime.kv_cache import Cache
 from myserve.runtime.model_step import ForwardOutput
@@ -66,7 +67,7 @@ class Executables:
         self._step_cache = step_cache
         self.built: dict[BuildKey, Step] = {}
         self._pending: dict[BuildKey, Future[Step]] = {}
-        self._background: ThreadPoolExecutor | None = None
+        self._background: BackgroundBuilds | None = None
 
     def get(self, key: BuildKey) -> Step:
         """The executable of ``key``: built, being built in the background (waited for), or built now."""
@@ -76,6 +77,7 @@ class Executables:
         pending = self._pending.pop(key, None)
         if pending is not None:
             t0 = time.perf_counter()
+            self.want(key)  # (waited for: built next, whatever the engine is doing)
             step = self.built[key] = pending.result()
             logger.info("waited %.1fs for %s, built in the background", time.perf_counter() - t0, describe(key))
             return step
@@ -96,13 +98,18 @@ class Executables:
         return True
 
     def build_in_background(self, keys: Sequence[BuildKey]) -> None:
-        """Start building ``keys`` on a background thread, one at a time and in order (the serving
-        thread keeps the other core); a step that needs one first waits for it (``get``)."""
+        """Start building ``keys`` on a background thread, one at a time, in order and out of the
+        way of serving (``background_builds``); a step that needs one first waits for it (``get``)."""
         if self._background is None:
-            self._background = ThreadPoolExecutor(1, thread_name_prefix="build-later")
-        for key in keys:
-            if key not in self.built and key not in self._pending:
-                self._pending[key] = self._background.submit(self._build_one, key)
+            self._background = BackgroundBuilds(self._build_one)
+        todo = [key for key in keys if key not in self.built and key not in self._pending]
+        self._pending.update(self._background.submit(todo))  # type: ignore[arg-type]
+
+    def want(self, key: BuildKey) -> None:
+        """Build ``key`` next and without waiting for idleness, if it is a background build not yet
+        started (a step would run in it now, and runs in a slower one meanwhile)."""
+        if self._background is not None and key in self._pending:
+            self._background.want(key)
 
     def background_done(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds for the background builds; whether they are all done."""
@@ -119,7 +126,7 @@ class Executables:
         under way behind it. That one is not waited for (an XLA compile cannot be interrupted, and
         a core process exits without it)."""
         if self._background is not None:
-            self._background.shutdown(wait=False, cancel_futures=True)
+            self._background.stop()
             self._background = None
         self._pending = {key: f for key, f in self._pending.items() if not f.cancelled()}
 

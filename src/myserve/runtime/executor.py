@@ -154,9 +154,8 @@ class Executor:
         self._no_samples: dict[int, SampleOutput] = {}
         self.ran: set[BuildKey] = set()  # executables run at least once (a step, or ``priming.py``)
         self.calls: collections.Counter[BuildKey] = collections.Counter()
-        """Calls of each step executable by the steps served (priming not counted): what the
-        benchmarks and tests read to tell which executables a stretch of serving ran, and how many
-        tokens each call produced."""
+        """Calls of each step executable by the steps served (priming not counted): the benchmarks
+        and tests read which executables a stretch of serving ran, and tokens per call."""
 
     def run(self, ops: Sequence[Op], progress: Progress | None = None) -> list[StepOutput]:
         """Apply ``ops`` in order (dispatched, not awaited); the outputs of its steps, in order."""
@@ -350,6 +349,10 @@ class Executor:
         """Whether the forward of ``shape`` is built (without waiting)."""
         return self.compiled.ready(("forward", shape))
 
+    def want_step(self, shape: StepShape) -> None:
+        """The forward of ``shape`` built next, ungated (``Executables.want``)."""
+        self.compiled.want(("forward", shape))
+
     def loop_ready(self, shape: StepShape, steps: int) -> bool:
         """Whether the several-token calls of ``shape`` are built for every sampler mode (without waiting)."""
         return bool(self.sampler) and all(self.compiled.ready(("loop", shape, steps, m)) for m in HEAD_MODES)
@@ -379,13 +382,10 @@ class Executor:
 
     def lower_step(self, shape: StepShape) -> jax.stages.Lowered:
         """The forward executable of ``shape`` traced and lowered for this executor's arrays (not compiled)."""
-        return self._lower(("forward", shape))
+        return self.lower(("forward", shape))
 
     def lower(self, key: BuildKey) -> jax.stages.Lowered:
         """Any executable of this executor (``BuildKey``) traced and lowered, not compiled."""
-        return self._lower(key)
-
-    def _lower(self, key: BuildKey) -> jax.stages.Lowered:
         fn, static, args = self.call_args(key)
         return fn.lower(*static, *args)
 

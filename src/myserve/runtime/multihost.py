@@ -120,6 +120,10 @@ class BroadcastingDevice:
         """Whether this process has built the several-token calls of ``shape`` (as ``step_ready``)."""
         return self.executor.loop_ready(shape, steps)
 
+    def want_step(self, shape: StepShape) -> None:
+        """This process's build of the forward of ``shape``, next (``Executor.want_step``)."""
+        self.executor.want_step(shape)
+
 
 def _step_channel() -> StepChannel:
     assert _channel is not None, "multihost.initialize opens the step channel of a multi-process run"

@@ -164,6 +164,9 @@ class FakeDevice:
         """Nothing is built here: every decode call is ready."""
         return True
 
+    def want_step(self, shape: Any) -> None:
+        """Nothing is built here: nothing to hurry."""
+
     def read(self, output: Any, *, tops: bool, scored: bool, pooled: bool = False) -> Any:
         """The step's rows, with top logprobs, prompt scores and pooled rows only when asked for (as
         ``Executor.read``)."""
