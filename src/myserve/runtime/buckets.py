@@ -202,12 +202,12 @@ class Buckets:
         each bucket's sampling rows, and the prompt scorer of each token bucket. Then in the background,
         context bucket by context bucket, narrowest first: its forwards (the few-rows variants first; a step
         uses one once it is built, ``fit``), then with ``decode_steps`` (K >= 1; None: none) the decode
-        calls of K tokens at it (``decode_loop``: every row count and sampler mode), which make a decode-
-        only step one call (``fit_decode``). Narrowest first because short contexts are the common case and
-        a narrow bucket serves them fastest: a new server's first chats get their fast path first. Start-up
-        so pays for one context bucket. ``images``: a vision-language model's forwards with image embeddings
-        too, before serving, at the widest context bucket only (a step holding image tokens runs there:
-        ``ModelRunner.plan``)."""
+        calls of K tokens at it (``decode_loop``: every row count and sampler mode), which make a
+        decode-only step one call (``fit_decode``). Narrowest first because short contexts are the common
+        case and a narrow bucket serves them fastest: a new server's first chats get their fast path first.
+        Start-up so pays for one context bucket. ``images``: a vision-language model's forwards with image
+        embeddings too, before serving, at the widest context bucket only (a step holding image tokens runs
+        there: ``ModelRunner.plan``)."""
         rows = self.decode_rows()
         heads = tuple((r, mode) for r in rows for mode in HEAD_MODES)
         widths = self._widths()
