@@ -76,3 +76,41 @@ def test_an_idle_engine_runs_every_built_executable_once(tiny_checkpoints) -> No
         assert serve(service) == served
     finally:
         service.shutdown()
+
+
+def test_the_small_narrow_forwards_load_before_ready_when_cached_and_else_compile_first(
+    tiny_checkpoints, tmp_path
+) -> None:
+    """On CPU the few-rows forwards of the token buckets up to ``EARLY_TOKENS`` at the narrowest
+    context bucket come before ready when the step cache holds them (a load each): a warm start's
+    first short requests run where a primed server's do. A cold start does not compile them before
+    ready (that held a cold start back ~13 s on the bundled model): they are the first background
+    builds, wanted, so they do not wait for the engine to be idle."""
+    import jax
+
+    from myserve.runtime.buckets import EARLY_TOKENS
+
+    engine = (*ENGINE, f"engine.compilation_cache_dir={tmp_path}")
+    tokens = []
+    for start in ("cold", "warm"):
+        jax.clear_caches()  # (a new process: JAX's own cache would hand back executables that ran)
+        service = start_service(tiny_checkpoints["llama3"], *engine)
+        try:
+            runner = service.replicas[0].runner
+            compiled = runner.device.compiled
+            now, _ = runner.compile_ops()
+            assert [s.tokens for s in now.if_cached] == [t for t in (1, 8, 64) if t <= EARLY_TOKENS]
+            assert {s.width for s in now.if_cached} == {runner.buckets.widths[0]}
+            keys = [("forward", s) for s in now.if_cached]
+            if start == "cold":  # queued first, wanted: built before anything else in the background
+                assert not any(key in compiled.built for key in keys)
+                assert list(compiled._pending)[: len(keys)] == keys
+                futures, wanted = compiled._pending, compiled._background._wanted
+                assert all(k in wanted or futures[k].running() or futures[k].done() for k in keys)
+            else:
+                assert all(key in compiled.built for key in keys) and not any(k in compiled._pending for k in keys)
+            tokens.append(serve(service))
+            assert runner.device.background_builds_done(600)
+        finally:
+            service.shutdown()
+    assert tokens[0] == tokens[1]

@@ -363,8 +363,7 @@ class ModelRunner:
         return shape_built(self.device, self._usable, shape)
 
     def _want_narrowest(self, spans: list[Span], shape: StepShape) -> None:
-        """A step ran wider than it fits because its narrowest forward is still a background build:
-        build that one next (the steps to come are likely alike)."""
+        """A step ran wider than it fits (its narrowest forward still queued): want that one next."""
         best = self.buckets.fit(spans)
         if best != shape:
             self.device.want_step(best)
@@ -408,7 +407,8 @@ class ModelRunner:
             self.device.run([WriteAdapter(0, self.adapter_zeros)])
         if later.count:  # wider context buckets, several-token calls: built while serving
             self.device.run([later])
-        self._to_prime = [prime_order(now), sorted(PrimeSteps(later).units(), key=unit_width)]
+        early = PrimeSteps(CompileSteps(now.if_cached)).units()  # (built now, or first in the background)
+        self._to_prime = [prime_order(now), sorted([*early, *PrimeSteps(later).units()], key=unit_width)]
         self.warmed_up = True
 
     @property

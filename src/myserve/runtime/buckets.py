@@ -212,9 +212,10 @@ class Buckets:
         heads = tuple((r, mode) for r in rows for mode in HEAD_MODES)
         widths = self._widths()
         first = tuple(self.shape(t, widths[-1]) for t in self.tokens)
-        early = tuple(self.variants(t, widths[0])[0] for t in self.tokens if t <= self.early_tokens)
-        built = first + tuple(s for s in early if s not in first)
-        now = CompileSteps(built, heads, tuple(self.tokens), images=first if images else ())
+        narrow = (self.variants(t, widths[0])[0] for t in self.tokens if t <= self.early_tokens)
+        early = tuple(s for s in narrow if s not in first)
+        now = CompileSteps(first, heads, tuple(self.tokens), images=first if images else (), if_cached=early)
+        built = first + early
         shapes: list[StepShape] = []
         loops: list[tuple[StepShape, int, str]] = []
         for w in widths:

@@ -164,12 +164,12 @@ class Executor:
             if isinstance(op, StepCall):
                 outputs.append(self._step(op))
             elif isinstance(op, CompileSteps):
-                keys = self.keys(op)
-                built = self.compiled.built
+                keys, built = self.keys(op), self.compiled.built
                 if op.background:
                     self.compiled.build_in_background(keys)
                     continue
                 built.update(self._take_prebuilt())
+                keys += self.compiled.now_if_cached([("forward", s) for s in op.if_cached])
                 missing = [key for key in keys if key not in built]
                 built.update(self.compiled.build(missing, progress))
                 if progress is not None and not missing:

@@ -75,11 +75,15 @@ class CompileSteps(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=
     background: bool = False
     images: tuple[StepShape, ...] = ()
     """Forwards that take image embeddings (a vision-language model's steps holding image tokens)."""
+    if_cached: tuple[StepShape, ...] = ()
+    """Forwards built now if the step cache holds them (a load), else first in the background and
+    without waiting for idleness (a compile would hold ``ready`` back)."""
 
     @property
     def count(self) -> int:
         """Executables this op builds."""
-        return len(self.shapes) + len(self.heads) + len(self.scores) + len(self.loops) + len(self.images)
+        forwards = len(self.shapes) + len(self.images) + len(self.if_cached)
+        return forwards + len(self.heads) + len(self.scores) + len(self.loops)
 
 
 class StepCall(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
