@@ -119,26 +119,30 @@ class BackgroundBuilds:
             self._cond.notify()
 
     def _next(self) -> tuple[Hashable, Future[Any]] | None:
+        """The next key to build, its future already running (under the lock: a key is always
+        queued, wanted, running or done); None once stopped."""
         with self._cond:
             while not self._stopped:
-                while self._wanted:
+                item = None
+                while self._wanted and item is None:
                     key, _ = self._wanted.popitem(last=False)
                     if key in self._order:
-                        return key, self._order.pop(key)
-                if self._order:
+                        item = key, self._order.pop(key)
+                if item is None and self._order:
                     wait = self._gate.wait_s()
-                    if wait <= 0:
-                        return self._order.popitem(last=False)
-                    self._cond.wait(min(wait, _POLL_S))
-                else:
+                    if wait > 0:
+                        self._cond.wait(min(wait, _POLL_S))
+                        continue
+                    item = self._order.popitem(last=False)
+                if item is None:
                     self._cond.wait()
+                elif item[1].set_running_or_notify_cancel():
+                    return item
             return None
 
     def _run(self) -> None:
         while (item := self._next()) is not None:
             key, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
             try:
                 future.set_result(self._build(key))
             except BaseException as e:  # handed to whoever waits for the key
