@@ -68,7 +68,7 @@ class DraftProposer:
         """The draft's builds: the target's forwards and heads (no prompt scorer: a draft scores
         nothing), and in the background the narrower context buckets and the several-token call."""
         now, later = self.buckets.compile_ops(self.loop_steps if self.loop_steps > 1 else None)
-        return CompileSteps(now.shapes, now.heads, if_cached=now.if_cached), later
+        return CompileSteps(now.shapes, now.heads), later
 
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Build the draft's step executables (``compile_ops``) before the engine serves."""

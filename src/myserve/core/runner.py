@@ -407,8 +407,7 @@ class ModelRunner:
             self.device.run([WriteAdapter(0, self.adapter_zeros)])
         if later.count:  # wider context buckets, several-token calls: built while serving
             self.device.run([later])
-        early = PrimeSteps(CompileSteps(now.if_cached)).units()  # (built now, or first in the background)
-        self._to_prime = [prime_order(now), sorted([*early, *PrimeSteps(later).units()], key=unit_width)]
+        self._to_prime = [prime_order(now), sorted(PrimeSteps(later).units(), key=unit_width)]
         self.warmed_up = True
 
     @property

@@ -214,7 +214,7 @@ class Buckets:
         first = tuple(self.shape(t, widths[-1]) for t in self.tokens)
         narrow = (self.variants(t, widths[0])[0] for t in self.tokens if t <= self.early_tokens)
         early = tuple(s for s in narrow if s not in first)
-        now = CompileSteps(first, heads, tuple(self.tokens), images=first if images else (), if_cached=early)
+        now = CompileSteps(first, heads, tuple(self.tokens), images=first if images else ())
         built = first + early
         shapes: list[StepShape] = []
         loops: list[tuple[StepShape, int, str]] = []
@@ -222,7 +222,7 @@ class Buckets:
             shapes += [v for t in self.tokens for v in self.variants(t, w) if v not in built]
             if decode_steps is not None and w in self.decode_widths:
                 loops += [(self.decode_shape(r, w), decode_steps, mode) for r in rows for mode in HEAD_MODES]
-        return now, CompileSteps(tuple(shapes), loops=tuple(loops), background=True)
+        return now, CompileSteps(tuple(shapes), loops=tuple(loops), background=True, urgent=early)
 
     def decode_rows(self) -> list[int]:
         """The sampling-row counts of the token buckets (also the several-token calls' row counts)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -97,26 +97,18 @@ class Executables:
         self._pending.pop(key, None)  # a waiter on another thread (background_done) may pop it first
         return True
 
-    def build_in_background(self, keys: Sequence[BuildKey], wanted: bool = False) -> None:
+    def build_in_background(self, keys: Sequence[BuildKey], wanted: Collection[BuildKey] = ()) -> None:
         """Start building ``keys`` on a background thread, one at a time, in order and out of the
         way of serving (``background_builds``); a step that needs one first waits for it (``get``).
-        ``wanted``: each as ``want``, before the others and without waiting for idleness."""
+        Those also ``wanted`` go first, without waiting for idleness (``want``)."""
         todo = [key for key in keys if key not in self.built and key not in self._pending]
         if not todo:
             return
         if self._background is None:
             self._background = BackgroundBuilds(self._build_one)
         self._pending.update(self._background.submit(todo))  # type: ignore[arg-type]
-        for key in todo if wanted else ():
+        for key in (key for key in todo if key in wanted):
             self._background.want(key)
-
-    def now_if_cached(self, keys: Sequence[BuildKey]) -> list[BuildKey]:
-        """Of ``keys`` not built, those the step cache holds (to build now: a load each); the rest
-        start first in the background, wanted (``CompileSteps.if_cached``)."""
-        todo = [key for key in keys if key not in self.built]
-        cached = [key for key in todo if self._entry(key)[2]]
-        self.build_in_background([key for key in todo if key not in cached], wanted=True)
-        return cached
 
     def want(self, key: BuildKey) -> None:
         """Build ``key`` next and without waiting for idleness, if it is a background build not yet

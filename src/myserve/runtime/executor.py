@@ -166,10 +166,9 @@ class Executor:
             elif isinstance(op, CompileSteps):
                 keys, built = self.keys(op), self.compiled.built
                 if op.background:
-                    self.compiled.build_in_background(keys)
+                    self.compiled.build_in_background(keys, wanted={("forward", s) for s in op.urgent})
                     continue
                 built.update(self._take_prebuilt())
-                keys += self.compiled.now_if_cached([("forward", s) for s in op.if_cached])
                 missing = [key for key in keys if key not in built]
                 built.update(self.compiled.build(missing, progress))
                 if progress is not None and not missing:
@@ -321,7 +320,8 @@ class Executor:
 
     def keys(self, op: CompileSteps) -> list[BuildKey]:
         """What a ``CompileSteps`` builds here (an embedding-only deployment has no head nor scorer)."""
-        keys: list[BuildKey] = [*(("forward", s) for s in op.shapes), *(("forward_images", s) for s in op.images)]
+        keys: list[BuildKey] = [("forward", s) for s in (*op.urgent, *op.shapes)]
+        keys += [("forward_images", s) for s in op.images]
         if self.sampler:
             keys += [("head", rows, mode) for rows, mode in op.heads]
             keys += [("score", tokens) for tokens in op.scores]

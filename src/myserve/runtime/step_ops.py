@@ -75,14 +75,14 @@ class CompileSteps(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=
     background: bool = False
     images: tuple[StepShape, ...] = ()
     """Forwards that take image embeddings (a vision-language model's steps holding image tokens)."""
-    if_cached: tuple[StepShape, ...] = ()
-    """Forwards built now if the step cache holds them (a load), else first in the background and
-    without waiting for idleness (a compile would hold ``ready`` back)."""
+    urgent: tuple[StepShape, ...] = ()
+    """With ``background``: forwards built first, without waiting for the engine to be idle (the
+    first requests after start run in them)."""
 
     @property
     def count(self) -> int:
         """Executables this op builds."""
-        forwards = len(self.shapes) + len(self.images) + len(self.if_cached)
+        forwards = len(self.urgent) + len(self.shapes) + len(self.images)
         return forwards + len(self.heads) + len(self.scores) + len(self.loops)
 
 
@@ -145,10 +145,11 @@ class PrimeSteps(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=Tr
     steps: CompileSteps
 
     def units(self) -> list[PrimeSteps]:
-        """One ``PrimeSteps`` per executable, in ``steps``' order (forwards, heads, scorers, loops, image forwards)."""
+        """One ``PrimeSteps`` per executable, in ``steps``' order (forwards, urgent first; heads, scorers,
+        loops, image forwards)."""
         s = self.steps
         return [
-            *(PrimeSteps(CompileSteps((shape,))) for shape in s.shapes),
+            *(PrimeSteps(CompileSteps((shape,))) for shape in (*s.urgent, *s.shapes)),
             *(PrimeSteps(CompileSteps((), heads=(head,))) for head in s.heads),
             *(PrimeSteps(CompileSteps((), scores=(tokens,))) for tokens in s.scores),
             *(PrimeSteps(CompileSteps((), loops=(loop,))) for loop in s.loops),
