@@ -32,14 +32,14 @@ def test_warmup_builds_the_widest_now_and_the_narrower_in_the_background_narrowe
         (8, 1), (8, 8), (8, 64), (32, 1), (32, 8), (32, 64)
     ]  # fmt: skip
     assert later.loops == ()
-    # On CPU the token buckets up to EARLY_TOKENS come at the narrowest bucket before ready too if
-    # the step cache holds them (else first in the background): a short chat's first requests run
-    # where a primed server's do.
-    assert BUCKETS.early_tokens == EARLY_TOKENS == 64 and ACC.early_tokens == 0 and now.if_cached == ()
+    # On CPU the token buckets up to EARLY_TOKENS at the narrowest bucket are urgent: the first
+    # background builds, made whatever the engine does, so that a few streams' first decodes after
+    # start run where a primed server's do.
+    assert BUCKETS.early_tokens == EARLY_TOKENS == 8 and ACC.early_tokens == 0 and later.urgent == ()
     now, later = BUCKETS.compile_ops()
     assert [(s.width, s.tokens) for s in now.shapes] == [(128, 1), (128, 8), (128, 64)]
-    assert [(s.width, s.tokens) for s in now.if_cached] == [(8, 1), (8, 8), (8, 64)]
-    assert [(s.width, s.tokens) for s in later.shapes] == [(32, 1), (32, 8), (32, 64)]
+    assert [(s.width, s.tokens) for s in later.urgent] == [(8, 1), (8, 8)]
+    assert [(s.width, s.tokens) for s in later.shapes] == [(8, 64), (32, 1), (32, 8), (32, 64)]
     _, with_loops = BUCKETS.compile_ops(decode_steps=4)
     assert with_loops.shapes == later.shapes and with_loops.loops
     # K = 1 builds decode calls too: a decode-only step is one call whatever K.
@@ -117,9 +117,9 @@ def test_a_step_of_few_sampling_rows_takes_the_bucket_variant_with_few_rows() ->
 
     now, later = many.compile_ops()
     assert [(s.width, s.tokens, s.singles) for s in now.shapes] == [(128, 1, 1), (128, 8, 8), (128, 64, 64)]
-    assert [(s.width, s.tokens, s.singles) for s in now.if_cached] == [(8, 1, 1), (8, 8, 8), (8, 64, 8)]
+    assert [(s.width, s.tokens, s.singles) for s in later.urgent] == [(8, 1, 1), (8, 8, 8)]
     assert [(s.width, s.tokens, s.singles) for s in later.shapes] == [
-        (8, 64, 64), (32, 1, 1), (32, 8, 8), (32, 64, 8), (32, 64, 64), (128, 64, 8),
+        (8, 64, 8), (8, 64, 64), (32, 1, 1), (32, 8, 8), (32, 64, 8), (32, 64, 64), (128, 64, 8),
     ]  # fmt: skip
 
     one_prompt = [prompt(40, 3)]
@@ -156,6 +156,6 @@ def test_decode_calls_on_cpu_stop_at_512_tokens_and_the_default_deployment_stays
     buckets = Buckets.from_config(config.engine, config.model.max_model_len, platform="cpu")
     now, later = buckets.compile_ops(8)
     assert [w * 16 for w in buckets.decode_widths] == [128, 512]
-    # 14 forwards (8 at the widest bucket, 6 at the narrowest), 18 heads, 8 scorers before ready;
-    # 25 forwards (narrower buckets, few-rows variants) and 36 decode calls after.
-    assert (now.count, len(later.shapes), len(later.loops)) == (40, 25, 36)
+    # 8 forwards, 18 heads, 8 scorers before ready; 3 urgent forwards (the narrowest bucket's of 1,
+    # 4 and 8 tokens), 28 more (narrower buckets, few-rows variants) and 36 decode calls after.
+    assert (now.count, len(later.urgent), len(later.shapes), len(later.loops)) == (34, 3, 28, 36)

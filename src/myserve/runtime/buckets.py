@@ -71,11 +71,13 @@ def _powers(start: int, stop: int) -> tuple[int, ...]:
     return tuple(sorted({*values, stop}))
 
 
-EARLY_TOKENS = 64
-"""On CPU the token buckets up to this many are built before ready at the narrowest context bucket
-too (their few-rows variants): a short chat's first requests after start run where a primed
-server's do. The rest of the narrower buckets come in the background, which on 2 cores competes
-with serving (``background_builds.py``); on an accelerator it runs on the host, beside the device."""
+EARLY_TOKENS = 8
+"""On CPU the forwards of the token buckets up to this many at the narrowest context bucket are the
+first background builds after ready, made whatever the engine is doing (``CompileSteps.urgent``):
+the decode steps of up to 8 streams run in them, so a short chat's first requests after start run
+where a primed server's do. A prompt's bucket is wanted when a step needs it (``ModelRunner``).
+Loading them before ready cost a warm start 0.7-1.6 s (6 of them, up to 64 tokens); all 6 as urgent
+builds kept loading through the third request (~0.4 s each beside serving)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +99,7 @@ class Buckets:
     """Decode calls at every context bucket (accelerators), else only up to ``first_width`` (CPU:
     ``decode_widths``)."""
     early_tokens: int = 0
-    """Token buckets up to this many are built before ready at the narrowest context bucket too
+    """Token buckets up to this many at the narrowest context bucket are urgent background builds
     (``EARLY_TOKENS`` on CPU; 0: none)."""
 
     @staticmethod
@@ -198,16 +200,18 @@ class Buckets:
 
     def compile_ops(self, decode_steps: int | None = None, images: bool = False) -> tuple[CompileSteps, CompileSteps]:
         """Warmup's two builds. Before serving: the forward of every token bucket at the widest context
-        bucket (every step fits it) and, up to ``early_tokens``, at the narrowest, every sampler mode for
-        each bucket's sampling rows, and the prompt scorer of each token bucket. Then in the background,
-        context bucket by context bucket, narrowest first: its forwards (the few-rows variants first; a step
-        uses one once it is built, ``fit``), then with ``decode_steps`` (K >= 1; None: none) the decode
-        calls of K tokens at it (``decode_loop``: every row count and sampler mode), which make a
-        decode-only step one call (``fit_decode``). Narrowest first because short contexts are the common
-        case and a narrow bucket serves them fastest: a new server's first chats get their fast path first.
-        Start-up so pays for one context bucket. ``images``: a vision-language model's forwards with image
-        embeddings too, before serving, at the widest context bucket only (a step holding image tokens runs
-        there: ``ModelRunner.plan``)."""
+        bucket (every step fits it), every sampler mode for each bucket's sampling rows, and the prompt
+        scorer of each token bucket. Then in the background: first, without waiting for the engine to be
+        idle, the few-rows forwards of the token buckets up to ``early_tokens`` at the narrowest context
+        bucket (``urgent``: what a few streams' decode steps run in); then, once the engine is idle, context
+        bucket by context bucket, narrowest first: its forwards (the few-rows variants first; a step uses
+        one once it is built, ``fit``), then with ``decode_steps`` (K >= 1; None: none) the decode calls of
+        K tokens at it (``decode_loop``: every row count and sampler mode), which make a decode-only step
+        one call (``fit_decode``). Narrowest first because short contexts are the common case and a narrow
+        bucket serves them fastest: a new server's first chats get their fast path first. Start-up so pays
+        for one context bucket. ``images``: a vision-language model's forwards with image embeddings too,
+        before serving, at the widest context bucket only (a step holding image tokens runs there:
+        ``ModelRunner.plan``)."""
         rows = self.decode_rows()
         heads = tuple((r, mode) for r in rows for mode in HEAD_MODES)
         widths = self._widths()
