@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -80,9 +81,25 @@ GATE = BuildGate()
 """The process's gate: every engine core reports to it, every background builder waits on it."""
 
 
+_LIVE: weakref.WeakSet[BackgroundBuilds] = weakref.WeakSet()
+
+
+def _stop_all() -> None:
+    """At interpreter exit: every builder stopped, so that its thread ends after the build under way.
+    A thread still inside XLA while the interpreter finalizes crashed processes at exit (SIGSEGV,
+    SIGABRT), which a ``ThreadPoolExecutor`` avoids the same way."""
+    for builds in list(_LIVE):
+        builds.stop()
+
+
+# (As ``concurrent.futures`` does: called before the interpreter joins its non-daemon threads.)
+threading._register_atexit(_stop_all)  # type: ignore[attr-defined]
+
+
 class BackgroundBuilds:
-    """Keys built by ``build`` one at a time on a daemon thread, in the order submitted, each after
-    the gate lets it; a wanted key first and ungated. Each key's ``Future`` holds its result."""
+    """Keys built by ``build`` one at a time on a thread of its own, in the order submitted, each
+    after the gate lets it; a wanted key first and ungated. Each key's ``Future`` holds its result.
+    The thread is joined at interpreter exit (``_stop_all``), after the build under way."""
 
     def __init__(self, build: Callable[[Any], Any], gate: BuildGate = GATE, name: str = "build-later"):
         self._build, self._gate = build, gate
@@ -90,7 +107,8 @@ class BackgroundBuilds:
         self._order: collections.OrderedDict[Hashable, Future[Any]] = collections.OrderedDict()
         self._wanted: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        _LIVE.add(self)
+        self._thread = threading.Thread(target=self._run, name=name)
         self._thread.start()
 
     def submit(self, keys: Sequence[Hashable]) -> dict[Hashable, Future[Any]]:
