@@ -135,3 +135,25 @@ def test_a_failed_build_reaches_its_waiter_and_stop_cancels_the_rest() -> None:
         with pytest.raises(CancelledError):
             f.result(1)
     assert record.built == ["x"]
+
+
+def test_a_step_waiting_for_a_queued_build_gets_it_while_the_engine_serves() -> None:
+    """``Executables.get`` of a key still queued behind the gate wants it: it is built at once
+    rather than after the engine's 10 s spell of serving (or behind every key queued before it)."""
+    from myserve.runtime.background_builds import GATE
+    from myserve.runtime.executables import Executables
+
+    compiled = Executables(lambda key: (None, (), ()), {}, (), None)
+    compiled._build_one = lambda key: f"built {key[1]}"  # type: ignore[method-assign]
+    engine = object()
+    GATE.set_busy(engine, True)  # serving: the gate holds the queue back
+    try:
+        compiled.build_in_background([("score", n) for n in range(5)])
+        t0 = time.monotonic()
+        assert compiled.get(("score", 3)) == "built 3"
+        assert time.monotonic() - t0 < 5
+        assert not compiled.ready(("score", 0))  # the rest still wait
+    finally:
+        GATE.set_busy(engine, False)
+    assert compiled.background_done(30)
+    compiled.stop_background()

@@ -74,10 +74,11 @@ class Executables:
         step = self.built.get(key)
         if step is not None:
             return step
+        if key in self._pending:
+            self.want(key)  # (waited for: built next, whatever the engine is doing)
         pending = self._pending.pop(key, None)
         if pending is not None:
             t0 = time.perf_counter()
-            self.want(key)  # (waited for: built next, whatever the engine is doing)
             step = self.built[key] = pending.result()
             logger.info("waited %.1fs for %s, built in the background", time.perf_counter() - t0, describe(key))
             return step
@@ -107,8 +108,9 @@ class Executables:
         if self._background is None:
             self._background = BackgroundBuilds(self._build_one)
         self._pending.update(self._background.submit(todo))  # type: ignore[arg-type]
-        for key in (key for key in todo if key in wanted):
-            self._background.want(key)
+        for key in todo:
+            if key in wanted:
+                self._background.want(key)
 
     def want(self, key: BuildKey) -> None:
         """Build ``key`` next and without waiting for idleness, if it is a background build not yet
