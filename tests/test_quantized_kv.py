@@ -20,6 +20,7 @@ from myserve.ops import gpu_attention, tpu_attention
 from myserve.ops import gpu_ragged_attention as ragged_kernel
 from myserve.ops.attention import _view_attention, ragged_attention
 from myserve.ops.attention import paged_attention as attend
+from myserve.ops.kv_rotation import rotate
 from myserve.ops.paged_cache import KernelKVCache, KVCache, kv_dtype, quantize, write_kv
 from myserve.ops.ragged_batch import kernel_meta
 from myserve.runtime.small_ops import copy_page
@@ -144,7 +145,8 @@ def test_an_fp8_kernel_cache_holds_the_values_and_the_tpu_kernel_widens_them(mon
     wide = written.kv.astype(jnp.float32).reshape(layers, n_pages, ps, kvh, 2, d).transpose(4, 0, 3, 1, 2, 5)
     spare = jnp.zeros((2, layers, kvh, 1, ps, d))
     ref_cache = KVCache(*jnp.concatenate([wide, spare], axis=3))
-    want = ragged_attention(q, ref_cache, jnp.int32(1), batch, sm_scale=0.25)
+    # The cache holds rotated keys (ops/kv_rotation.py); the queries are rotated alike.
+    want = ragged_attention(rotate(q), ref_cache, jnp.int32(1), batch, sm_scale=0.25)
     real = sum(len(s.token_ids) for s in spans)
     np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], atol=2e-5)
 

@@ -44,7 +44,8 @@ from jax.sharding import NamedSharding
 from myserve.errors import ConfigError
 from myserve.ops import gpu_ragged_attention
 from myserve.ops.gpu_attention import decode_attention, gpu_fit
-from myserve.ops.paged_cache import KernelKVCache, KVCache, write_kv, write_kv_kernel
+from myserve.ops.kv_rotation import rotate
+from myserve.ops.paged_cache import KernelKVCache, KVCache, is_quantized, stored_codes, widen, write_kv, write_kv_kernel
 from myserve.ops.ragged_batch import AttentionView, RaggedBatch
 from myserve.ops.reductions import fused_max, fused_sum
 from myserve.ops.tpu_attention import kernel_attention, pallas_fit
@@ -81,7 +82,12 @@ def paged_attention(
     ``window``: the layer's sliding window (None: full attention); ``soft_cap``: the score cap
     (None: none). ``cache_sharding``: the cache's sharding; with its heads split over devices the
     reference gathers pages per head shard and the kernels run per device.
+
+    A quantized cache holds its keys rotated (``ops/kv_rotation.py``): the queries are rotated
+    alike here, before any path reads the cache, so the scores are the unrotated ones.
     """
+    if is_quantized(cache.kv.dtype if isinstance(cache, KernelKVCache) else cache.k.dtype):
+        q, k = rotate(q), rotate(k)
     if isinstance(cache, KernelKVCache):
         assert batch.kernel is not None, "the TPU kernel needs the batch's kernel metadata"
         cache = write_kv_kernel(cache, layer, k, v, batch)
@@ -162,6 +168,8 @@ def _view_attention(
         oldest = jnp.maximum(view.positions[:, 0] - (window - 1), 0)
         first = jnp.clip(oldest // span, 0, num_chunks - steps).astype(jnp.int32)
 
+    codes, code_dtype = stored_codes(cache)
+
     def scores(i: int | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """Chunk ``i``'s masked scores [KVH, N, M, span], values [KVH, N, span, D] and, quantized,
         the values' scales [KVH, N, 1, span]."""
@@ -173,8 +181,8 @@ def _view_attention(
             pages = jnp.take_along_axis(view.pages, chunk[:, None] * chunk_pages + jnp.arange(chunk_pages), axis=1)
             kv_pos = chunk[:, None] * span + jnp.arange(span)  # [N, span]
         keys, values = (
-            _gather_pages(x, layer, pages, heads_sharded).reshape(kvh, n, span, d).astype(qm.dtype)
-            for x in (cache.k, cache.v)
+            widen(_gather_pages(x, layer, pages, heads_sharded).reshape(kvh, n, span, d), code_dtype, qm.dtype)
+            for x in codes
         )  # (a quantized cache's codes widened chunk by chunk; the scales apply to scores and weights)
         mask = (kv_pos[:, None, :] <= q_last[:, :, None]) & (kv_pos[:, None, :] < view.kv_lens[:, None, None])
         if window is not None:
