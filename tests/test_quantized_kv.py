@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from kernel_contract import contract_attention
 from ragged_steps import MIXED, mixed_step
 
@@ -23,7 +24,7 @@ from myserve.ops.attention import paged_attention as attend
 from myserve.ops.kv_rotation import rotate
 from myserve.ops.paged_cache import KernelKVCache, KVCache, kv_dtype, quantize, write_kv
 from myserve.ops.ragged_batch import kernel_meta
-from myserve.runtime.small_ops import copy_page
+from myserve.runtime.small_ops import copy_page, gather_pages, scatter_pages
 
 DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")
 TOLERANCE = {"int8": 1 / 127, "fp8_e4m3": 2.0**-4, "fp8_e5m2": 2.0**-3}
@@ -151,12 +152,19 @@ def test_an_fp8_kernel_cache_holds_the_values_and_the_tpu_kernel_widens_them(mon
     np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], atol=2e-5)
 
 
-def test_a_page_copy_carries_the_scales() -> None:
-    _, cache, _, _, _ = quantized_step(np.random.RandomState(6), "int8")
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_a_page_copy_and_the_host_tier_s_page_moves_carry_the_codes_and_scales(name: str) -> None:
+    """(fp8 on CPU is indexed as its bits: the numbers must come through unchanged.)"""
+    _, cache, _, _, _ = quantized_step(np.random.RandomState(6), name)
     before = [np.asarray(leaf.astype(jnp.float32)) for leaf in jax.tree.leaves(cache)]
     copied = copy_page(cache, jnp.int32(3), jnp.int32(9), None)  # (donates the cache)
     after = [np.asarray(leaf.astype(jnp.float32)) for leaf in jax.tree.leaves(copied)]
-    assert len(after) == 4  # K, V and their scales
+    assert len(after) == 4 and jax.tree.leaves(copied)[0].dtype == kv_dtype(name, jnp.float32)
     for old, new in zip(before, after, strict=True):
         np.testing.assert_array_equal(new[:, :, 9], old[:, :, 3])
         np.testing.assert_array_equal(np.delete(new, 9, axis=2), np.delete(old, 9, axis=2))
+    one = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("x",)), PartitionSpec())
+    saved = gather_pages(copied, jnp.asarray([3, 5]), 2, one)
+    moved = scatter_pages(copied, jnp.asarray([10, 11]), saved, 2, one)
+    for old, new in zip(after, jax.tree.leaves(moved), strict=True):
+        np.testing.assert_array_equal(np.asarray(new.astype(jnp.float32))[:, :, [10, 11]], old[:, :, [3, 5]])
