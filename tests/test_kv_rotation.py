@@ -13,7 +13,7 @@ from ragged_steps import mixed_step
 from myserve.ops import attention
 from myserve.ops.attention import paged_attention
 from myserve.ops.kv_rotation import hadamard_block, rotate
-from myserve.ops.paged_cache import KVCache, _round_mantissa, kv_dtype, quantize, stored_codes, widen
+from myserve.ops.paged_cache import KVCache, _round_mantissa, kv_dtype, quantize, stored_dtype, widen
 
 attention_rotate = rotate
 
@@ -110,15 +110,33 @@ def test_the_search_s_estimate_rounds_as_the_cast_does(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
-def test_fp8_codes_read_as_bits_on_cpu_decode_to_the_cast_s_numbers(name: str) -> None:
-    """XLA:CPU gathers and scatters fp8 through a float16 copy of the whole pool, so a CPU cache is
-    gathered as its bits and decoded (``stored_codes``, ``widen``): every finite code exactly."""
+def test_an_fp8_cache_held_as_bits_on_cpu_decodes_to_the_cast_s_numbers(name: str) -> None:
+    """XLA:CPU indexes fp8 through a float16 copy of the whole pool, so a CPU pool holds the codes'
+    bits (``stored_dtype``), and the gathered bits decode (``widen``) to every finite code exactly;
+    a step over it attends as over the fp8 arrays themselves."""
     dtype = kv_dtype(name, jnp.float32)
+    assert stored_dtype(dtype) == (jnp.uint8 if jax.default_backend() == "cpu" else dtype)
+    assert stored_dtype(dtype, "pallas") == dtype and stored_dtype(jnp.dtype(jnp.int8)) == jnp.int8
     codes = jnp.arange(256, dtype=jnp.uint8).view(dtype)
     want = np.asarray(codes.astype(jnp.float32))
     got = np.asarray(widen(jnp.arange(256, dtype=jnp.uint8), dtype, jnp.float32))
     finite = np.isfinite(want)
     np.testing.assert_array_equal(got[finite], want[finite])
-    zeros = jnp.zeros((1, 1, 2, 4, 8), dtype)
-    (k, _), held = stored_codes(KVCache(zeros, zeros))
-    assert held == dtype and k.dtype == (jnp.uint8 if jax.default_backend() == "cpu" else dtype)
+
+    rng = np.random.RandomState(3)
+    shape, _, batch = mixed_step(rng, 32, 4, FRESH)
+    q, k, v = (
+        jnp.asarray(rng.randn(shape.tokens, 4, 16) if x == "q" else rng.randn(1, shape.tokens, 2, 16)) for x in "qkv"
+    )
+    scales = jnp.ones((1, 2, 33, 4, 1), jnp.bfloat16)
+    outs = []
+    for held in (dtype, jnp.dtype(jnp.uint8)):
+        zeros = jnp.zeros((1, 2, 33, 4, 16), held)
+        cache = KVCache(zeros, zeros, scales, scales, codes=dtype.name if held != dtype else None)
+        out, written = paged_attention(
+            q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), cache, 0, batch, sm_scale=0.25
+        )
+        assert written.k.dtype == held and written.codes == cache.codes
+        outs.append((np.asarray(out), np.asarray(written.k.view(dtype).astype(jnp.float32))))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])

@@ -80,7 +80,7 @@ def _attention_cases(s: Sizes, rng: np.random.RandomState, n: int) -> list[dict]
     pages = s.rows * width + 1
     keys = jax.random.split(jax.random.key(int(rng.randint(1 << 30))), 2)
     shape = (1, s.kv_heads, pages, s.page_size, s.head_dim)
-    cache = KVCache(*(jax.random.normal(key, shape, jnp.bfloat16) for key in keys))
+    cache = KVCache.of([jax.random.normal(key, shape, jnp.bfloat16) for key in keys])
     scale = s.head_dim**-0.5
 
     def view(rows: int, queries: int, last: int) -> tuple[AttentionView, jax.Array]:

@@ -45,7 +45,7 @@ from myserve.errors import ConfigError
 from myserve.ops import gpu_ragged_attention
 from myserve.ops.gpu_attention import decode_attention, gpu_fit
 from myserve.ops.kv_rotation import rotate
-from myserve.ops.paged_cache import KernelKVCache, KVCache, is_quantized, stored_codes, widen, write_kv, write_kv_kernel
+from myserve.ops.paged_cache import KernelKVCache, KVCache, is_quantized, widen, write_kv, write_kv_kernel
 from myserve.ops.ragged_batch import AttentionView, RaggedBatch
 from myserve.ops.reductions import fused_max, fused_sum
 from myserve.ops.tpu_attention import kernel_attention, pallas_fit
@@ -168,7 +168,7 @@ def _view_attention(
         oldest = jnp.maximum(view.positions[:, 0] - (window - 1), 0)
         first = jnp.clip(oldest // span, 0, num_chunks - steps).astype(jnp.int32)
 
-    codes, code_dtype = stored_codes(cache)
+    code_dtype = cache.code_dtype
 
     def scores(i: int | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """Chunk ``i``'s masked scores [KVH, N, M, span], values [KVH, N, span, D] and, quantized,
@@ -182,7 +182,7 @@ def _view_attention(
             kv_pos = chunk[:, None] * span + jnp.arange(span)  # [N, span]
         keys, values = (
             widen(_gather_pages(x, layer, pages, heads_sharded).reshape(kvh, n, span, d), code_dtype, qm.dtype)
-            for x in codes
+            for x in (cache.k, cache.v)
         )  # (a quantized cache's codes widened chunk by chunk; the scales apply to scores and weights)
         mask = (kv_pos[:, None, :] <= q_last[:, :, None]) & (kv_pos[:, None, :] < view.kv_lens[:, None, None])
         if window is not None:

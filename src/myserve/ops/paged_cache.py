@@ -48,6 +48,8 @@ same bytes per page; ``kv_heads`` shards over the ``model`` mesh axis in both.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -80,6 +82,20 @@ class KVCache(eqx.Module):
     """Quantized: each key's scale, ``[layers, kv_heads, pages + 1, page_size, 1]``; None otherwise."""
     v_scale: jax.Array | None = None
     """Quantized: each value's scale, as ``k_scale``."""
+    codes: str | None = eqx.field(static=True, default=None)
+    """An fp8 cache held as its bits: the fp8 dtype's name, ``k`` and ``v`` being ``uint8``
+    (``stored_dtype`` says when); None when they hold their own dtype."""
+
+    @classmethod
+    def of(cls, arrays: Sequence[jax.Array], codes: str | None = None) -> KVCache:
+        """The cache around its arrays: K, V and (quantized) their scales."""
+        k, v, *scales = arrays
+        return cls(k, v, *(scales or (None, None)), codes=codes)  # type: ignore[misc]
+
+    @property
+    def code_dtype(self) -> jnp.dtype:
+        """The dtype the K/V codes are in (an fp8 one for a cache held as bits)."""
+        return jnp.dtype(self.codes) if self.codes is not None else self.k.dtype
 
     @property
     def num_pages(self) -> int:
@@ -158,40 +174,26 @@ def _round_mantissa(y: jax.Array, bits: int) -> jax.Array:
     return lax.bitcast_convert_type(b, jnp.float32)
 
 
-def stored_codes(cache: KVCache) -> tuple[tuple[jax.Array, jax.Array], jnp.dtype]:
-    """The cache's K and V arrays as a reader should gather them, and the dtype they hold: an fp8
-    cache on CPU as its ``uint8`` bits (``widen`` decodes them).
+def stored_dtype(dtype: jnp.dtype, backend: str = "reference") -> jnp.dtype:
+    """The dtype a reference-layout cache of ``dtype`` is allocated in: ``uint8`` for fp8 on CPU,
+    ``dtype`` otherwise.
 
-    XLA:CPU gathers fp8 through a float16 copy of the whole operand: a gather of a few pages of an
-    fp8 cache converted every layer's pool, every step (~10x int8's attention at SmolLM2's pool).
-    Gathering the bits and decoding the few pages gathered costs what int8's widening does."""
-    return (as_bits(cache.k), as_bits(cache.v)), cache.k.dtype
-
-
-def _decodes_bits(dtype: jnp.dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 1 and jax.default_backend() == "cpu"
-
-
-def as_bits(a: jax.Array) -> jax.Array:
-    """``a`` as XLA:CPU should index it: an fp8 array on CPU as its ``uint8`` bits (a free bitcast;
-    ``stored_codes`` says why), anything else as it is. ``from_bits`` undoes it."""
-    return lax.bitcast_convert_type(a, jnp.uint8) if _decodes_bits(a.dtype) else a
-
-
-def from_bits(a: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """``as_bits``' array back as ``dtype``."""
-    return lax.bitcast_convert_type(a, dtype) if a.dtype != dtype else a
+    XLA:CPU indexes an fp8 array through a float16 copy of the whole operand: every layer's gather
+    (and write) converted the layer's whole pool, every step, so an fp8 SmolLM2 server did not reach
+    its steady state in 25 minutes. Held as bits, the pool is gathered and written as int8's is, and
+    ``widen`` decodes the few pages gathered."""
+    dtype = jnp.dtype(dtype)
+    fp8 = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1
+    return jnp.dtype(jnp.uint8) if fp8 and backend != "pallas" and jax.default_backend() == "cpu" else dtype
 
 
 def widen(codes: jax.Array, code_dtype: jnp.dtype, dtype: jnp.dtype) -> jax.Array:
-    """Gathered ``codes`` of a cache holding ``code_dtype`` (as ``stored_codes`` gives them) as
-    ``dtype``: the numbers ``codes.astype(dtype)`` would give.
-
-    fp8 on CPU arrives as its bits: the exponent and mantissa are moved into a float32's (a
-    subnormal by one multiply), integer ops that vectorize, where XLA:CPU's own fp8 conversion
-    runs element by element in software. NaN and infinity are never written (``quantize`` clips),
-    so they are not decoded."""
-    if not _decodes_bits(code_dtype):
+    """Gathered ``codes`` of a cache whose codes are ``code_dtype`` as ``dtype``: the numbers
+    ``codes.astype(dtype)`` gives. An fp8 cache held as bits (``stored_dtype``) arrives as ``uint8``:
+    the exponent and mantissa are moved into a float32's (a subnormal by one multiply), integer ops
+    that vectorize where XLA:CPU's own fp8 conversion runs element by element. NaN and infinity
+    are never written (``quantize`` clips), so they are not decoded."""
+    if codes.dtype == jnp.dtype(code_dtype):
         return codes.astype(dtype)
     info = jnp.finfo(code_dtype)
     mant, bias = info.nmant, 1 - info.minexp  # e4m3fn: 3, 7; e5m2: 2, 15
@@ -216,10 +218,11 @@ def write_kv(cache: KVCache, layer: int | jax.Array, k: jax.Array, v: jax.Array,
     if cache.k_scale is not None and cache.v_scale is not None:
         # Keys carry nearly all of a quantized cache's loss (ops/kv_rotation.py): only they pay for
         # fp8's scale search (16 candidate codings, ~6x the plain quantize on CPU).
-        (k, ks), (v, vs) = quantize(k, cache.k.dtype, search=True), quantize(v, cache.v.dtype)
-        # fp8 on CPU: written as bits, as read (XLA:CPU's scatter converts the pool as its gather does)
-        (ck, cv), _ = stored_codes(cache)
-        arrays, values = (ck, cv, cache.k_scale, cache.v_scale), (as_bits(k), as_bits(v), ks, vs)
+        codes = cache.code_dtype
+        (k, ks), (v, vs) = quantize(k, codes, search=True), quantize(v, codes)
+        if cache.k.dtype != codes:  # held as bits (``stored_dtype``)
+            k, v = lax.bitcast_convert_type(k, cache.k.dtype), lax.bitcast_convert_type(v, cache.v.dtype)
+        arrays, values = (cache.k, cache.v, cache.k_scale, cache.v_scale), (k, v, ks, vs)
     else:
         arrays, values = (cache.k, cache.v), (k, v)
     if t == 1:
@@ -236,8 +239,7 @@ def write_kv(cache: KVCache, layer: int | jax.Array, k: jax.Array, v: jax.Array,
             a.at[layer, :, page_idx, offset].set(x.astype(a.dtype), mode="promise_in_bounds")
             for a, x in zip(arrays, values, strict=True)
         ]
-    new[:2] = (from_bits(a, cache.k.dtype) for a in new[:2])
-    return KVCache(*new)
+    return KVCache.of(new, cache.codes)
 
 
 def write_kv_kernel(

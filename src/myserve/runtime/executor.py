@@ -132,7 +132,7 @@ class Executor:
         cache_dtype = kv_dtype(kv_cache_dtype, dtype)
         if abstract:
             layout = cache_layout(model.spec, num_pages, page_size, cache_dtype, backend)
-            self.kv_cache = make_cache([place(shape, dt, self.cache_sharding) for shape, dt in layout], backend)
+            self.kv_cache = make_cache([place(s, dt, self.cache_sharding) for s, dt in layout], backend, cache_dtype)
         self._cache_args = (model.spec, num_pages, page_size, cache_dtype, mesh, mapping, backend)
         self.host_kv: HostKV | None = None
         if not abstract:

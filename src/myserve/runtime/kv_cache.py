@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from myserve.models.sharding import MeshAxes, kv_cache_sharding
 from myserve.models.spec import ModelSpec
-from myserve.ops.paged_cache import KernelKVCache, KVCache, is_quantized
+from myserve.ops.paged_cache import KernelKVCache, KVCache, is_quantized, stored_dtype
 
 Cache = KVCache | KernelKVCache
 """The paged KV cache in either layout."""
@@ -39,15 +39,20 @@ def cache_layout(
     if backend == "pallas":
         return (((spec.num_layers, num_pages, page_size, 2 * spec.num_kv_heads, spec.head_dim), dtype),)
     shape = (spec.num_layers, spec.num_kv_heads, num_pages + 1, page_size, spec.head_dim)
-    arrays: list[ArraySpec] = [(shape, dtype), (shape, dtype)]
+    stored = stored_dtype(dtype, backend)  # fp8 on CPU: its bits (ops/paged_cache.py says why)
+    arrays: list[ArraySpec] = [(shape, stored), (shape, stored)]
     if is_quantized(dtype):
         arrays += [((*shape[:-1], 1), jnp.dtype(jnp.bfloat16))] * 2
     return tuple(arrays)
 
 
-def make_cache(arrays: list[jax.Array], backend: str = "reference") -> Cache:
-    """The cache of ``backend``'s layout around its arrays (``cache_layout``'s order)."""
-    return KernelKVCache(arrays[0]) if backend == "pallas" else KVCache(*arrays)
+def make_cache(arrays: list[jax.Array], backend: str = "reference", dtype: jnp.dtype | None = None) -> Cache:
+    """The cache of ``backend``'s layout around its arrays (``cache_layout``'s order) for a pool
+    in ``dtype`` (default: the arrays'; an fp8 one held as bits names it)."""
+    if backend == "pallas":
+        return KernelKVCache(arrays[0])
+    held_as_bits = dtype is not None and jnp.dtype(dtype) != arrays[0].dtype
+    return KVCache.of(arrays, jnp.dtype(dtype).name if held_as_bits else None)
 
 
 def init_kv_cache(
@@ -66,7 +71,7 @@ def init_kv_cache(
     layout = cache_layout(spec, num_pages, page_size, dtype, backend)
     static = (layout, kv_cache_sharding(mapping, mesh, backend))
     arrays = build(zero_arrays, (), static) if build is not None else zero_arrays(*static)
-    return make_cache(list(arrays), backend)
+    return make_cache(list(arrays), backend, dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from myserve.ops.paged_cache import KernelKVCache, as_bits, from_bits
+from myserve.ops.paged_cache import KernelKVCache
 from myserve.runtime.compile_counter import count_loaded, thread_cache_hits
 from myserve.runtime.kv_cache import Cache, constrain_cache
 from myserve.runtime.step_cache import StepCache
@@ -62,10 +62,7 @@ def copy_page(kv_cache: Cache, src: jax.Array, dst: jax.Array, sharding: NamedSh
     if isinstance(kv_cache, KernelKVCache):  # [layers, pages, ...]
         copied: Cache = KernelKVCache(kv_cache.kv.at[:, dst].set(kv_cache.kv[:, src]))
     else:  # [layers, kv_heads, pages, ...]: K, V and (quantized) their scales
-        # (fp8 indexed as bits on CPU: XLA:CPU would convert the whole pool to float16 and back)
-        copied = jax.tree.map(
-            lambda a: from_bits(as_bits(a).at[:, :, dst].set(as_bits(a)[:, :, src]), a.dtype), kv_cache
-        )
+        copied = jax.tree.map(lambda a: a.at[:, :, dst].set(a[:, :, src]), kv_cache)
     return constrain_cache(copied, sharding)
 
 
@@ -99,8 +96,7 @@ def gather_pages(kv_cache: Cache, pages: jax.Array, axis: int, sharding: NamedSh
     """Every cache array's ``pages`` (their K/V in every layer and head, scales included), in the
     cache's order and sharding: what the host tier saves (``runtime/host_kv.py``)."""
     leaves = jax.tree.leaves(kv_cache)
-    taken = (from_bits(jnp.take(as_bits(a), pages, axis=axis), a.dtype) for a in leaves)
-    return tuple(jax.lax.with_sharding_constraint(t, sharding) for t in taken)
+    return tuple(jax.lax.with_sharding_constraint(jnp.take(a, pages, axis=axis), sharding) for a in leaves)
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=(3, 4))
@@ -111,8 +107,5 @@ def scatter_pages(
     twice takes the same values twice (padding repeats the last)."""
     leaves, treedef = jax.tree.flatten(kv_cache)
     index = (slice(None),) * axis + (pages,)
-    written = [
-        from_bits(as_bits(a).at[index].set(as_bits(v.astype(a.dtype))), a.dtype)
-        for a, v in zip(leaves, values, strict=True)
-    ]
+    written = [a.at[index].set(v.astype(a.dtype)) for a, v in zip(leaves, values, strict=True)]
     return constrain_cache(jax.tree.unflatten(treedef, written), sharding)
