@@ -227,9 +227,6 @@ def _resolve_engine(config: Config, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtyp
     platform = jax.default_backend()
     budget = engine.token_budget(platform)
     steps = engine.decode_steps or default_decode_steps(platform)
-    if platform == "cpu" and engine.kv_cache_dtype.startswith("fp8"):
-        # Measured: widening fp8 costs XLA:CPU ~10x int8's (it emulates the format; docs/performance.md).
-        logger.warning("an fp8 KV cache is slow on CPU, which converts fp8 in software: int8 holds as many tokens")
     pages = engine.num_pages
     if pages is None:
         from myserve.runtime.footprint import host_available, weight_bytes  # the several-model check's too
