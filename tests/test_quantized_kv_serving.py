@@ -25,9 +25,10 @@ tiny random model is nearly undecided everywhere (its top token has p ~0.05-0.15
 runner-up within a few per cent), so fp8's 3-bit mantissa flips near-ties that a trained model's
 margins absorb: SmolLM2's perplexity and greedy agreement are in docs/performance.md ("Quantized KV
 cache")."""
-NEAR_TIE = 0.5
+NEAR_TIE = {"int8": 0.5, "fp8_e4m3": 0.75}
 """Where a position's greedy token differs, the full-precision cache's top two tokens were closer
-than this (nats)."""
+than this (nats). fp8's 3-bit mantissa flipped gaps of up to 0.50 nats in full-suite runs (0.34 alone:
+a step's bucket, and so its float32 reductions, varies with timing)."""
 
 
 def scored(svc, prompt: list[int]) -> list[tuple[tuple[int, float], ...]]:
@@ -72,7 +73,7 @@ def test_greedy_tokens_agree_with_the_full_precision_cache(runs, name: str) -> N
     # within NEAR_TIE nats, a gap the cache's rounding can close.
     for (f, g), equal in zip(positions, same, strict=True):
         if not equal:
-            assert f[0][1] - f[1][1] < NEAR_TIE, (f, g)
+            assert f[0][1] - f[1][1] < NEAR_TIE[name], (f, g)
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
