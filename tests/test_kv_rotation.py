@@ -15,8 +15,6 @@ from myserve.ops.attention import paged_attention
 from myserve.ops.kv_rotation import hadamard_block, rotate
 from myserve.ops.paged_cache import KVCache, _round_mantissa, kv_dtype, quantize, stored_dtype, widen
 
-attention_rotate = rotate
-
 FRESH = [(0, 7), (0, 13), (0, 5)]
 """Three sequences written whole in one step, so every key attended is this step's."""
 
@@ -73,7 +71,7 @@ def test_a_quantized_step_attends_as_the_float_cache_does(name: str, monkeypatch
     """Queries rotated with the keys: without the queries' rotation the scores are garbage."""
     bound = {"int8": 0.005, "fp8_e4m3": 0.02, "fp8_e5m2": 0.04}[name]
     assert _attention_error(name, 0) < bound
-    monkeypatch.setattr(attention, "rotate", lambda x: x if x.ndim == 3 else attention_rotate(x))
+    monkeypatch.setattr(attention, "rotate", lambda x: x if x.ndim == 3 else rotate(x))
     assert _attention_error(name, 0) > 5 * bound
 
 
