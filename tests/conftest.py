@@ -10,6 +10,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # pytest-xdist runs one worker per core: torch's reference models (and numpy's BLAS) use one
 # thread each rather than spinning OpenMP threads against the other worker's compiles.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The XLA:CPU flags a served engine takes on this host (single-threaded dots on two cores): every
+# in-process engine then compiles what the servers the tests start compile, and shares their steps.
+from myserve.runtime.cpu_threads import single_threaded_dots_on_small_hosts  # noqa: E402
+
+single_threaded_dots_on_small_hosts()
 
 import httpx  # noqa: E402
 import pytest  # noqa: E402

@@ -289,9 +289,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from myserve.config import load_config
     from myserve.entrypoints.service import GenerationService
+    from myserve.runtime.cpu_threads import single_threaded_dots_on_small_hosts
     from myserve.runtime.deployment import Deployment
     from myserve.runtime.host_memory import keep_freed_memory
 
+    single_threaded_dots_on_small_hosts()  # as `serve` does (before JAX starts)
     overrides = list(args.set)
     hf_device = args.hf_device or ("cpu" if jax.default_backend() == "cpu" else "cuda")
     tmp = tempfile.TemporaryDirectory()

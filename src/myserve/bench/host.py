@@ -123,9 +123,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from myserve.bench.random_checkpoint import make_random_llama
     from myserve.config import load_config
     from myserve.entrypoints.service import GenerationService
+    from myserve.runtime.cpu_threads import single_threaded_dots_on_small_hosts
     from myserve.runtime.deployment import Deployment
     from myserve.runtime.host_memory import keep_freed_memory
 
+    single_threaded_dots_on_small_hosts()  # as `serve` does (before JAX starts)
     tmp = tempfile.TemporaryDirectory()
     checkpoint = args.checkpoint or make_random_llama(args.shape, Path(tmp.name) / args.shape, dtype="float32")
     if jax.default_backend() == "cpu":

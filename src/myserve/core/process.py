@@ -235,11 +235,13 @@ def _load(config: Config) -> EngineCore:
 
     from myserve.core.engine_core import EngineCore
     from myserve.runtime import multihost
+    from myserve.runtime.cpu_threads import single_threaded_dots_on_small_hosts
     from myserve.runtime.deployment import Deployment
     from myserve.runtime.host_memory import keep_freed_memory
     from myserve.runtime.kv_sizing import use_gpu_share
 
     use_gpu_share(config.engine)  # before JAX's backend starts
+    single_threaded_dots_on_small_hosts()
     multihost.initialize(config.mesh)
     if jax.default_backend() == "cpu":
         keep_freed_memory()  # the steps' temporaries live in host memory: reuse it

@@ -100,11 +100,13 @@ def _in_process(config: Config) -> GenerationService | int:
 
     from myserve.entrypoints.service import GenerationService
     from myserve.runtime import multihost
+    from myserve.runtime.cpu_threads import single_threaded_dots_on_small_hosts
     from myserve.runtime.deployment import Deployment
     from myserve.runtime.host_memory import keep_freed_memory
     from myserve.runtime.kv_sizing import use_gpu_share
 
     use_gpu_share(config.engine)
+    single_threaded_dots_on_small_hosts()
     multihost.initialize(config.mesh)  # before anything touches a JAX backend
     if jax.default_backend() == "cpu":
         keep_freed_memory()  # the steps' temporaries live in host memory: reuse it
