@@ -32,7 +32,7 @@ SECTIONS = (ModelConfig, EngineConfig, ServerConfig, MeshConfig, RayConfig, Mode
 
 def expected_default() -> Config:
     return Config(
-        model=ModelConfig(checkpoint=None, dtype="float32", max_model_len=2048),
+        model=ModelConfig(checkpoint=None, dtype="auto", max_model_len=2048),
         engine=EngineConfig(
             page_size=16,
             num_pages=2048,
@@ -68,7 +68,7 @@ def test_default_load_is_the_cpu_deployment() -> None:
     assert default_config_path() == REPO_DEFAULT
     config = load_config()
     assert config == expected_default()
-    assert config.engine.num_pages == 2048 and config.model.dtype == "float32"
+    assert config.engine.num_pages == 2048 and config.model.dtype == "auto"
     assert config.server.served_model_name == "SmolLM2-135M-Instruct"
 
 

@@ -26,6 +26,7 @@ from myserve.config import load_config
 from myserve.entrypoints import serve
 from myserve.entrypoints.memory_check import check_memory, footprint
 from myserve.errors import ConfigError
+from myserve.runtime.cpu_dtype import native_bf16
 
 EXIT_WITHIN_S = 5.0
 SMOL = BUNDLED_MODEL_NAME
@@ -288,8 +289,10 @@ def test_memory_check_names_the_model_that_does_not_fit(tiny_dir: Path, capsys: 
     # Against a given amount: the models fill it in order, and the first that overflows is named.
     configs = serve.config_from_args(serve.parse_args(["--add-model", f"checkpoint={tiny_dir},served_model_name=tiny"]))
     smol = footprint(configs.per_model()[0], SMOL, "cpu")
-    # SmolLM2's 135M parameters in float32, and its 2048 pages x 16 tokens x 30 layers x K, V x 3 heads x 64 x 4 bytes.
-    assert smol.weights == pytest.approx(135e6 * 4, rel=0.02) and smol.kv_cache == 2048 * 16 * 30 * 2 * 3 * 64 * 4
+    # SmolLM2's 135M parameters, and its 2048 pages x 16 tokens x 30 layers x K, V x 3 heads x 64, in
+    # bfloat16 on a CPU with AVX512-BF16 (the default dtype, auto, there), else in float32.
+    item = 2 if native_bf16() else 4
+    assert smol.weights == pytest.approx(135e6 * item, rel=0.02) and smol.kv_cache == 2048 * 16 * 30 * 2 * 3 * 64 * item
     enough_for_one = int(smol.total / 0.9) + 1024
     with pytest.raises(ConfigError, match=r"model 'tiny' does not fit in memory: it needs .* left after the models"):
         check_memory(configs.per_model(), [SMOL, "tiny"], available=(enough_for_one, "test memory"))

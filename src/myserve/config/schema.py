@@ -59,8 +59,9 @@ class ModelConfig:
     chat_template: str | None = None
     """Path to a Jinja chat template file, or the template text itself; null = the tokenizer's own."""
     dtype: str = "auto"
-    """Compute and weight dtype: auto, float32, bfloat16 or float16;
-    auto = float32 on CPU, bfloat16 on TPU/GPU."""
+    """Compute and weight dtype: auto, float32, bfloat16 or float16; auto = on CPU bfloat16 where the
+    CPU computes it natively (AVX512-BF16) and the checkpoint does not declare float32, else float32;
+    on TPU/GPU the checkpoint's bfloat16 or float16, else bfloat16."""
     max_model_len: int | None = None
     """Longest sequence (prompt + completion) in tokens, >= 1; null = the model's max_position_embeddings."""
     quantization: str = "auto"
@@ -355,7 +356,7 @@ DEFAULT_CONFIG_NAME = "smollm2-135m-cpu.yaml"
 # and install layout, it is also kept here as data and used whenever the file is not beside the
 # source tree. In a checkout the file wins, so editing it changes the default as a user expects.
 _BUILTIN_DEFAULT: dict[str, dict[str, object]] = {
-    "model": {"dtype": "float32", "max_model_len": 2048},
+    "model": {"max_model_len": 2048},
     "engine": {
         "num_pages": 2048,
         "max_num_batched_tokens": 256,

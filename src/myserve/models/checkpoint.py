@@ -87,3 +87,15 @@ def _read_config(directory: Path) -> tuple[dict, str]:
         return json.loads(config_path.read_text()), str(config_path)
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{config_path}: cannot read config ({e})") from None
+
+
+def declared_dtype(checkpoint_dir: Path | None) -> str | None:
+    """The dtype an HF checkpoint's config.json names (``dtype``, or the older ``torch_dtype``)."""
+    if checkpoint_dir is None:
+        return None
+    try:
+        data = json.loads((checkpoint_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    value = data.get("dtype") or data.get("torch_dtype") if isinstance(data, dict) else None
+    return value if isinstance(value, str) else None

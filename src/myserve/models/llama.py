@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding
 
 from myserve.models import lora as lora_ops
 from myserve.models.axes import BATCH, POS, ModelAxes
+from myserve.models.dense_dot import dense_dot
 from myserve.models.lora import LoraLayer
 from myserve.models.moe import MoeBlock, moe_mlp
 from myserve.models.narrow import NarrowWeight
@@ -150,7 +151,7 @@ class LlamaModel(eqx.Module):
         elif isinstance(head, QuantizedWeight):
             logits = head.matmul(hidden, ax.Embed)
         else:
-            logits = hax.dot(hidden, head, axis=ax.Embed, preferred_element_type=jnp.float32)
+            logits = dense_dot(hidden, head, ax.Embed, preferred_element_type=jnp.float32)
         cap = self.spec.final_softcap
         return logits if cap is None else cap * hax.tanh(logits / cap)
 

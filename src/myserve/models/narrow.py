@@ -23,6 +23,7 @@ import haliax as hax
 import jax.numpy as jnp
 from haliax import Axis, NamedArray
 
+from myserve.models.dense_dot import dense_dot
 from myserve.ops import gpu_grouped_matmul
 from myserve.ops.dequant import StackedNarrow, dequantize
 
@@ -78,7 +79,7 @@ class NarrowWeight(eqx.Module):
             out = self._kernel_matmul(x, out_dtype)
             if out is not None:
                 return out
-        return hax.dot(x, self.dequantize(x.dtype), axis=axis, preferred_element_type=out_dtype)
+        return dense_dot(x, self.dequantize(x.dtype), axis, preferred_element_type=out_dtype)
 
     def _kernel_matmul(self, x: NamedArray, out_dtype: jnp.dtype | None) -> NamedArray | None:
         """The kernel's product, or None where the weight's blocks do not suit it (``dense_fits``)."""

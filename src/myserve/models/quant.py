@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from haliax import Axis, NamedArray
 
+from myserve.models.dense_dot import dense_dot
 from myserve.models.narrow import NarrowWeight
 
 MIN_ROWS = 8
@@ -56,4 +57,4 @@ def linear(x: NamedArray, w: NamedArray | QuantizedWeight | NarrowWeight, axis: 
     """``x`` contracted with a float, W8A8 or narrow (weight-only) weight over ``axis``."""
     if isinstance(w, QuantizedWeight | NarrowWeight):
         return w.matmul(x, axis)
-    return hax.dot(x, w, axis=axis)
+    return dense_dot(x, w, axis)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Mapping
@@ -17,7 +16,7 @@ from jax.sharding import Mesh
 
 from myserve.config import Config, EngineConfig
 from myserve.errors import ConfigError
-from myserve.models.checkpoint import ResolvedCheckpoint, resolve_checkpoint, vision_spec_of
+from myserve.models.checkpoint import ResolvedCheckpoint, declared_dtype, resolve_checkpoint, vision_spec_of
 from myserve.models.gguf import resolve_quantization
 from myserve.models.llama import LlamaModel
 from myserve.models.loading import SafetensorsSource, TensorSource, load_model, open_source
@@ -30,6 +29,7 @@ from myserve.models.vision_spec import VisionSpec
 from myserve.ops.attention import resolve_backend
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.compile_counter import compile_counts
+from myserve.runtime.cpu_dtype import cpu_auto_dtype
 from myserve.runtime.draft_model import DraftModels, check_draft, load_drafts
 from myserve.runtime.executor import Executor, Prebuilt
 from myserve.runtime.mesh import make_mesh, replica_meshes
@@ -40,25 +40,14 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_dtype(name: str, checkpoint_dir: Path | None = None) -> jnp.dtype:
-    """``auto`` is float32 on CPU (XLA:CPU bf16 matmuls are far slower); on TPU/GPU the checkpoint's
-    own dtype (its config.json's ``dtype``), bfloat16 for a float32 one or when it says none (as vLLM)."""
+    """``auto`` on CPU: bfloat16 where the CPU computes bfloat16 dots natively and the checkpoint does
+    not declare float32, else float32 (``runtime/cpu_dtype.py``); on TPU/GPU the checkpoint's own
+    dtype (its config.json's ``dtype``), bfloat16 for a float32 one or when it says none (as vLLM)."""
     if name != "auto":
         return jnp.dtype(name)
     if jax.default_backend() == "cpu":
-        return jnp.dtype(jnp.float32)
-    return jnp.dtype(jnp.float16 if checkpoint_dtype(checkpoint_dir) == "float16" else jnp.bfloat16)
-
-
-def checkpoint_dtype(checkpoint_dir: Path | None) -> str | None:
-    """The dtype an HF checkpoint's config.json names (``dtype``, or the older ``torch_dtype``)."""
-    if checkpoint_dir is None:
-        return None
-    try:
-        data = json.loads((checkpoint_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    value = data.get("dtype") or data.get("torch_dtype") if isinstance(data, dict) else None
-    return value if isinstance(value, str) else None
+        return jnp.dtype(cpu_auto_dtype(declared_dtype(checkpoint_dir)))
+    return jnp.dtype(jnp.float16 if declared_dtype(checkpoint_dir) == "float16" else jnp.bfloat16)
 
 
 def enable_compilation_cache(directory: Path | None) -> None:

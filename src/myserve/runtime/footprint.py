@@ -13,10 +13,11 @@ from pathlib import Path
 
 from myserve.config import Config
 from myserve.errors import CheckpointError
-from myserve.models.checkpoint import hf_spec, resolve_checkpoint
+from myserve.models.checkpoint import declared_dtype, hf_spec, resolve_checkpoint
 from myserve.models.gguf import GGUFSource, resolve_quantization
 from myserve.models.gguf_file import read_gguf
 from myserve.models.spec import ModelSpec, spec_from_hf_config
+from myserve.runtime.cpu_dtype import cpu_auto_dtype
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -35,8 +36,15 @@ def weight_bytes(config: Config, where: str) -> int:
 
 
 def itemsize_of(config: Config, where: str) -> int:
+    """Bytes per weight and KV value of ``config``'s float dtype on ``where`` (``auto`` resolved as
+    ``resolve_dtype`` does: on a CPU, this host's CPU and the checkpoint's declared dtype)."""
     dtype = config.model.dtype
-    return DTYPE_BYTES["float32" if where == "cpu" else "bfloat16"] if dtype == "auto" else DTYPE_BYTES[dtype]
+    if dtype != "auto":
+        return DTYPE_BYTES[dtype]
+    if where != "cpu":
+        return DTYPE_BYTES["bfloat16"]
+    path = resolve_checkpoint(config.model.checkpoint).path
+    return DTYPE_BYTES[cpu_auto_dtype(declared_dtype(path if path.is_dir() else None))]
 
 
 # Bytes per parameter of narrow weights, scales included (int8 per channel; int4 and GGUF's Q4_1 in
