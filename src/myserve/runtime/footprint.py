@@ -43,8 +43,8 @@ def itemsize_of(config: Config, where: str) -> int:
         return DTYPE_BYTES[dtype]
     if where != "cpu":
         return DTYPE_BYTES["bfloat16"]
-    path = resolve_checkpoint(config.model.checkpoint).path
-    return DTYPE_BYTES[cpu_auto_dtype(declared_dtype(path if path.is_dir() else None))]
+    # A GGUF file is not a directory with a config.json: declared_dtype says None for it.
+    return DTYPE_BYTES[cpu_auto_dtype(declared_dtype(resolve_checkpoint(config.model.checkpoint).path))]
 
 
 # Bytes per parameter of narrow weights, scales included (int8 per channel; int4 and GGUF's Q4_1 in
