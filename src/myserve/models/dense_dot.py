@@ -15,13 +15,14 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import Axis, NamedArray
+from jax.typing import DTypeLike
 
 PADDED_ROWS = 2
 """Rows a one-row bfloat16 product on CPU is computed as (two take the matrix-matrix kernel)."""
 
 
 def dense_dot(
-    x: NamedArray, w: NamedArray, axis: Axis | tuple[Axis, ...], preferred_element_type: jnp.dtype | None = None
+    x: NamedArray, w: NamedArray, axis: Axis | tuple[Axis, ...], preferred_element_type: DTypeLike | None = None
 ) -> NamedArray:
     """``hax.dot(x, w, axis=axis)``: activations ``x`` contracted with a float weight ``w``."""
 
