@@ -139,3 +139,44 @@ def test_a_decode_only_stretch_is_one_call_per_k_tokens(services, k: int) -> Non
         by_kind[key[0]] = by_kind.get(key[0], 0) + n
     assert by_kind == {"forward": 1, "head": 1, "loop": decode_tokens // k}, calls
     assert all(key[2] == k for key in calls if key[0] == "loop")
+
+
+@pytest.mark.parametrize("iterations", [1, 3])
+def test_a_call_asked_for_fewer_tokens_runs_only_those(services, monkeypatch, iterations: int) -> None:
+    """On CPU a decode call runs only the iterations its rows ask for (``runtime/decode_trips.py``),
+    so the engine asks each call for as many tokens as the pacer allows (here pinned to 1 or 3 of
+    K = 8): the K = 8 executable serves them, one call per ``iterations`` tokens (one token too:
+    never a forward and a head) and runs only those iterations, and the tokens and logprobs are
+    K = 1's."""
+    service = services[8]
+    runner = service.replicas[0].runner
+    assert runner.trips_follow_rows
+    monkeypatch.setattr(runner.pacer, "iterations", lambda rows, steps: min(steps, iterations))
+    executor = runner.device
+    samples: list[np.ndarray] = []  # each decode call's [K, N1] tokens as read back
+    read = executor.read
+
+    def recording_read(*args: Any, **kwargs: Any) -> Any:
+        got = read(*args, **kwargs)
+        if got.tokens.ndim == 2:
+            samples.append(np.asarray(got.tokens))
+        return got
+
+    monkeypatch.setattr(executor, "read", recording_read)
+    before = executor.calls.copy()
+    decode_tokens = 24
+    request = ([11, 12, 13, 14, 15], SamplingParams(max_tokens=1 + decode_tokens, temperature=0.0, ignore_eos=True))
+    (out,) = run(service, [request])
+    calls = executor.calls - before
+    by_kind: dict[str, int] = {}
+    for key, n in calls.items():
+        by_kind[key[0]] = by_kind.get(key[0], 0) + n
+    assert by_kind == {"forward": 1, "head": 1, "loop": decode_tokens // iterations}, calls
+    assert all(key[2] == 8 for key in calls if key[0] == "loop")
+    # The iterations past those asked for did not run: their samples are the zeros they start as
+    # (a static count would have run all 8 and sampled a token in each).
+    assert len(samples) == decode_tokens // iterations
+    assert all(s.shape[0] == 8 and not s[iterations:].any() and s[:iterations, 0].all() for s in samples)
+    (reference,) = run(services[1], [request])
+    assert out[0][:3] == reference[0][:3]
+    np.testing.assert_allclose(out[0][3], reference[0][3], rtol=1e-4, atol=1e-4)
