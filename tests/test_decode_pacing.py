@@ -39,14 +39,3 @@ def test_a_queued_step_counts_from_the_read_before_it_and_prompt_steps_are_not_t
     # One slow call moves the estimate by SMOOTHING of the difference, not all the way.
     pacer.observe(Step(1, dispatched_at=3.0, rows=4), read_at=4.25)
     assert pacer.estimate(4) == pytest.approx(0.25 + DecodePacer.SMOOTHING * 1.0)
-
-
-def test_iterations_are_as_many_of_k_as_fit_the_budget() -> None:
-    pacer = DecodePacer(budget_s=0.12)
-    assert pacer.iterations(64, 8) == 8  # nothing known yet
-    pacer.observe(Step(8, dispatched_at=1.0, rows=64), read_at=1.4)  # 50 ms a token
-    assert pacer.iterations(64, 8) == 2 and pacer.iterations(64, 1) == 1
-    pacer.observe(Step(1, dispatched_at=2.0, rows=4), read_at=2.5)  # 500 ms a token: over the budget
-    assert pacer.iterations(4, 8) == 1  # never fewer than one
-    assert pacer.iterations(1, 8) == 8  # not measured
-    assert DecodePacer(budget_s=0).iterations(64, 8) == 8  # no limit

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from myserve.core.runner import span_of
 from myserve.core.scheduler import ScheduledBatch
 from myserve.core.sequence import SeqStatus
-from myserve.core.spans import span_of
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.step_layout import layout
 from myserve.testing import FakeCore, assert_consistent

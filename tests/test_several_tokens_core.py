@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from myserve.runtime.sampling_rows import BAN_STEPS, STEPS, WEIGHT
+from myserve.runtime.sampling_rows import BAN_STEPS, STEPS
 from myserve.testing import FakeCore, FakeDevice, assert_consistent, scripted_token
 from myserve.wire.params import SamplingParams
 
@@ -119,35 +119,3 @@ def test_decode_calls_stay_one_token_where_k_tokens_would_outlast_the_budget(per
     pacer = e.core.replicas[0].runner.pacer
     estimate = pacer.estimate(1)
     assert estimate is not None and (estimate >= 0.015) == (not several)
-
-
-class TripsDevice(SlowDevice):
-    """A slow device whose decode call runs only as many iterations as its longest real row asks
-    for (the CPU's ``decode_loop``): its time follows them, not K."""
-
-    def read(self, output: Any, *, tops: bool, scored: bool, pooled: bool = False) -> Any:
-        op = self.steps[-1]
-        real = op.ints[:, WEIGHT] > 0
-        trips = int(op.ints[real, STEPS].max()) if op.steps else 1
-        time.sleep(self.per_iteration * trips)
-        return FakeDevice.read(self, output, tops=tops, scored=scored, pooled=pooled)
-
-
-def test_where_a_call_costs_its_rows_iterations_the_engine_asks_for_as_many_as_fit_the_budget() -> None:
-    """20 ms a token and a 50 ms budget: after the first call has measured it, each decode-only
-    call asks for 2 tokens (not K = 8, nor one), and a step of one-token rows is a decode call too
-    (no forward and head); the tokens are those of one token per call."""
-    params = SamplingParams(max_tokens=40, temperature=1.0, seed=0, ignore_eos=True)
-    e = FakeCore(
-        device=TripsDevice(0.02), decode_steps=8, decode_call_budget_s=0.05, num_pages=40, trips_follow_rows=True
-    )
-    e.submit([5, 6, 7], params, "r")
-    e.run()
-    reference = FakeCore(decode_steps=1, num_pages=40)
-    reference.submit([5, 6, 7], params, "r")
-    reference.run()
-    assert e.finished("r") == reference.finished("r")
-    decode_only = [b for b in e.batches if b.decodes and not b.prefills]
-    counts = [max(c.steps for c in b.decodes) for b in decode_only]
-    assert counts[0] == 8 and set(counts[1:-1]) == {2}, counts  # (the last: what max_tokens leaves)
-    assert all(op.steps == 8 for op in e.device.steps[1:]), [op.steps for op in e.device.steps]

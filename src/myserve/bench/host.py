@@ -70,24 +70,14 @@ class Ceiling:
         self.calls = calls
         self.per_call: dict[tuple, float] = {}
 
-    def seconds(self, ran: collections.Counter, loop_iterations: int | None = None) -> float:
-        """Device-only seconds of ``ran`` (key -> calls): each key's time alone, times its calls.
-        A decode call is timed running all its K iterations (an empty batch); where calls ran
-        fewer (``runtime/decode_trips.py``: CPU), ``loop_iterations`` (those they ran, all calls
-        together) scales the decode calls' time by the share of K they ran."""
+    def seconds(self, ran: collections.Counter) -> float:
+        """Device-only seconds of ``ran`` (key -> calls): each key's time alone, times its calls."""
         from myserve.runtime.priming import seconds_per_call
 
         for key in ran:
             if key not in self.per_call:
                 self.per_call[key] = seconds_per_call(self.executor, key, self.calls)
-        loops = sum(n * key[2] for key, n in ran.items() if key[0] == "loop")
-        share = 1.0 if loop_iterations is None or not loops else loop_iterations / loops
-        return sum(n * self.per_call[key] * (share if key[0] == "loop" else 1.0) for key, n in ran.items())
-
-
-def _loop_iterations(service: Any) -> int:
-    """Model iterations the service's decode calls have run so far (``ModelRunner.loop_iterations``)."""
-    return service.replicas[0].runner.loop_iterations
+        return sum(n * self.per_call[key] for key, n in ran.items())
 
 
 def measure_level(service: Any, ceiling: Ceiling, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
@@ -98,7 +88,7 @@ def measure_level(service: Any, ceiling: Ceiling, prompts: list[list[int]], max_
     outputs = getattr(service, "outputs", None)  # (a tree whose engine thread detokenizes has none)
     phases0, out0 = dict(service.timer.seconds), outputs.seconds if outputs else 0.0
     section = steady.Section(service)
-    calls0, iterations0 = steady.calls(service), _loop_iterations(service)
+    calls0 = steady.calls(service)
     t0 = time.perf_counter()
     tokens, ttfts = asyncio.run(_consume(service, prompts, params))
     elapsed = time.perf_counter() - t0
@@ -106,7 +96,7 @@ def measure_level(service: Any, ceiling: Ceiling, prompts: list[list[int]], max_
     ran = steady.calls(service) - calls0
     fields, problems = section.finish(tokens, one_stream=False)
     phases = {p: service.timer.seconds[p] - phases0[p] for p in phases0}
-    device_s = ceiling.seconds(ran, _loop_iterations(service) - iterations0)
+    device_s = ceiling.seconds(ran)
     per_token = 1e6 / tokens
     return {
         "concurrency": len(prompts),

@@ -19,7 +19,6 @@ from myserve.core.pooler import resolve_pooler
 from myserve.core.replica import Replica, make_replica
 from myserve.errors import ConfigError
 from myserve.runtime.compile_counter import compile_counts
-from myserve.runtime.decode_trips import loop_trips_follow_rows
 from myserve.runtime.deployment import Deployment, executor_for, step_buckets
 from myserve.runtime.device import Device
 from myserve.runtime.device_sleep import DeviceSleep
@@ -83,20 +82,8 @@ def core_arguments(
     if dep.draft is not None:
         pairs = zip(dep.draft.models, dep.meshes, strict=True)
         drafts = [executor_for(dep.config, model, mesh, dep.draft.mapping, host_tier=False) for model, mesh in pairs]
-    follow = loop_trips_follow_rows()  # (the decode calls' trip count: decode_trips.py)
     replicas = [
-        make_replica(
-            cfg,
-            device,
-            buckets,
-            eos,
-            registry,
-            zeros,
-            d,
-            _host_pages(e),
-            images=dep.vision is not None,
-            trips_follow_rows=follow,
-        )
+        make_replica(cfg, device, buckets, eos, registry, zeros, d, _host_pages(e), images=dep.vision is not None)
         for device, d, e in zip(devices, drafts, executors, strict=True)
     ]
     return replicas, dict(

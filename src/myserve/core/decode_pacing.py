@@ -9,11 +9,9 @@ seconds, and every new request's time to first token grows by that much while th
 per cent of the step (measured in docs/performance.md, "Several tokens per call and TTFT").
 
 So the engine times its decode-only calls per batch size and makes a decode several tokens long only
-where the iterations at that size are expected to take at most ``engine.decode_call_budget_ms``: on
-CPU, where a call runs only the iterations its rows ask for (``runtime/decode_trips.py``), as many
-of the K as fit (``iterations``); elsewhere K or one (``allows``). The first call of a batch size is
-allowed (nothing is known yet); every decode-only call measures its size per iteration, so a size
-that was too slow is measured again as it runs.
+where K iterations at that size are expected to take at most ``engine.decode_call_budget_ms``. The
+first call of a batch size is allowed (nothing is known yet); a one-token decode-only step measures
+the size as well as a K-token call does, so a size that was too slow is measured again as it runs.
 """
 
 from __future__ import annotations
@@ -72,22 +70,6 @@ class DecodePacer:
             return True
         per_iteration = self._per_iteration.get(self._size(rows))
         return per_iteration is None or per_iteration * steps <= self.budget_s
-
-    def iterations(self, rows: int, steps: int) -> int:
-        """The most iterations, 1 to ``steps``, a decode call over ``rows`` sequences may run within
-        the budget (``steps`` where nothing is measured yet or there is no budget): for a call whose
-        trip count follows its rows (``runtime/decode_trips.py``), which costs what it runs."""
-        per_iteration = self._per_iteration.get(self._size(rows))
-        if self.budget_s <= 0 or per_iteration is None or per_iteration <= 0:
-            return max(steps, 1)
-        return max(1, min(steps, int(self.budget_s / per_iteration)))
-
-    def tokens(self, rows: int, steps: int, trips_follow_rows: bool) -> int:
-        """Tokens each decode of a decode-only call over ``rows`` sequences may carry: ``iterations``
-        where the call runs only those (``trips_follow_rows``), else ``steps`` or one (``allows``)."""
-        if trips_follow_rows:
-            return self.iterations(rows, steps)
-        return steps if self.allows(rows, steps) else 1
 
     def estimate(self, rows: int) -> float | None:
         """Measured seconds per iteration at ``rows``' batch size (None: not measured yet)."""

@@ -366,9 +366,9 @@ class EngineCore(EngineCounters, EngineAdmin, EngineWeights, EngineSleep, Reques
             if not rep.scheduler.has_work():
                 continue
             if rep.runner.decode_steps > 1:  # several tokens per decode where a built call holds them
-                pages, runner = rep.runner.decode_call_pages(), rep.runner  # (a new request waits for the call)
-                k = runner.pacer.tokens(len(rep.scheduler.running), runner.decode_steps, runner.trips_follow_rows)
-                rep.scheduler.decode_steps = k if pages else 1
+                pages, k = rep.runner.decode_call_pages(), rep.runner.decode_steps
+                short = rep.runner.pacer.allows(len(rep.scheduler.running), k)  # (a new request waits for it)
+                rep.scheduler.decode_steps = k if pages and short else 1
                 rep.scheduler.decode_steps_pages = pages
             batch = rep.scheduler.schedule(weights)
             t = timer.lap("schedule", t)

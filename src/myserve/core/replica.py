@@ -69,15 +69,12 @@ def make_replica(
     draft_device: Device | None = None,
     host_pages: int = 0,
     images: bool = False,
-    trips_follow_rows: bool = False,
 ) -> Replica:
     """A replica whose runner sends its ops to ``device``, sized by the engine config; with
     ``adapters`` (LoRA served) its own device slots for them, ``adapter_zeros`` being an empty
     adapter's arrays (``LoraAdapter.flat()``); ``draft_device``: the draft model's executor of
     ``engine.speculative_method=draft_model``; ``host_pages``: the slots of its device's host tier
-    of the prefix cache (0: none); ``images``: the model takes images (a vision-language model);
-    ``trips_follow_rows``: its decode calls run only the iterations their rows ask for (CPU:
-    ``runtime/decode_trips.py``)."""
+    of the prefix cache (0: none); ``images``: the model takes images (a vision-language model)."""
     pages, budget = cfg.num_pages, cfg.max_num_batched_tokens
     assert pages is not None and budget is not None, "Deployment.load resolves the pool and the step budget"
     host = HostTier(host_pages) if host_pages else None
@@ -111,7 +108,6 @@ def make_replica(
         adapter_zeros=adapter_zeros,
         decode_call_budget_s=cfg.decode_call_budget_ms / 1000,
         images=images,
-        trips_follow_rows=trips_follow_rows,
     )
     return Replica(allocator, scheduler, runner, draft)
 

@@ -22,11 +22,10 @@ import numpy as np
 
 from myserve.core.decode_pacing import DecodePacer
 from myserve.core.host_tier import host_tier_ops
-from myserve.core.images import images_in, with_step_images
+from myserve.core.images import images_in, rope_offset, with_step_images
 from myserve.core.prime_order import prime_order, unit_width
 from myserve.core.scheduler import ScheduledBatch, ScheduledChunk
 from myserve.core.sequence import Sequence as Seq
-from myserve.core.spans import span_of
 from myserve.grammar import allocate_bitmask, fill_bitmask
 from myserve.runtime.buckets import Buckets
 from myserve.runtime.device import Device
@@ -121,6 +120,27 @@ def shape_built(device: Device, seen: set[StepShape], shape: StepShape, steps: i
     return False
 
 
+def span_of(chunk: ScheduledChunk, inflight_rows: dict[Seq, int]) -> Span:
+    """A scheduled chunk as a span of the flat batch. Its last token may still be in flight (a
+    decode planned while the step sampling its token runs): the device feeds it from that step's
+    sampling row, ``inflight_rows[seq]``."""
+    seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+    adapter = -1 if seq.adapter_slot is None else seq.adapter_slot
+    if chunk.draft:  # its known last token, then the draft: every position samples
+        tokens = [*seq.tokens(start, start + 1), *chunk.draft]
+        return Span(tokens, start, seq.pages, True, adapter=adapter, sample_count=chunk.sample_count)
+    tokens = seq.tokens(start, start + n)
+    feed = -1
+    if len(tokens) < n:
+        # (A several-token call may have more in flight, but their positions were computed by it.)
+        assert len(tokens) == n - 1 and seq.num_inflight >= 1, "only the span's last token can be in flight"
+        tokens, feed = [*tokens, 0], inflight_rows[seq]
+    following = seq.tokens(start + 1, start + n + 1) if seq.scores_prompt(start) else None
+    pool = seq.pool_range(start, n) if seq.pool_type is not None else None
+    rope = rope_offset(seq.images, start) if seq.images else 0
+    return Span(tokens, start, seq.pages, chunk.samples, following, feed, pool, adapter, rope_offset=rope)
+
+
 class ModelRunner:
     """Host side of the device work: step layouts, penalty-slot fills, ops, result reading."""
 
@@ -135,21 +155,17 @@ class ModelRunner:
         adapter_zeros: tuple[np.ndarray, ...] = (),
         decode_call_budget_s: float = 0.0,
         images: bool = False,
-        trips_follow_rows: bool = False,
     ):
         """``decode_steps``: tokens per decode call (K: a decode-only step is one ``decode_loop`` call
         of K iterations once those are built, where ``pacer`` expects it to take at most
         ``decode_call_budget_s``, 0: always);
         ``adapter_zeros``: an empty adapter's arrays (``LoraAdapter.flat()`` shapes) when the model
         has LoRA slots, written at warmup so the slot writer is built then; ``images``: the model takes
-        images (its forwards with image embeddings are built at warmup); ``trips_follow_rows``: a
-        decode call runs only the iterations its rows ask for (``runtime/decode_trips.py``: CPU)."""
+        images (its forwards with image embeddings are built at warmup)."""
         self.images = images
         self.adapter_zeros = adapter_zeros
         self.device = device
         self.decode_steps = decode_steps
-        self.trips_follow_rows = trips_follow_rows
-        self.loop_iterations = 0  # model iterations of the decode calls planned so far (benchmarks)
         self.pacer = DecodePacer(decode_call_budget_s)  # times decode-only calls: is a K-token one short enough
         self._usable: set[StepShape] = set()  # forwards of narrower context buckets seen built
         self._loops_usable: set[StepShape] = set()  # decode calls seen built
@@ -228,11 +244,11 @@ class ModelRunner:
         several = max((c.steps for c in chunks), default=1) > 1
         with_images = images_in(chunks, spans)  # prefill chunks: never in a step of several-token decodes
         shape: StepShape | None = None
-        one_call = self.decode_steps == 1 or self.trips_follow_rows
-        if not with_images and (several or (one_call and self._decodes_only(batch))):
-            # One call for the step: one-token rows only, each decoding its own count of tokens (the
-            # forward, head and sampler fused). Where the call's trip count is static and K > 1, a
-            # step whose rows all decode one token takes a forward and head: K - 1 idle iterations.
+        if not with_images and (several or (self.decode_steps == 1 and self._decodes_only(batch))):
+            # One call for the step: one-token rows only, each decoding its own count of tokens
+            # (K = 1: the forward, head and sampler fused). A step of K > 1 whose rows all decode
+            # one token takes a forward and head instead: a K-token call would run K - 1 idle
+            # iterations of the whole model.
             shape = self.buckets.fit_decode(spans, self._loop_built)
             assert shape is not None or not several, "the scheduler sizes several-token decodes to fit a call"
         usable = self._built if not with_images else _widest  # (image forwards: built at the widest only)
@@ -248,9 +264,6 @@ class ModelRunner:
         placed = [(c, int(at), row) for c, at, row in zip(chunks, offsets, host.sample_rows, strict=False)]
         tops = any(bool(c.seq.params.logprobs) for c in sampling)
         timed = steps or int(self._decodes_only(batch))  # (decode-only steps are timed: ``DecodePacer``)
-        if steps and self.trips_follow_rows:  # (the call runs its longest row's count)
-            timed = max((c.steps for c in chunks), default=1)
-        self.loop_iterations += timed if steps else 0
         return PlannedStep(self, ops, placed, host.scored, tops, host.pooled, steps=steps, decode_iterations=timed)
 
     @staticmethod

@@ -55,7 +55,6 @@ from myserve.models.sharding import MeshAxes, kv_cache_sharding
 from myserve.models.spec import LayerKind, ModelSpec
 from myserve.ops.paged_cache import KernelKVCache
 from myserve.ops.ragged_batch import AttentionView, RaggedBatch, kernel_meta
-from myserve.runtime.decode_trips import loop_trips_follow_rows, rows_long_loop
 from myserve.runtime.kv_cache import Cache, constrain_cache
 from myserve.runtime.mesh import replicated as replicated_on
 from myserve.runtime.sampler import SampleOutput, SamplingArrays, sample, token_logprobs
@@ -200,8 +199,7 @@ def decode_loop(
     bitmask: jax.Array,
 ) -> tuple[SampleOutput, Cache, jax.Array, jax.Array]:
     """Several decode tokens per call: ``steps`` (static) iterations of the model and the sampler
-    (on CPU only as many as the longest real row decodes: ``decode_trips.py``) over a step of
-    one-token rows only (``shape``: N1 rows, no blocks; row ``r`` is flat token ``r``
+    over a step of one-token rows only (``shape``: N1 rows, no blocks; row ``r`` is flat token ``r``
     and sampling row ``r``; ``packed`` as ``forward_step``'s), each row's sampled token fed to its
     next iteration on the device.
 
@@ -252,14 +250,7 @@ def decode_loop(
         return (cache, counts, jnp.where(active, out.tokens, tokens), done), out
 
     done = jnp.zeros(tokens.shape, bool)
-    carry = (cache, counts, tokens, done)
-    if loop_trips_follow_rows():  # (CPU: only as many iterations as the longest real row decodes)
-        # A batch without a real row (priming, the benchmarks' device-only ceiling) runs all of them.
-        real = weight > 0
-        longest = jnp.where(jnp.any(real), jnp.max(jnp.where(real, row_steps, 0)), steps)
-        (cache, counts, last, _), outs = rows_long_loop(body, carry, steps, longest)
-    else:
-        (cache, counts, last, _), outs = jax.lax.scan(body, carry, jnp.arange(steps))
+    (cache, counts, last, _), outs = jax.lax.scan(body, (cache, counts, tokens, done), jnp.arange(steps))
     next_fed = jnp.zeros_like(fed).at[: last.shape[0]].set(last)
     # The state goes back in the shardings the next call was built for: left to XLA, the counts
     # follow the vocabulary-sharded logits (P(None, 'model') on a mesh) and every call after fails.

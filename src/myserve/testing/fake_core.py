@@ -216,13 +216,11 @@ class FakeCore:
         decode_steps: int = 1,
         decode_call_budget_s: float = 0.0,
         host_pages: int = 0,
-        trips_follow_rows: bool = False,
     ):
         """``host_pages``: slots of a host tier of the prefix cache (0: none);
         ``pooler``: a ``wire.pooling.Pooler`` (its ``hidden_size`` ``FAKE_HIDDEN``) to serve embeddings;
         ``decode_steps``: tokens per several-token decode call (``engine.decode_steps``), paced by
-        ``decode_call_budget_s`` (``engine.decode_call_budget_ms``; 0: no limit);
-        ``trips_follow_rows``: decode calls run only the iterations their rows ask for, as on CPU."""
+        ``decode_call_budget_s`` (``engine.decode_call_budget_ms``; 0: no limit)."""
         import math
 
         from myserve.core.engine_core import EngineCore
@@ -260,7 +258,6 @@ class FakeCore:
             eos_ids=tokenizer.eos_token_ids,
             decode_steps=decode_steps,
             decode_call_budget_s=decode_call_budget_s,
-            trips_follow_rows=trips_follow_rows,
         )
         self.core = EngineCore(
             [Replica(allocator, self.scheduler, runner)],
