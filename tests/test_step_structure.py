@@ -5,9 +5,7 @@ On a GPU, XLA runs such control flow from the host: it copies the predicate (or 
 condition) to the host and waits for it, so the host cannot plan step N+1 while the device runs
 step N (``docs/design/runtime.md``). The host knows what a step needs and picks the executable
 instead; these tests read the compiled executables the engine serves (XLA:CPU's HLO has the same
-structure) so that such control flow cannot come back unnoticed. One exception, on CPU only: a
-decode call's loop runs as many iterations as its rows ask for (``runtime/decode_trips.py``; there
-the trip count is read where the loop runs, so no host waits for it).
+structure) so that such control flow cannot come back unnoticed.
 """
 
 from __future__ import annotations
@@ -19,8 +17,6 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from myserve.runtime import model_step
-from myserve.runtime.decode_trips import loop_trips_follow_rows
 from myserve.runtime.deployment import Deployment, executor_for, step_buckets
 from myserve.runtime.sampling_rows import HEAD_MODES
 
@@ -72,25 +68,9 @@ def test_every_executable_the_tiny_engine_serves(tiny_service) -> None:
         key = ("loop", buckets.decode_shape(8), 4, mode)
         texts[key] = executor.lower(key).compile().as_text()
     for key, text in texts.items():
-        bad = device_decided_control_flow(text)
-        if key[0] == "loop" and loop_trips_follow_rows():
-            # On CPU the decode call's own loop runs as many iterations as its rows ask for
-            # (``runtime/decode_trips.py``): that one while, and nothing else, is decided on the device.
-            assert len(bad) == 1 and bad[0].startswith("%while"), (key, bad)
-        else:
-            assert bad == [], key
+        assert device_decided_control_flow(text) == [], key
     # The attention's context loops are in the forward, as loops of known length.
     assert "known_trip_count" in texts[("forward", wide)]
-
-
-def test_a_decode_call_off_cpu_is_a_loop_of_static_length(tiny_service, monkeypatch) -> None:
-    """Where the trip count does not follow the rows (an accelerator), the decode call holds no
-    device-decided control flow at all. (A K not built before, so the call is traced afresh.)"""
-    monkeypatch.setattr(model_step, "loop_trips_follow_rows", lambda: False)
-    executor = tiny_service.replicas[0].runner.device
-    key = ("loop", tiny_service.replicas[0].runner.buckets.decode_shape(8), 3, HEAD_MODES[0])
-    text = executor.lower(key).compile().as_text()
-    assert device_decided_control_flow(text) == [] and "known_trip_count" in text
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gemma2"])
