@@ -3,7 +3,8 @@
 ``paged_attention`` is what a decoder layer calls: it writes the step's keys and values into the
 cache and attends with the implementation the cache's layout and the batch pick: the TPU kernel
 for the kernel's layout (``ops/tpu_attention.py``), otherwise this file's reference, with the
-decode rows on the GPU kernel when the batch is marked for it (``ops/gpu_attention.py``).
+decode rows on the GPU kernel when the batch is marked for it (``ops/gpu_attention.py``), and on a
+CPU over each row's own tiles of context rather than the bucket's width (``ops/tiled_decode.py``).
 ``resolve_backend`` picks the implementation once per deployment.
 
 The reference reads each view's rows (``ops/ragged_batch.py``) in chunks of ``chunk_pages`` pages
@@ -33,6 +34,7 @@ every layer's K/V, so one page cannot be freed for some layers only. ``soft_cap`
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Literal
 
@@ -42,10 +44,10 @@ from jax import lax
 from jax.sharding import NamedSharding
 
 from myserve.errors import ConfigError
-from myserve.ops import gpu_ragged_attention
+from myserve.ops import gpu_ragged_attention, tiled_decode
 from myserve.ops.gpu_attention import decode_attention, gpu_fit
 from myserve.ops.kv_rotation import rotate
-from myserve.ops.paged_cache import KernelKVCache, KVCache, is_quantized, widen, write_kv, write_kv_kernel
+from myserve.ops.paged_cache import KernelKVCache, KVCache, gather_pages, is_quantized, widen, write_kv, write_kv_kernel
 from myserve.ops.ragged_batch import AttentionView, RaggedBatch
 from myserve.ops.reductions import fused_max, fused_sum
 from myserve.ops.tpu_attention import kernel_attention, pallas_fit
@@ -105,29 +107,6 @@ def paged_attention(
     return out, cache
 
 
-def _gather_pages(x: jax.Array, layer: int | jax.Array, page_table: jax.Array, heads_sharded: bool) -> jax.Array:
-    """Pages ``page_table`` [N, P] of every KV head of one layer: [kv_heads, N, P, page_size * D].
-
-    Unsharded heads: a gather of whole pages as rows of the flattened cache (contiguous
-    ``page_size * head_dim`` rows) with in-bounds indices promised, ~25 % faster on XLA:CPU than
-    indexing ``x[layer][:, table]``. That flattening merges the ``kv_heads`` axis, so with heads
-    sharded over ``model`` XLA would all-gather the whole cache every layer; there a gather that
-    keeps ``kv_heads`` as a whole-axis (passthrough) slice runs on each shard's own heads
-    (~20 % slower on one CPU device, no collective).
-    """
-    num_layers, kvh, num_pages = x.shape[:3]
-    pages = jnp.clip(page_table, 0, num_pages - 1)
-    if heads_sharded:
-        x4 = x.reshape(num_layers, kvh, num_pages, -1)
-        index = jnp.stack([jnp.broadcast_to(layer, pages.shape).astype(pages.dtype), pages], axis=-1)
-        dims = lax.GatherDimensionNumbers(offset_dims=(0, 3), collapsed_slice_dims=(0, 2), start_index_map=(0, 2))
-        sizes = (1, kvh, 1, x4.shape[-1])
-        return lax.gather(x4, index, dims, slice_sizes=sizes, mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
-    rows = x.reshape(num_layers * kvh * num_pages, -1)
-    heads = (layer * kvh + jnp.arange(kvh, dtype=pages.dtype)) * num_pages
-    return rows.at[heads[:, None, None] + pages[None]].get(mode="promise_in_bounds")
-
-
 def _view_attention(
     q: jax.Array,
     cache: KVCache,
@@ -181,7 +160,7 @@ def _view_attention(
             pages = jnp.take_along_axis(view.pages, chunk[:, None] * chunk_pages + jnp.arange(chunk_pages), axis=1)
             kv_pos = chunk[:, None] * span + jnp.arange(span)  # [N, span]
         keys, values = (
-            widen(_gather_pages(x, layer, pages, heads_sharded).reshape(kvh, n, span, d), code_dtype, qm.dtype)
+            widen(gather_pages(x, layer, pages, heads_sharded).reshape(kvh, n, span, d), code_dtype, qm.dtype)
             for x in (cache.k, cache.v)
         )  # (a quantized cache's codes widened chunk by chunk; the scales apply to scores and weights)
         mask = (kv_pos[:, None, :] <= q_last[:, :, None]) & (kv_pos[:, None, :] < view.kv_lens[:, None, None])
@@ -191,7 +170,7 @@ def _view_attention(
         v_scale = None
         if cache.k_scale is not None and cache.v_scale is not None:
             k_scale, v_scale = (
-                _gather_pages(x, layer, pages, heads_sharded).reshape(kvh, n, 1, span).astype(jnp.float32)
+                gather_pages(x, layer, pages, heads_sharded).reshape(kvh, n, 1, span).astype(jnp.float32)
                 for x in (cache.k_scale, cache.v_scale)
             )
             s = s * k_scale  # each key's scale: a column of the scores
@@ -302,11 +281,19 @@ def ragged_attention(
         # (A window's loop skips whole chunks behind it.)
         if window is None and (view is batch.single or jax.default_backend() == "cpu"):
             chunk = _single_chunk(view.pages.shape[1], chunk)
-        rows = _view_attention(
-            padded, cache, layer, view,
+        reference = functools.partial(
+            _view_attention, padded, cache, layer, view,
             chunk_pages=chunk, sm_scale=sm_scale, heads_sharded=heads_sharded,
             window=window, soft_cap=soft_cap, visible=visible,
         )  # fmt: skip
+        if view is batch.single and window is None and visible is None and jax.default_backend() == "cpu":
+            # Each row's own context rather than the bucket's (a window's loop already skips).
+            rows = tiled_decode.single_view_attention(
+                padded, cache, layer, view,
+                sm_scale=sm_scale, soft_cap=soft_cap, heads_sharded=heads_sharded, dense=reference,
+            )  # fmt: skip
+        else:
+            rows = reference()
         outputs.append(rows.reshape(-1, h, d))
     # Each token's row, gathered (a scatter of rows into the tokens is an op of its own and a
     # bounds check per layer on XLA:CPU; the gather fuses into the output projection's input).
