@@ -127,6 +127,14 @@ _ENGINE = (
 )
 
 
+@pytest.fixture(autouse=True)
+def gpu_attention_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The budgets are a GPU's: its steps never take the CPU's loop over decode tiles."""
+    from myserve.ops import attention
+
+    monkeypatch.setattr(attention, "CPU_TILED_DECODE", False)
+
+
 @pytest.fixture(scope="module")
 def executors(tmp_path_factory: pytest.TempPathFactory):
     """name -> (executor, buckets) of each tiny model (loaded, nothing compiled)."""

@@ -431,7 +431,8 @@ class ModelRunner:
             at = next((i for i, unit in enumerate(units) if self._unit_built(unit)), -1)
             if at < 0:
                 return False
-        self.device.run([units.pop(at)])
+        self.device.run([units[at]])
+        units.pop(at)  # (only now: `primed` must not turn true while the last one still runs)
         return True
 
     def _unit_built(self, unit: PrimeSteps) -> bool:

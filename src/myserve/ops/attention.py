@@ -286,7 +286,7 @@ def ragged_attention(
             chunk_pages=chunk, sm_scale=sm_scale, heads_sharded=heads_sharded,
             window=window, soft_cap=soft_cap, visible=visible,
         )  # fmt: skip
-        if view is batch.single and window is None and visible is None and jax.default_backend() == "cpu":
+        if view is batch.single and window is None and visible is None and cpu_tiled_decode():
             # Each row's own context rather than the bucket's (a window's loop already skips).
             rows = tiled_decode.single_view_attention(
                 padded, cache, layer, view,
@@ -300,6 +300,16 @@ def ragged_attention(
     stacked = jnp.concatenate([*outputs, jnp.zeros((1, h, d), jnp.float32)])
     out = stacked.at[token_rows(views, t)].get(mode="promise_in_bounds")
     return out.astype(q.dtype)
+
+
+def cpu_tiled_decode() -> bool:
+    """Whether one-token rows read their own tiles (``ops/tiled_decode.py``): on a CPU, unless
+    ``CPU_TILED_DECODE`` is off (the kernel-budget tests read XLA:CPU's HLO as a GPU's stand-in,
+    and a GPU never runs that path)."""
+    return CPU_TILED_DECODE and jax.default_backend() == "cpu"
+
+
+CPU_TILED_DECODE = True
 
 
 def token_rows(views: list[AttentionView], num_tokens: int) -> jax.Array:

@@ -13,8 +13,8 @@ the rows fill (a data-dependent trip count: on a CPU the executable's own thread
 round trip). Each tile's scores, softmax and values use its own maximum; each row's tiles are then
 merged (flash decoding's log-sum-exp combination: a row's tiles gathered into a ``[rows, tiles per
 row]`` grid, rescaled by their maxima). Views too small to skip a group take the reference's dense
-pass. Measured on a 2-core AVX-512 host at 64 rows and the benchmark's contexts (104 of 256 tiles):
-attention 1.45x faster (16-layer yardstick's heads, float32); see ``docs/performance.md``.
+pass. Over HTTP at 64 streams on a 2-core AVX-512 host (``docs/performance.md``): the bundled
+SmolLM2 1.19-1.28x the dense pass, the 2-layer yardstick 1.12x.
 
 Accelerators keep their kernels, which read each row's own pages already; this is the CPU's path.
 """
@@ -32,12 +32,16 @@ from myserve.ops.ragged_batch import AttentionView
 
 TILE_TOKENS = 128
 """Positions per tile (whole pages): long enough that a tile's two small dots and its softmax cost
-more in work than in dispatch (64-token tiles measured ~5 % slower, 16-token ones slower than the
-dense pass)."""
+more in work than in dispatch (in a script at 64 rows of the 16-layer yardstick's heads: 64-token
+tiles ~8 % slower, 16-token ones slower than the dense pass)."""
 
 GROUP_TILES = 32
 """Tiles one iteration of the loop computes (4,096 positions of 128): enough work per iteration
-that the loop's own cost (a few small ops) stays small beside it."""
+that the loop's own cost (a few small ops) stays small beside it (16 and 32 measured alike in the
+same script)."""
+
+LOOP_SCOPE = "tiled_decode_groups"
+"""The name scope of the loop over groups: its HLO ``while`` carries it in its metadata."""
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -131,7 +135,8 @@ def single_view_attention(
     # row's grid points past its own tiles.
     empty = jnp.zeros((kvh, capacity + 1, g, d + 2), jnp.float32).at[..., -1].set(_MASK_VALUE)
     needed = (ends[-1] + GROUP_TILES - 1) // GROUP_TILES
-    stats = lax.fori_loop(0, needed, group, empty)  # (a data-dependent trip count: CPU only)
+    with jax.named_scope(LOOP_SCOPE):  # (a data-dependent trip count: CPU only, named for the HLO checks)
+        stats = lax.fori_loop(0, needed, group, empty)
     r = jnp.arange(-(-width // tp))
     grid = jnp.where(r[None, :] < counts[:, None], firsts[:, None] + r[None, :], capacity)  # [N, tiles per row]
     tiles = stats[:, grid]  # [KVH, N, tiles per row, g, D + 2]
