@@ -47,7 +47,7 @@ from myserve.errors import ConfigError
 from myserve.ops import gpu_ragged_attention, tiled_decode
 from myserve.ops.gpu_attention import decode_attention, gpu_fit
 from myserve.ops.kv_rotation import rotate
-from myserve.ops.paged_cache import KernelKVCache, KVCache, gather_pages, is_quantized, widen, write_kv, write_kv_kernel
+from myserve.ops.paged_cache import KernelKVCache, KVCache, is_quantized, page_scores, write_kv, write_kv_kernel
 from myserve.ops.ragged_batch import AttentionView, RaggedBatch
 from myserve.ops.reductions import fused_max, fused_sum
 from myserve.ops.tpu_attention import kernel_attention, pallas_fit
@@ -147,8 +147,6 @@ def _view_attention(
         oldest = jnp.maximum(view.positions[:, 0] - (window - 1), 0)
         first = jnp.clip(oldest // span, 0, num_chunks - steps).astype(jnp.int32)
 
-    code_dtype = cache.code_dtype
-
     def scores(i: int | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """Chunk ``i``'s masked scores [KVH, N, M, span], values [KVH, N, span, D] and, quantized,
         the values' scales [KVH, N, 1, span]."""
@@ -159,23 +157,12 @@ def _view_attention(
             chunk = first + jnp.asarray(i, jnp.int32)
             pages = jnp.take_along_axis(view.pages, chunk[:, None] * chunk_pages + jnp.arange(chunk_pages), axis=1)
             kv_pos = chunk[:, None] * span + jnp.arange(span)  # [N, span]
-        keys, values = (
-            widen(gather_pages(x, layer, pages, heads_sharded).reshape(kvh, n, span, d), code_dtype, qm.dtype)
-            for x in (cache.k, cache.v)
-        )  # (a quantized cache's codes widened chunk by chunk; the scales apply to scores and weights)
         mask = (kv_pos[:, None, :] <= q_last[:, :, None]) & (kv_pos[:, None, :] < view.kv_lens[:, None, None])
         if window is not None:
             mask &= kv_pos[:, None, :] > q_pos[:, :, None] - window
-        s = jnp.einsum("knmd,knsd->knms", qm, keys, preferred_element_type=jnp.float32) * sm_scale
-        v_scale = None
-        if cache.k_scale is not None and cache.v_scale is not None:
-            k_scale, v_scale = (
-                gather_pages(x, layer, pages, heads_sharded).reshape(kvh, n, 1, span).astype(jnp.float32)
-                for x in (cache.k_scale, cache.v_scale)
-            )
-            s = s * k_scale  # each key's scale: a column of the scores
-        if soft_cap is not None:  # as transformers: on the scaled scores, before the mask
-            s = soft_cap * jnp.tanh(s / soft_cap)
+        s, values, v_scale = page_scores(
+            qm, cache, layer, pages, sm_scale=sm_scale, soft_cap=soft_cap, heads_sharded=heads_sharded
+        )
         return jnp.where(mask[None], s, _MASK_VALUE), values, v_scale  # [KVH, N, M, span]
 
     def weighted(p: jax.Array, values: jax.Array, v_scale: jax.Array | None) -> jax.Array:

@@ -210,6 +210,41 @@ def gather_pages(x: jax.Array, layer: int | jax.Array, page_table: jax.Array, he
     return rows.at[heads[:, None, None] + pages[None]].get(mode="promise_in_bounds")
 
 
+def page_scores(
+    q: jax.Array,
+    cache: KVCache,
+    layer: int | jax.Array,
+    pages: jax.Array,
+    *,
+    sm_scale: float,
+    soft_cap: float | None,
+    heads_sharded: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """The scores of queries ``q`` [KVH, N, M, D] against the keys of each row's ``pages`` [N, P]
+    (``span = P * page_size`` positions): scaled, times each key's scale when quantized, capped
+    (``soft_cap``, as transformers: before any mask), unmasked: [KVH, N, M, span] float32; the
+    rows' values [KVH, N, span, D] in q's dtype (a quantized cache's codes widened here, page by
+    page, never a dequantized copy of the cache); and, quantized, the values' scales
+    [KVH, N, 1, span] float32, which the caller applies to the softmax weights."""
+    kvh, n, _, d = q.shape
+    span = pages.shape[1] * cache.page_size
+    keys, values = (
+        widen(gather_pages(x, layer, pages, heads_sharded).reshape(kvh, n, span, d), cache.code_dtype, q.dtype)
+        for x in (cache.k, cache.v)
+    )
+    s = jnp.einsum("knmd,knsd->knms", q, keys, preferred_element_type=jnp.float32) * sm_scale
+    v_scale = None
+    if cache.k_scale is not None and cache.v_scale is not None:
+        k_scale, v_scale = (
+            gather_pages(x, layer, pages, heads_sharded).reshape(kvh, n, 1, span).astype(jnp.float32)
+            for x in (cache.k_scale, cache.v_scale)
+        )
+        s = s * k_scale  # each key's scale: a column of the scores
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    return s, values, v_scale
+
+
 def widen(codes: jax.Array, code_dtype: jnp.dtype, dtype: jnp.dtype) -> jax.Array:
     """Gathered ``codes`` of a cache whose codes are ``code_dtype`` as ``dtype``: the numbers
     ``codes.astype(dtype)`` gives. An fp8 cache held as bits (``stored_dtype``) arrives as ``uint8``:

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from myserve.ops.paged_cache import KVCache, gather_pages, widen
+from myserve.ops.paged_cache import KVCache, page_scores
 from myserve.ops.ragged_batch import AttentionView
 
 TILE_TOKENS = 128
@@ -105,24 +105,9 @@ def single_view_attention(
         at = i * GROUP_TILES
         tiles = lax.dynamic_slice_in_dim(pages, at, GROUP_TILES)
         qm = queries[:, lax.dynamic_slice_in_dim(row, at, GROUP_TILES)]  # [KVH, G, g, D]
-        keys, values = (
-            widen(
-                gather_pages(x, layer, tiles, heads_sharded).reshape(kvh, GROUP_TILES, span, d),
-                cache.code_dtype,
-                qm.dtype,
-            )
-            for x in (cache.k, cache.v)
+        s, values, v_scale = page_scores(
+            qm, cache, layer, tiles, sm_scale=sm_scale, soft_cap=soft_cap, heads_sharded=heads_sharded
         )
-        s = jnp.einsum("kcgd,kcsd->kcgs", qm, keys, preferred_element_type=jnp.float32) * sm_scale
-        v_scale = None
-        if cache.k_scale is not None and cache.v_scale is not None:
-            k_scale, v_scale = (
-                gather_pages(x, layer, tiles, heads_sharded).reshape(kvh, GROUP_TILES, 1, span).astype(jnp.float32)
-                for x in (cache.k_scale, cache.v_scale)
-            )
-            s = s * k_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
         s = jnp.where(lax.dynamic_slice_in_dim(see, at, GROUP_TILES)[None, :, None, :], s, _MASK_VALUE)
         m = s.max(axis=-1)  # [KVH, G, g]: each tile's own maximum
         p = jnp.exp(s - m[..., None])
