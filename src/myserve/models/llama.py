@@ -44,6 +44,7 @@ from myserve.models.moe import MoeBlock, moe_mlp
 from myserve.models.narrow import NarrowWeight
 from myserve.models.quant import QuantizedWeight, linear
 from myserve.models.rope import apply_rope, inverse_frequencies
+from myserve.models.row_head import one_row
 from myserve.models.spec import LayerKind, ModelSpec
 from myserve.ops.attention import paged_attention
 from myserve.ops.paged_cache import KernelKVCache, KVCache
@@ -108,6 +109,9 @@ class LlamaModel(eqx.Module):
     layers: tuple[DecoderLayer, ...]
     final_norm: NamedArray  # (embed)
     lm_head: Weight | None  # (embed, vocab) float, or quantized; None when tied to `embed`
+    row_head: NamedArray | None = None
+    """(embed, vocab): a copy of a tied float table that one-row logits read on a CPU (``models/row_head.py``); None
+    elsewhere."""
 
     @property
     def axes(self) -> ModelAxes:
@@ -146,6 +150,8 @@ class LlamaModel(eqx.Module):
         ``spec.final_softcap`` when set."""
         ax = self.axes
         head = self.embed if self.lm_head is None else self.lm_head
+        if self.row_head is not None and one_row(hidden, ax.Embed):
+            head = self.row_head
         if isinstance(head, NarrowWeight):
             logits = head.matmul(hidden, ax.Embed, out_dtype=jnp.dtype(jnp.float32))
         elif isinstance(head, QuantizedWeight):

@@ -32,6 +32,7 @@ from myserve.models.narrow import NarrowWeight
 from myserve.models.narrow_host import BlockLayout
 from myserve.models.native_checkpoint import NativeSource, is_native_checkpoint
 from myserve.models.placer import Combine, NarrowPlacer, Placer, Split, TensorSource
+from myserve.models.row_head import wants_row_head
 from myserve.models.sharding import MeshAxes
 from myserve.models.spec import ModelSpec
 from myserve.ops.gpu_grouped_matmul import resolve_quantized_matmul
@@ -383,6 +384,7 @@ def load_model(
     layers = tuple(layer(i) for i in range(spec.num_layers))
     embed: Weight
     lm_head: Weight | None = None
+    row_head: hax.NamedArray | None = None  # (models/row_head.py)
     if isinstance(placer, NarrowPlacer):
         # One narrow table (embed | vocab) serves the lookup (rows dequantized) and, tied, the head.
         def narrow_table(name: str) -> NarrowWeight:
@@ -405,6 +407,9 @@ def load_model(
         embed = placer.place(("model.embed_tokens.weight",), (ax.Vocab, ax.Embed), split=_VOCAB_SPLIT)
         if not spec.tie_word_embeddings:
             lm_head = placer.place(("lm_head.weight",), (ax.Embed, ax.Vocab), np.transpose, split=_VOCAB_SPLIT)
+        elif wants_row_head(mesh, placer.dtype, ax.Vocab.size, ax.Embed.size):
+            tied = ("model.embed_tokens.weight",)
+            row_head = placer.place(tied, (ax.Embed, ax.Vocab), np.transpose, split=_VOCAB_SPLIT)
     final_norm = norm(placer.host(("model.norm.weight",), (ax.Embed,)), (ax.Embed,))
     if not abstract:  # a multi-host load reads only its part of the sharded weights (Placer.place)
         logger.info("read %d parameter elements of the checkpoint in this process", placer.elements_read)
@@ -415,4 +420,5 @@ def load_model(
         layers=layers,
         final_norm=final_norm,
         lm_head=lm_head,
+        row_head=row_head,
     )
