@@ -67,3 +67,16 @@ def test_one_row_logits_read_the_copy_and_several_rows_the_table(checkpoints: di
     poisoned = eqx.tree_at(lambda m: m.row_head, model, hax.full_like(model.row_head, jnp.nan))
     assert np.isnan(_logits(poisoned, rows[:1])).all()
     assert np.isfinite(_logits(poisoned, rows)).all()
+
+
+def test_the_memory_estimate_counts_the_copy(checkpoints: dict[str, Path]) -> None:
+    from myserve.config.schema import config_from_dict
+    from myserve.runtime.footprint import spec_and_parameters, weight_bytes
+
+    tied = config_from_dict({"model": {"checkpoint": str(checkpoints["llama_tied"]), "dtype": "float32"}}, "test")
+    spec, parameters = spec_and_parameters(str(checkpoints["llama_tied"]))
+    copy = spec.vocab_size * spec.hidden_size * 4
+    assert weight_bytes(tied, "cpu") == parameters * 4 + copy
+    assert weight_bytes(tied, "gpu") == parameters * 4
+    untied = config_from_dict({"model": {"checkpoint": str(checkpoints["llama3"]), "dtype": "float32"}}, "test")
+    assert weight_bytes(untied, "cpu") == spec_and_parameters(str(checkpoints["llama3"]))[1] * 4

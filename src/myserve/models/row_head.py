@@ -18,20 +18,30 @@ keep their memory for the KV cache.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-from haliax import Axis, NamedArray
-from jax.sharding import Mesh
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # no JAX here: the memory estimate (runtime/footprint.py) counts the copy without it
+    from haliax import Axis, NamedArray
+    from jax.sharding import Mesh
+    from numpy.typing import DTypeLike
 
 MAX_COPY_BYTES = 512 * 2**20
 """The largest tied table copied (bytes): SmolLM2's is 113 MB in float32; a 128k-token vocabulary
 of width 2048 (1 GB) keeps one table, where the copy's memory outweighs a one-row head's gain."""
 
 
-def wants_row_head(mesh: Mesh, dtype: jnp.dtype, vocab: int, embed: int) -> bool:
+def row_head_bytes(cpu: bool, dtype: DTypeLike, vocab: int, embed: int) -> int:
+    """Bytes of the one-row copy of a tied ``vocab`` x ``embed`` table in ``dtype`` (0: none is made)."""
+    size = vocab * embed * np.dtype(dtype).itemsize
+    return size if cpu and np.dtype(dtype) == np.float32 and size <= MAX_COPY_BYTES else 0
+
+
+def wants_row_head(mesh: Mesh, dtype: DTypeLike, vocab: int, embed: int) -> bool:
     """Whether a model on ``mesh`` in ``dtype`` gets a one-row copy of its tied ``vocab`` x ``embed`` table."""
     cpu = all(d.platform == "cpu" for d in mesh.devices.flat)
-    float32 = jnp.dtype(dtype) == jnp.float32
-    return cpu and float32 and vocab * embed * jnp.dtype(dtype).itemsize <= MAX_COPY_BYTES
+    return row_head_bytes(cpu, dtype, vocab, embed) > 0
 
 
 def one_row(hidden: NamedArray, contracted: Axis) -> bool:

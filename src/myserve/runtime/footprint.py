@@ -16,6 +16,7 @@ from myserve.errors import CheckpointError
 from myserve.models.checkpoint import declared_dtype, hf_spec, resolve_checkpoint
 from myserve.models.gguf import GGUFSource, resolve_quantization
 from myserve.models.gguf_file import read_gguf
+from myserve.models.row_head import row_head_bytes
 from myserve.models.spec import ModelSpec, spec_from_hf_config
 from myserve.runtime.cpu_dtype import cpu_auto_dtype
 
@@ -24,15 +25,22 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def weight_bytes(config: Config, where: str) -> int:
     """One replica's weights of ``config``'s model on platform ``where``, in bytes, from the
-    checkpoint's headers: parameters x the bytes of the dtype (or of its narrow weights)."""
+    checkpoint's headers: parameters x the bytes of the dtype (or of its narrow weights), and on a
+    CPU the copy of a tied float32 table that one-row logits read (``models/row_head.py``)."""
     if config.model.checkpoint_path is not None:  # an Orbax or Levanter checkpoint's arrays
         from myserve.models.native_checkpoint import NativeSource
 
         resolved = resolve_checkpoint(config.model.checkpoint)
-        parameters = NativeSource(Path(config.model.checkpoint_path), hf_spec(resolved.path)).num_parameters
+        spec = hf_spec(resolved.path)
+        parameters = NativeSource(Path(config.model.checkpoint_path), spec).num_parameters
     else:
-        _, parameters = spec_and_parameters(config.model.checkpoint)
-    return int(parameters * _PARAMETER_BYTES.get(_quantization(config, where), itemsize_of(config, where)))
+        spec, parameters = spec_and_parameters(config.model.checkpoint)
+    quantization, itemsize = _quantization(config, where), itemsize_of(config, where)
+    weights = int(parameters * _PARAMETER_BYTES.get(quantization, itemsize))
+    if quantization == "none" and spec.tie_word_embeddings:
+        dtype = "float32" if itemsize == 4 else "float16"  # (only float32 is copied: 2 bytes stand for both halves)
+        weights += row_head_bytes(where == "cpu", dtype, spec.vocab_size, spec.hidden_size)
+    return weights
 
 
 def itemsize_of(config: Config, where: str) -> int:
