@@ -12,8 +12,8 @@ layout on a CPU").
 
 What it costs: a second table in memory. The copy is made on a CPU, for a float32 model (a
 bfloat16 row is computed as two rows by ``dense_dot``, the matrix-matrix kernel) whose tied table
-is at most ``MAX_COPY_BYTES``; accelerators' matmul libraries read either layout at full speed and
-keep their memory for the KV cache.
+is at most ``MAX_COPY_BYTES``; never on an accelerator, whose memory goes to the KV cache and whose
+matmul libraries pick their own layouts (not measured there).
 """
 
 from __future__ import annotations
