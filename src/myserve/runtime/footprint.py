@@ -37,9 +37,8 @@ def weight_bytes(config: Config, where: str) -> int:
         spec, parameters = spec_and_parameters(config.model.checkpoint)
     quantization, itemsize = _quantization(config, where), itemsize_of(config, where)
     weights = int(parameters * _PARAMETER_BYTES.get(quantization, itemsize))
-    if quantization == "none" and spec.tie_word_embeddings:
-        dtype = "float32" if itemsize == 4 else "float16"  # (only float32 is copied: 2 bytes stand for both halves)
-        weights += row_head_bytes(where == "cpu", dtype, spec.vocab_size, spec.hidden_size)
+    if quantization == "none" and spec.tie_word_embeddings and itemsize == 4:  # (only float32 tables are copied)
+        weights += row_head_bytes(where == "cpu", "float32", spec.vocab_size, spec.hidden_size)
     return weights
 
 
